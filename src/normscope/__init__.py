@@ -1,0 +1,34 @@
+"""normscope: make normalization layers trustworthy.
+
+State the contract of a normalization as data (:class:`NormSpec`), compute it with a float64 reference
+(:mod:`normscope.reference`), and build modules from it (:mod:`normscope.nn`).
+"""
+
+from __future__ import annotations
+
+from . import reference
+from .errors import (
+    InputError,
+    MissingExtraError,
+    NormscopeError,
+    NotANormalization,
+    SpecError,
+    TargetError,
+)
+from .presets import presets
+from .spec import NormSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InputError",
+    "MissingExtraError",
+    "NormSpec",
+    "NormscopeError",
+    "NotANormalization",
+    "SpecError",
+    "TargetError",
+    "presets",
+    "reference",
+    "__version__",
+]

@@ -1,0 +1,37 @@
+"""The one exception family normscope raises.
+
+Every message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class NormscopeError(Exception):
+    """Base class of every error normscope raises on purpose."""
+
+
+class SpecError(NormscopeError, ValueError):
+    """A NormSpec (or its JSON) is invalid."""
+
+
+class TargetError(NormscopeError):
+    """A target (module, function, ONNX model) cannot be used as asked."""
+
+
+class MissingExtraError(NormscopeError, ImportError):
+    """An optional dependency is not installed."""
+
+    def __init__(self, package: str, extra: str):
+        super().__init__(
+            f"{package} is not installed; install the extra with: pip install 'normscope[{extra}]'"
+        )
+        self.package = package
+        self.extra = extra
+
+
+class NotANormalization(NormscopeError):
+    """The target behaves like no normalization a NormSpec can express."""
+
+
+class InputError(NormscopeError, ValueError):
+    """An array or argument handed to normscope does not fit the contract it is used with."""

@@ -1,0 +1,236 @@
+"""torch modules built from a NormSpec.
+
+``Norm(spec, shape)`` computes exactly what the reference computes: at float64 it agrees with
+:func:`normscope.reference.forward` and :func:`normscope.reference.backward` to rounding, and at
+bfloat16/float16/float32 it follows the same sequence of roundings (statistics accumulated in float64 and
+rounded once to the statistics dtype, elementwise steps rounded after each operation), so it matches the
+reference's low-precision emulation bit for bit. It is the executable form of a contract, not a fast
+kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from ..spec import NormSpec
+
+_STATS_WIDTH = {torch.bfloat16: 0, torch.float16: 0, torch.float32: 1, torch.float64: 2}
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    # torch's float32 sqrt on CPU is not always correctly rounded; a float64 sqrt rounded once is.
+    return torch.sqrt(v.double()).to(v.dtype)
+
+
+def _shape_tuple(shape: int | Sequence[int]) -> tuple[int, ...]:
+    if isinstance(shape, int):
+        return (shape,)
+    return tuple(int(s) for s in shape)
+
+
+class Norm(nn.Module):
+    """A normalization layer for any NormSpec.
+
+    ``shape`` gives the sizes of the axes the parameters are indexed by (``spec.param_axes``), e.g.
+    ``Norm(NormSpec.preset("llama_rmsnorm"), 4096)`` or ``Norm(NormSpec.preset("torch_groupnorm",
+    groups=8), 64)``. For BatchNorm-style specs it is also the shape of the running statistics, which are
+    updated in training mode with ``momentum`` and the unbiased batch variance, as torch does; training
+    mode then uses batch statistics and evaluation mode the running ones, whatever ``spec.batch_stats``
+    says.
+    """
+
+    def __init__(
+        self,
+        spec: NormSpec,
+        shape: int | Sequence[int] = (),
+        *,
+        momentum: float | None = 0.1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        super().__init__()
+        if not isinstance(spec, NormSpec):
+            raise InputError(f"spec must be a NormSpec; got {type(spec).__name__}")
+        self._spec = spec
+        self.shape = _shape_tuple(shape)
+        if (spec.gamma or spec.beta) and len(self.shape) != len(spec.param_axes):
+            raise InputError(
+                f"the spec indexes γ/β by {len(spec.param_axes)} axes {list(spec.param_axes)}, so shape "
+                f"must have {len(spec.param_axes)} sizes; got {self.shape}"
+            )
+        factory = {"device": device, "dtype": dtype}
+        identity = 1.0 - spec.gamma_offset  # the stored weight that makes the effective γ equal 1
+        self.weight = nn.Parameter(torch.full(self.shape, identity, **factory)) if spec.gamma else None
+        self.bias = nn.Parameter(torch.zeros(self.shape, **factory)) if spec.beta else None
+        self.momentum = momentum
+        if spec.batch_stats is not None:
+            self.register_buffer("running_mean", torch.zeros(self.shape, **factory))
+            self.register_buffer("running_var", torch.ones(self.shape, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.running_mean = self.running_var = self.num_batches_tracked = None
+
+    @property
+    def spec(self) -> NormSpec:
+        """The contract this module computes now (BatchNorm: batch statistics only in training mode)."""
+        if self._spec.batch_stats is None:
+            return self._spec
+        return self._spec.replace(batch_stats="batch" if self.training else "running")
+
+    def extra_repr(self) -> str:
+        return f"{self.spec.summary()}, shape={self.shape}"
+
+    # ---------------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        if not torch.is_floating_point(x):
+            raise InputError(f"Norm expects a floating-point tensor; got {x.dtype}")
+        ndim = x.dim()
+        axes = spec.resolve_axes(ndim)
+        d = x.dtype
+        c = d
+        if spec.stats_dtype == "float32" and _STATS_WIDTH.get(d, 2) < 1:
+            c = torch.float32
+
+        shape = tuple(x.shape)
+        grouped, reduce = shape, axes
+        if spec.groups is not None:
+            ga = spec.resolve_group_axis(ndim)
+            if shape[ga] % spec.groups:
+                raise InputError(
+                    f"axis {ga} has {shape[ga]} channels, which do not split into {spec.groups} groups"
+                )
+            grouped = (*shape[:ga], spec.groups, shape[ga] // spec.groups, *shape[ga + 1 :])
+            reduce = tuple(sorted(a if a < ga else a + 1 for a in axes))
+        n = math.prod(grouped[a] for a in reduce)
+        n_var = n - 1 if spec.variance == "unbiased" else n
+        xg = x.to(c).reshape(grouped)
+
+        def mean(t: torch.Tensor, count: int) -> torch.Tensor:  # float64 accumulation, one rounding
+            return (t.double().sum(dim=reduce, keepdim=True) / count).to(c)
+
+        if spec.batch_stats == "running":
+            rm, rv = self._running_view(ndim, axes, shape, grouped)
+            mu = rm.to(c) if spec.center else None
+            var = rv.to(c)
+            dev = xg - mu if spec.center else xg
+        elif not spec.center:
+            dev, var = xg, mean(xg * xg, n_var)
+        elif spec.variance_algorithm == "two_pass":
+            mu = mean(xg, n)
+            dev = xg - mu
+            var = mean(dev * dev, n_var)
+        else:
+            mu = mean(xg, n)
+            var = mean(xg * xg, n) - mu * mu
+            if spec.variance == "unbiased":
+                var = var * (n / (n - 1) if n > 1 else math.inf)
+            var = torch.clamp_min(var, 0.0)
+            dev = xg - mu
+        if spec.batch_stats == "batch" and self.training:
+            self._update_running(xg, reduce, n, ndim, axes, shape)
+
+        if spec.eps_placement == "inside_sqrt":
+            denom = _sqrt(var + spec.eps)
+        elif spec.eps_placement == "outside_sqrt":
+            denom = _sqrt(var) + spec.eps
+        elif spec.eps_placement == "clamp":
+            denom = torch.clamp_min(_sqrt(var), spec.eps)
+        else:
+            denom = _sqrt(var)
+        xhat = (dev / denom).reshape(shape)
+
+        w = self._expand(self.weight, ndim, spec) if self.weight is not None else None
+        b = self._expand(self.bias, ndim, spec) if self.bias is not None else None
+        if spec.affine_order == "cast_then_scale":
+            y = xhat.to(d)
+            if w is not None:
+                wd = w.to(d)
+                y = y * (spec.gamma_offset + wd if spec.gamma_offset else wd)
+            if b is not None:
+                y = y + b.to(d)
+            return y
+        y = xhat
+        if w is not None:
+            wc = w.to(d).to(c)
+            y = y * (spec.gamma_offset + wc if spec.gamma_offset else wc)
+        if b is not None:
+            y = y + b.to(d).to(c)
+        return y.to(d)
+
+    # ---------------------------------------------------------------------------------------- helpers
+    def _expand(self, p: torch.Tensor, ndim: int, spec: NormSpec) -> torch.Tensor:
+        axes = spec.resolve_param_axes(ndim)
+        full = [1] * ndim
+        for a, size in zip(axes, p.shape, strict=True):
+            full[a] = size
+        return p.reshape(full)
+
+    def _kept(self, ndim: int, axes: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(a for a in range(ndim) if a not in axes and a != 0)
+
+    def _running_view(self, ndim, axes, shape, grouped):
+        full = [1] * ndim
+        for a in self._kept(ndim, axes):
+            full[a] = shape[a]
+        rm = self.running_mean.reshape(full).expand(shape).reshape(grouped)
+        rv = self.running_var.reshape(full).expand(shape).reshape(grouped)
+        return rm, rv
+
+    @torch.no_grad()
+    def _update_running(self, xg, reduce, n, ndim, axes, shape):
+        xd = xg.double()
+        mu = xd.mean(dim=reduce)
+        var = xd.var(dim=reduce, correction=1) if n > 1 else torch.zeros_like(mu)
+        size = self.running_mean.shape
+        self.num_batches_tracked += 1
+        m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.mul_(1 - m).add_(m * mu.reshape(size).to(self.running_mean.dtype))
+        self.running_var.mul_(1 - m).add_(m * var.reshape(size).to(self.running_var.dtype))
+
+
+def _spec(preset: str, **kwargs) -> NormSpec:
+    return NormSpec.preset(preset, **kwargs)
+
+
+class LayerNorm(Norm):
+    """LayerNorm over the trailing ``len(shape)`` axes (torch.nn.LayerNorm's contract by default)."""
+
+    def __init__(self, shape: int | Sequence[int], eps: float = 1e-5, *, affine: bool = True,
+                 bias: bool = True, **kwargs):
+        shape = _shape_tuple(shape)
+        super().__init__(_spec("torch_layernorm", eps=eps, normalized_dims=len(shape), affine=affine,
+                               bias=bias, **kwargs), shape if affine else ())
+
+
+class RMSNorm(Norm):
+    """RMSNorm over the trailing ``len(shape)`` axes (torch.nn.RMSNorm's contract by default)."""
+
+    def __init__(self, shape: int | Sequence[int], eps: float = 1.1920928955078125e-07, *,
+                 affine: bool = True, **kwargs):
+        shape = _shape_tuple(shape)
+        super().__init__(_spec("torch_rmsnorm", eps=eps, normalized_dims=len(shape), affine=affine,
+                               **kwargs), shape if affine else ())
+
+
+class GroupNorm(Norm):
+    """GroupNorm(groups, channels) over (N, C, *spatial), torch.nn.GroupNorm's contract."""
+
+    def __init__(self, groups: int, channels: int, eps: float = 1e-5, *, spatial_dims: int = 2,
+                 affine: bool = True, **kwargs):
+        super().__init__(_spec("torch_groupnorm", groups=groups, eps=eps, spatial_dims=spatial_dims,
+                               affine=affine, **kwargs), channels if affine else ())
+
+
+class BatchNorm(Norm):
+    """BatchNorm over (N, C, *spatial) with running statistics, torch.nn.BatchNorm{1,2,3}d's contract."""
+
+    def __init__(self, channels: int, eps: float = 1e-5, momentum: float | None = 0.1, *,
+                 spatial_dims: int = 2, affine: bool = True):
+        spec = _spec("torch_batchnorm", eps=eps, spatial_dims=spatial_dims, affine=affine)
+        super().__init__(spec, channels, momentum=momentum)

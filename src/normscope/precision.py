@@ -1,0 +1,97 @@
+"""Rounding arithmetic that emulates how a low-precision kernel computes.
+
+Real bfloat16/float16 kernels load their operands into float32 registers, compute, and round the result
+back; float32 and float64 kernels compute in their own type. Reductions (the sums behind a mean) are
+modelled as accumulated exactly and rounded once, which is what a careful kernel approaches. Values are
+carried in a *work* array type (float64 for float64, float32 otherwise) whose values are always
+representable in the emulated dtype.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from .errors import InputError
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+_ALIASES = {
+    "float64": "float64", "fp64": "float64", "f64": "float64", "double": "float64",
+    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
+    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+# Machine epsilon (spacing at 1) of each dtype; used for tolerances and error models.
+UNIT_ROUNDOFF = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+}
+
+MAX_FINITE = {
+    "float64": float(np.finfo(np.float64).max),
+    "float32": float(np.finfo(np.float32).max),
+    "float16": 65504.0,
+    "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
+}
+
+
+def dtype_name(dtype: object) -> str:
+    """Normalise a dtype given as a string, NumPy dtype or torch dtype to one of DTYPES."""
+    if dtype is None:
+        return "float64"
+    text = str(dtype)
+    for prefix in ("torch.", "jnp.", "<class 'numpy.", "numpy."):
+        text = text.removeprefix(prefix)
+    text = text.rstrip("'>")
+    name = _ALIASES.get(text.lower())
+    if name is None:
+        raise InputError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return name
+
+
+def wider(a: str, b: str) -> str:
+    order = ("bfloat16", "float16", "float32", "float64")
+    if {a, b} == {"bfloat16", "float16"}:
+        return "float32"
+    return max(a, b, key=order.index)
+
+
+class Precision:
+    """Arithmetic of one dtype: ``op`` rounds a result computed in the work type to the dtype."""
+
+    def __init__(self, name: str):
+        self.name = dtype_name(name)
+        self.work = np.float64 if self.name == "float64" else np.float32
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name!r})"
+
+    def round(self, a: np.ndarray | float) -> np.ndarray:
+        """Round values (any float array) to this dtype, returned in the work type.
+
+        float64 → bfloat16/float16 goes through float32, as torch and most runtimes convert.
+        """
+        a = np.asarray(a)
+        if self.name == "float64":
+            return a.astype(np.float64)
+        a32 = a.astype(np.float32)
+        if self.name == "float32":
+            return a32
+        narrow = ml_dtypes.bfloat16 if self.name == "bfloat16" else np.float16
+        return a32.astype(narrow).astype(np.float32)
+
+    op = round  # an elementwise result computed in the work type, rounded to the dtype
+
+    def scalar(self, value: float) -> np.ndarray:
+        """A Python scalar as a kernel sees it: converted to the work (register) type."""
+        return np.asarray(value, dtype=self.work)
+
+    def mean(self, a: np.ndarray, axes: tuple[int, ...], count: float) -> np.ndarray:
+        """Sum accumulated in float64 over ``axes`` (kept), divided by ``count``, rounded once."""
+        total = np.asarray(a, dtype=np.float64).sum(axis=axes, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.round(total / count)

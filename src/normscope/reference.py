@@ -1,0 +1,287 @@
+"""The trusted reference: float64 NumPy forward and analytic backward for any NormSpec.
+
+``forward`` also emulates low-precision execution (``dtype="bfloat16"|"float16"|"float32"``): the input is
+rounded to the dtype, the statistics are computed in float32 or in the input dtype as ``stats_dtype``
+says, and the affine is applied before or after the cast back as ``affine_order`` says, rounding after
+every operation as a kernel would (see :mod:`normscope.precision`). A checker can therefore tell a
+faithful bfloat16 implementation from one that computes its statistics in bfloat16 or casts in the
+wrong order.
+
+Parameter shapes: γ and β have the sizes of the input along ``param_axes`` (``(H,)`` for LayerNorm over
+the hidden axis, ``(C,)`` for GroupNorm/BatchNorm over channels). Running statistics have the sizes of
+the input along the axes that are *not* reduced (``(C,)`` for BatchNorm). ``gamma=None`` means the
+identity scale (effective γ = 1), ``beta=None`` means β = 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .errors import InputError
+from .precision import Precision, dtype_name, wider
+from .spec import NormSpec
+
+__all__ = ["forward", "backward", "statistics", "Statistics", "param_shape", "stats_shape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How an input of one shape is reduced: grouping, reduction axes, element count per statistic."""
+
+    shape: tuple[int, ...]
+    grouped_shape: tuple[int, ...]
+    reduce_axes: tuple[int, ...]  # in the grouped shape
+    count: int  # elements per statistic
+    param_axes: tuple[int, ...]
+    kept_axes: tuple[int, ...]  # axes of the original shape not reduced (running statistics live here)
+
+    def group(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(self.grouped_shape)
+
+    def ungroup(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(self.shape)
+
+    def expand(self, values: np.ndarray | None, axes: tuple[int, ...], what: str) -> np.ndarray | None:
+        """Reshape a parameter of the sizes along ``axes`` so it broadcasts against the input."""
+        if values is None:
+            return None
+        values = np.asarray(values, dtype=np.float64)
+        want = tuple(self.shape[a] for a in axes)
+        if values.shape != want:
+            if values.size != math.prod(want):
+                raise InputError(
+                    f"{what} has shape {values.shape}, but for an input of shape {self.shape} it must have "
+                    f"shape {want} (the input's sizes along axes {list(axes)})"
+                )
+            values = values.reshape(want)
+        full = [1] * len(self.shape)
+        for a, n in zip(axes, want, strict=True):
+            full[a] = n
+        return values.reshape(full)
+
+
+def _layout(shape: tuple[int, ...], spec: NormSpec) -> _Layout:
+    ndim = len(shape)
+    if ndim == 0:
+        raise InputError("cannot normalize a 0-d input; give an array with at least the reduced axes")
+    axes = spec.resolve_axes(ndim)
+    param_axes = spec.resolve_param_axes(ndim) if (spec.gamma or spec.beta) else ()
+    kept = tuple(a for a in range(ndim) if a not in axes)
+    if spec.groups is None:
+        count = math.prod(shape[a] for a in axes)
+        return _Layout(tuple(shape), tuple(shape), axes, count, param_axes, kept)
+    ga = spec.resolve_group_axis(ndim)
+    channels, groups = shape[ga], spec.groups
+    if channels % groups:
+        raise InputError(
+            f"axis {ga} has {channels} channels, which do not split into {groups} groups; "
+            "the channel count must be a multiple of groups"
+        )
+    grouped = (*shape[:ga], groups, channels // groups, *shape[ga + 1 :])
+    reduce = tuple(sorted(a if a < ga else a + 1 for a in axes))  # ga itself maps to the within-group axis
+    count = math.prod(grouped[a] for a in reduce)
+    return _Layout(tuple(shape), grouped, reduce, count, param_axes, kept)
+
+
+def param_shape(shape: tuple[int, ...], spec: NormSpec) -> tuple[int, ...]:
+    """The shape γ and β must have for an input of ``shape``."""
+    lay = _layout(tuple(shape), spec)
+    return tuple(shape[a] for a in lay.param_axes)
+
+
+def stats_shape(shape: tuple[int, ...], spec: NormSpec) -> tuple[int, ...]:
+    """The shape of running statistics (BatchNorm) for an input of ``shape``."""
+    lay = _layout(tuple(shape), spec)
+    return tuple(shape[a] for a in lay.kept_axes if a != 0) if spec.batch_stats else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+    """Intermediates of one forward pass, in the original input layout, as float64 arrays.
+
+    ``mean`` is zero for RMS-style specs; ``var`` is the variance (or mean square) the denominator sees;
+    ``denom`` is √(var+ε), √var+ε, max(√var, ε) or √var; ``xhat`` is the normalized value before affine.
+    """
+
+    mean: np.ndarray
+    var: np.ndarray
+    denom: np.ndarray
+    xhat: np.ndarray
+    count: int
+
+
+def _check_input(x: np.ndarray, name: str = "x") -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiub" and str(arr.dtype) != "bfloat16":
+        raise InputError(f"{name} must be a real numeric array; got dtype {arr.dtype}")
+    return arr.astype(np.float64)
+
+
+def _running(lay: _Layout, values, name: str, p: Precision) -> np.ndarray:
+    if values is None:
+        raise InputError(
+            f"this spec uses running statistics (batch_stats='running'); pass {name}= with the sizes "
+            f"along the kept axes {[a for a in lay.kept_axes if a != 0]}"
+        )
+    axes = tuple(a for a in lay.kept_axes if a != 0)
+    return p.round(lay.group(np.broadcast_to(lay.expand(values, axes, name), lay.shape)))
+
+
+def _stats(x: np.ndarray, spec: NormSpec, lay: _Layout, p: Precision, running_mean, running_var):
+    """Mean, centred values, variance, denominator and x̂ in the grouped layout, rounded as ``p``."""
+    xg = lay.group(x)
+    n = lay.count
+    n_var = n - 1 if spec.variance == "unbiased" else n
+    with np.errstate(all="ignore"):
+        if spec.batch_stats == "running":
+            mean = _running(lay, running_mean, "running_mean", p) if spec.center else np.zeros_like(xg)
+            var = _running(lay, running_var, "running_var", p)
+            dev = p.op(xg - mean) if spec.center else xg
+        elif not spec.center:
+            mean = np.zeros((1,) * xg.ndim, dtype=p.work)
+            dev = xg
+            var = p.mean(p.op(xg * xg), lay.reduce_axes, n_var)
+        elif spec.variance_algorithm == "two_pass":
+            mean = p.mean(xg, lay.reduce_axes, n)
+            dev = p.op(xg - mean)
+            var = p.mean(p.op(dev * dev), lay.reduce_axes, n_var)
+        else:  # one_pass: E[x²] − E[x]², with its cancellation, clamped at 0 as implementations do
+            mean = p.mean(xg, lay.reduce_axes, n)
+            ex2 = p.mean(p.op(xg * xg), lay.reduce_axes, n)
+            var = p.op(ex2 - p.op(mean * mean))
+            if spec.variance == "unbiased":
+                var = p.op(var * p.scalar(n / (n - 1) if n > 1 else math.inf))
+            var = np.maximum(var, p.scalar(0.0))
+            dev = p.op(xg - mean)
+        eps = p.scalar(spec.eps)
+        if spec.eps_placement == "inside_sqrt":
+            denom = p.op(np.sqrt(p.op(var + eps)))
+        elif spec.eps_placement == "outside_sqrt":
+            denom = p.op(p.op(np.sqrt(var)) + eps)
+        elif spec.eps_placement == "clamp":
+            denom = p.op(np.maximum(p.op(np.sqrt(var)), eps))
+        else:
+            denom = p.op(np.sqrt(var))
+        xhat = p.op(dev / denom)
+    return mean, dev, var, denom, xhat
+
+
+def statistics(x, spec: NormSpec, *, running_mean=None, running_var=None) -> Statistics:
+    """The float64 intermediates (mean, variance, denominator, x̂), broadcast to the input's shape."""
+    x = _check_input(x)
+    lay = _layout(x.shape, spec)
+    mean, _, var, denom, xhat = _stats(x, spec, lay, Precision("float64"), running_mean, running_var)
+    full = lay.grouped_shape
+
+    def out(a):
+        return lay.ungroup(np.broadcast_to(a, full).copy())
+
+    return Statistics(out(mean), out(var), out(denom), lay.ungroup(xhat), lay.count)
+
+
+def forward(
+    x,
+    spec: NormSpec,
+    *,
+    gamma=None,
+    beta=None,
+    running_mean=None,
+    running_var=None,
+    dtype: str | None = None,
+) -> np.ndarray:
+    """y = spec(x) in float64, or as an implementation faithful to ``spec`` computes it at ``dtype``.
+
+    Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
+    """
+    if not isinstance(spec, NormSpec):
+        raise InputError(f"spec must be a NormSpec; got {type(spec).__name__} (try NormSpec.preset(...))")
+    x = _check_input(x)
+    lay = _layout(x.shape, spec)
+    d = Precision(dtype_name(dtype))
+    c = Precision(wider("float32", d.name) if spec.stats_dtype == "float32" else d.name)
+    g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
+    b = lay.expand(beta, lay.param_axes, "beta") if spec.beta else None
+    if gamma is not None and not spec.gamma:
+        raise InputError("gamma was given but the spec has gamma=False")
+    if beta is not None and not spec.beta:
+        raise InputError("beta was given but the spec has beta=False")
+
+    x_in = d.round(x)
+    _, _, _, _, xhat = _stats(c.round(x_in), spec, lay, c, running_mean, running_var)
+    xhat = lay.ungroup(xhat)
+    with np.errstate(all="ignore"):
+        if spec.affine_order == "cast_then_scale":
+            y = d.round(xhat)
+            if g is not None:
+                y = d.op(y * _scale(g, spec, d))
+            if b is not None:
+                y = d.op(y + d.round(b))
+        else:
+            y = xhat
+            if g is not None:
+                y = c.op(y * _scale(g, spec, c, d))
+            if b is not None:
+                y = c.op(y + c.round(d.round(b)))
+            y = d.round(y)
+    return np.asarray(y, dtype=np.float64)
+
+
+def _scale(weight: np.ndarray, spec: NormSpec, p: Precision, stored: Precision | None = None):
+    """The effective γ in precision ``p``: the stored weight (held in ``stored`` precision) plus the offset."""
+    w = p.round((stored or p).round(weight))
+    return p.op(p.scalar(spec.gamma_offset) + w) if spec.gamma_offset else w
+
+
+def backward(
+    x,
+    dy,
+    spec: NormSpec,
+    *,
+    gamma=None,
+    beta=None,
+    running_mean=None,
+    running_var=None,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Analytic float64 gradients (dx, dγ, dβ) of ``sum(dy * forward(x))``.
+
+    dγ/dβ are ``None`` when the spec has no γ/β. Running statistics are constants (as in evaluation).
+    """
+    x = _check_input(x)
+    dy = _check_input(dy, "dy")
+    if dy.shape != x.shape:
+        raise InputError(f"dy has shape {dy.shape} but x has shape {x.shape}; they must match")
+    lay = _layout(x.shape, spec)
+    p = Precision("float64")
+    _, dev, var, denom, xhat = _stats(x, spec, lay, p, running_mean, running_var)
+    g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
+    reduce_params = tuple(a for a in range(x.ndim) if a not in lay.param_axes)
+    pshape = tuple(x.shape[a] for a in lay.param_axes)
+
+    dbeta = dy.sum(axis=reduce_params).reshape(pshape) if spec.beta else None
+    dgamma = (dy * lay.ungroup(xhat)).sum(axis=reduce_params).reshape(pshape) if spec.gamma else None
+    scale = 1.0 if g is None else spec.gamma_offset + g
+    dxhat = lay.group(dy * scale)
+
+    with np.errstate(all="ignore"):
+        if spec.batch_stats == "running":
+            return lay.ungroup(dxhat / denom), dgamma, dbeta
+        axes, n = lay.reduce_axes, lay.count
+        n_var = n - 1 if spec.variance == "unbiased" else n
+        s = np.sqrt(var)
+        if spec.eps_placement == "inside_sqrt":
+            d_denom = 0.5 / denom
+        elif spec.eps_placement == "clamp":
+            d_denom = np.where(s > spec.eps, 0.5 / s, 0.0)
+        else:  # outside_sqrt and none: d(√v)/dv
+            d_denom = 0.5 / s
+        if spec.variance_algorithm == "one_pass":
+            d_denom = np.where(var > 0, d_denom, 0.0)  # the clamp at 0 has no gradient
+        # ∂L/∂var, through the denominator: −Σ(g·dev)/denom² · denom'(var)
+        dvar = -(dxhat * dev).sum(axis=axes, keepdims=True) / denom**2 * d_denom
+        dx = dxhat / denom + dvar * 2.0 * dev / n_var
+        if spec.center:
+            dx = dx - dx.sum(axis=axes, keepdims=True) / n
+    return lay.ungroup(dx), dgamma, dbeta

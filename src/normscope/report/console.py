@@ -1,0 +1,125 @@
+"""Rich console rendering of results computed elsewhere. Nothing here computes a verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+
+
+def fmt(v: float, digits: int = 4) -> str:
+    """A number the way a person writes it: 4 decimals, −0 shown as 0, tiny or huge in e-notation."""
+    if v != v:  # NaN
+        return "nan"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1e5 or a < 1e-3:
+        mantissa, exponent = f"{v:.{digits - 1}e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{int(exponent)}".replace("-", "−")
+    text = f"{v:.{digits}f}".rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "0") else text.replace("-", "−")
+
+
+def vec(values: Iterable[float]) -> str:
+    return "[" + ", ".join(fmt(v) for v in values) + "]"
+
+
+def render_explain(data: dict[str, Any], console: Console) -> None:
+    x = data["input"]
+    eps = data["eps"]
+    eps_text = "ε ignored (0)" if eps == 0 else f"ε = {fmt(eps)}"
+    affine = []
+    if data.get("gamma") is not None:
+        affine.append(f"γ = {vec(data['gamma'])}")
+    if data.get("beta") is not None:
+        affine.append(f"β = {vec(data['beta'])}")
+    console.print(f"[bold]x = {vec(x)}[/], d = {len(x)}, {eps_text}" + (", " + ", ".join(affine) if affine else ""))
+
+    if "layernorm" in data:
+        ln = data["layernorm"]
+        t = Table(title=f"LayerNorm  {ln['formula']}", title_justify="left", show_header=True)
+        t.add_column("step")
+        t.add_column("formula")
+        t.add_column("value", justify="right")
+        t.add_row("1. mean", "μ = (1/d)Σxᵢ", f"μ = {fmt(ln['mean'])}")
+        t.add_row("2. deviations", "x − μ", vec(ln["deviations"]))
+        t.add_row("3. variance", "σ² = (1/d)Σ(xᵢ − μ)²", f"σ² = {fmt(ln['variance'])}")
+        t.add_row("4. standard deviation", "σ = √(σ² + ε)", f"σ = {fmt(ln['std'])}")
+        t.add_row("5. normalized", "(x − μ)/σ", vec(ln["normalized"]))
+        if data.get("gamma") is not None or data.get("beta") is not None:
+            t.add_row("6. affine", "γ·x̂ + β", vec(ln["output"]))
+        t.add_row("output", "", f"[bold]{vec(ln['output'])}[/]")
+        t.add_row("check", "mean, mean square of output", f"{fmt(ln['output_mean'])}, {fmt(ln['output_mean_square'])}")
+        console.print(t)
+    if "rmsnorm" in data:
+        rn = data["rmsnorm"]
+        t = Table(title=f"RMSNorm  {rn['formula']}", title_justify="left")
+        t.add_column("step")
+        t.add_column("formula")
+        t.add_column("value", justify="right")
+        t.add_row("1. squares", "xᵢ²", vec(rn["squares"]))
+        t.add_row("2. mean square", "(1/d)Σxᵢ²", fmt(rn["mean_square"]))
+        t.add_row("3. RMS", "√((1/d)Σxᵢ² + ε)", f"RMS = {fmt(rn['rms'])}")
+        t.add_row("4. normalized", "x / RMS", vec(rn["normalized"]))
+        if data.get("gamma") is not None:
+            t.add_row("5. affine", "γ·x̂", vec(rn["output"]))
+        t.add_row("output", "", f"[bold]{vec(rn['output'])}[/]")
+        t.add_row("check", "mean, mean square of output", f"{fmt(rn['output_mean'])}, {fmt(rn['output_mean_square'])}")
+        console.print(t)
+
+    t = Table(title="Invariances (max |change| of the output; unchanged means ≤ 1e-9)", title_justify="left")
+    t.add_column("transform")
+    kinds = [k for k in ("layernorm", "rmsnorm") if k in data]
+    for k in kinds:
+        t.add_column("LayerNorm" if k == "layernorm" else "RMSNorm", justify="right")
+    for row in data["invariances"]:
+        cells = [row["transform"] + " (ε = 0)"]
+        for k in kinds:
+            cells.append(_verdict(row[f"{k}_max_change"], row[f"{k}_unchanged"]))
+        t.add_row(*cells)
+        if "eps" in row:
+            cells = [f"{row['transform']} (ε = {fmt(row['eps'])})"]
+            for k in kinds:
+                cells.append(_verdict(row[f"{k}_max_change_with_eps"], row[f"{k}_unchanged_with_eps"], nearly=True))
+            t.add_row(*cells)
+    console.print(t)
+
+    g = data["eps_gain"]
+    console.print(
+        Panel(
+            f"A near-constant vector with variance {fmt(g['variance'])} (σ = {fmt(g['variance'] ** 0.5)}):\n"
+            f"  gain without ε:                {fmt(g['gain_without_eps'])}\n"
+            f"  gain with ε = {fmt(g['eps'])} inside √:  {fmt(g['gain_eps_inside_sqrt'], 5)}"
+            f"  (cap 1/√ε = {fmt(g['cap_inside_sqrt'], 5)})\n"
+            f"  gain with ε = {fmt(g['eps'])} outside √: {fmt(g['gain_eps_outside_sqrt'], 5)}"
+            f"  (1/(σ + ε); cap 1/ε = {fmt(1 / g['eps'])})\n"
+            "ε sets the largest gain a norm applies; where it sits changes that cap.",
+            title="ε caps the gain",
+            title_align="left",
+        )
+    )
+
+
+def _verdict(change: float, unchanged: bool, nearly: bool = False) -> str:
+    if unchanged:
+        return f"[green]unchanged[/] ({fmt(change)})"
+    if nearly and change < 1e-3:
+        return f"[yellow]nearly unchanged[/] ({fmt(change)}, the ε effect)"
+    return f"[red]changed[/] ({fmt(change)})"
+
+
+def render_presets(rows: list[tuple[str, Any, str]], console: Console) -> None:
+    t = Table(title="Presets: NormSpec.preset(name, **overrides)", title_justify="left")
+    t.add_column("name", style="bold")
+    t.add_column("kind")
+    t.add_column("contract")
+    t.add_column("implementation")
+    for name, spec, origin in rows:
+        t.add_row(name, spec.kind, escape(spec.summary()), escape(origin))
+    console.print(t)

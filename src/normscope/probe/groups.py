@@ -1,0 +1,76 @@
+"""Normalization groups: the sets of input positions that share one statistic.
+
+Experiments are built per group (each group of one call can carry a different experiment), so every
+probe works on a label array: one integer per input position naming its group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]  # non-negative reduced axes
+    groups: int | None
+    group_axis: int | None
+    labels: np.ndarray  # int label per position
+    count: int  # number of groups
+    size: int  # elements per group
+
+    @classmethod
+    def build(cls, shape, axes, groups=None, group_axis=None) -> Groups:
+        shape = tuple(shape)
+        coords = np.indices(shape)
+        keys, dims = [], []
+        for a in range(len(shape)):
+            if a not in axes:
+                keys.append(coords[a])
+                dims.append(shape[a])
+        if groups is not None:
+            block = shape[group_axis] // groups
+            keys.append(coords[group_axis] // block)
+            dims.append(groups)
+        if keys:
+            labels = np.ravel_multi_index(tuple(keys), tuple(dims))
+            count = int(np.prod(dims))
+        else:
+            labels = np.zeros(shape, dtype=np.int64)
+            count = 1
+        size = int(np.prod(shape)) // count
+        return cls(shape, tuple(axes), groups, group_axis, labels, count, size)
+
+    def sum(self, v: np.ndarray) -> np.ndarray:
+        """Per-group sums (length ``count``)."""
+        return np.bincount(self.labels.ravel(), weights=np.asarray(v, dtype=np.float64).ravel(),
+                           minlength=self.count)
+
+    def mean(self, v: np.ndarray) -> np.ndarray:
+        return self.sum(v) / self.size
+
+    def spread(self, per_group: np.ndarray) -> np.ndarray:
+        """A per-group value broadcast to every position."""
+        return np.asarray(per_group)[self.labels]
+
+    def pattern(self, rng: np.random.Generator) -> np.ndarray:
+        """A zero-mean, unit-variance vector per group whose entries are bounded away from 0.
+
+        Elements are paired at random within each group with opposite signs and equal magnitudes in
+        [0.5, 1.5]; with an odd group size one element is 0 (a second pattern covers it).
+        """
+        flat = self.labels.ravel()
+        order = np.lexsort((rng.random(flat.size), flat))
+        starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=self.count))[:-1]])
+        rank = np.empty(flat.size, dtype=np.int64)
+        rank[order] = np.arange(flat.size) - starts[flat[order]]
+        pair = rank // 2
+        magnitude = rng.uniform(0.5, 1.5, size=(self.count, self.size // 2 + 1))
+        z = magnitude[flat, pair] * np.where(rank % 2 == 0, 1.0, -1.0)
+        odd_last = (self.size % 2 == 1) & (rank == self.size - 1)
+        z[odd_last] = 0.0
+        z = z.reshape(self.shape)
+        scale = np.sqrt(self.mean(z * z))
+        return z / self.spread(scale)

@@ -1,0 +1,121 @@
+"""The Target protocol: one way to call any normalization implementation.
+
+A target takes a float64 NumPy array of values and a dtype name, runs the implementation on the values
+cast to that dtype, and returns the output as float64. It counts its calls, knows which dtypes it
+accepts, and, where the framework allows, exposes its parameters, train/eval modes and gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..errors import TargetError
+from ..precision import DTYPES, dtype_name
+
+
+class Target:
+    """Base class of every adapter. Subclasses implement ``_run`` (and optionally the capabilities)."""
+
+    framework: str = "?"
+    differentiable: bool = False
+    has_modes: bool = False  # train/eval behaviour (torch modules)
+    supported_dtypes: tuple[str, ...] = DTYPES
+
+    def __init__(self, description: str):
+        self.description = description
+        self.calls = 0
+        self._accepts: dict[tuple[str, tuple[int, ...]], bool] = {}
+        self._reasons: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.description}>"
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
+        dtype = dtype_name(dtype)
+        x = np.asarray(x, dtype=np.float64)
+        self.calls += 1
+        try:
+            out = self._run(x, dtype)
+        except TargetError:
+            raise
+        except Exception as exc:  # the implementation's own failure, reported with its words
+            raise TargetError(
+                f"{self.description} failed on a {dtype} input of shape {x.shape}: {type(exc).__name__}: {exc}"
+            ) from exc
+        out = np.asarray(out, dtype=np.float64)
+        if out.shape != x.shape:
+            raise TargetError(
+                f"{self.description} returned shape {out.shape} for an input of shape {x.shape}; "
+                "a normalization returns its input's shape (check --shape)"
+            )
+        return out
+
+    def _run(self, x: np.ndarray, dtype: str) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def accepts(self, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the target runs on ``dtype`` inputs of ``shape`` (probed once, then cached)."""
+        dtype = dtype_name(dtype)
+        key = (dtype, tuple(shape))
+        if key not in self._accepts:
+            ok = dtype in self.supported_dtypes
+            if ok:
+                rng = np.random.default_rng(12345)
+                try:
+                    out = self(rng.normal(size=shape), dtype)
+                    ok = bool(np.isfinite(out).any())
+                    if not ok:
+                        self._reasons[dtype] = "output was not finite"
+                except TargetError as exc:
+                    ok = False
+                    self._reasons[dtype] = str(exc)
+            else:
+                self._reasons[dtype] = f"{self.framework} targets of this kind do not take {dtype}"
+            self._accepts[key] = ok
+        return self._accepts[key]
+
+    def rejection(self, dtype: str) -> str:
+        return self._reasons.get(dtype_name(dtype), "")
+
+    # ------------------------------------------------------------------ optional capabilities
+    @property
+    def training(self) -> bool | None:
+        return None
+
+    @contextlib.contextmanager
+    def mode(self, training: bool) -> Iterator[None]:
+        """Run the target in training or evaluation mode inside the block (modules only)."""
+        yield
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """Parameters the implementation exposes (module parameters, ONNX initializers), as float64."""
+        return {}
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        """Non-learned state (running statistics), as float64."""
+        return {}
+
+    @contextlib.contextmanager
+    def perturbed_parameters(self, rng: np.random.Generator) -> Iterator[dict[str, np.ndarray] | None]:
+        """Inside the block, the target's own copy of its parameters holds random values (yielded).
+
+        Yields None where the target cannot do this (plain functions). The caller's object is never
+        touched: targets that support this work on a private copy.
+        """
+        yield None
+
+    def gradients(self, x: np.ndarray, dy: np.ndarray, dtype: str = "float64"):
+        """(dx, {parameter name: gradient}) of sum(dy · f(x)), for differentiable targets."""
+        raise TargetError(f"{self.description} is not differentiable through normscope")
+
+
+def check_dtype_list(dtypes) -> tuple[str, ...] | None:
+    if dtypes is None:
+        return None
+    if isinstance(dtypes, str):
+        dtypes = [d for d in dtypes.split(",") if d]
+    return tuple(dtype_name(d) for d in dtypes)

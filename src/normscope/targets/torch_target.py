@@ -1,0 +1,171 @@
+"""torch modules and functions as targets.
+
+A module is probed through a private deep copy, so the caller's module (its parameters, running
+buffers, mode and ``requires_grad`` flags) is never touched, whether inference succeeds or fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from ..errors import TargetError
+from .base import Target
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _torch_dtype(name: str):
+    torch = _torch()
+    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+            "bfloat16": torch.bfloat16}[name]
+
+
+def _to_numpy(t) -> np.ndarray:
+    torch = _torch()
+    if isinstance(t, tuple | list) and t:
+        t = t[0]
+    if not isinstance(t, torch.Tensor):
+        raise TargetError(f"expected the target to return a tensor; got {type(t).__name__}")
+    return t.detach().to(torch.float64).cpu().numpy()
+
+
+class TorchFunctionTarget(Target):
+    """A function taking one torch tensor and returning one tensor."""
+
+    framework = "torch"
+    differentiable = True
+
+    def __init__(self, fn: Callable, description: str | None = None):
+        super().__init__(description or f"torch function {getattr(fn, '__qualname__', repr(fn))}")
+        self.fn = fn
+
+    def _tensor(self, x: np.ndarray, dtype: str, grad: bool = False):
+        torch = _torch()
+        t = torch.from_numpy(x).to(_torch_dtype(dtype))
+        return t.requires_grad_(grad)
+
+    def _run(self, x, dtype):
+        torch = _torch()
+        with torch.no_grad():
+            return _to_numpy(self.fn(self._tensor(x, dtype)))
+
+    def gradients(self, x, dy, dtype="float64"):
+        torch = _torch()
+        self.calls += 1
+        t = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
+        with torch.enable_grad():
+            y = self.fn(t)
+            y.backward(torch.from_numpy(np.asarray(dy, dtype=np.float64)).to(y.dtype))
+        return _to_numpy(t.grad), {}
+
+
+class TorchModuleTarget(TorchFunctionTarget):
+    """A torch ``nn.Module``, probed through a private copy."""
+
+    has_modes = True
+
+    def __init__(self, module, description: str | None = None):
+        torch = _torch()
+        if not isinstance(module, torch.nn.Module):
+            raise TargetError(f"expected a torch.nn.Module; got {type(module).__name__}")
+        try:
+            master = copy.deepcopy(module)
+        except Exception as exc:
+            raise TargetError(
+                f"could not copy {type(module).__name__} ({exc}); normscope probes a private copy so the "
+                "module you pass is never modified — wrap it in a function with framework='torch' instead"
+            ) from exc
+        self._master = master.to(torch.float64)
+        self._training = bool(module.training)
+        self._copies: dict[str, object] = {}
+        self._original_dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in module.named_parameters()}
+        super().__init__(description or f"torch module {type(module).__name__}")
+        self.module_class = type(module).__name__
+
+    def _copy(self, dtype: str):
+        if dtype not in self._copies:
+            self._copies[dtype] = copy.deepcopy(self._master).to(_torch_dtype(dtype))
+        m = self._copies[dtype]
+        m.train(self._training)
+        return m
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    @contextlib.contextmanager
+    def mode(self, training: bool) -> Iterator[None]:
+        before = self._training
+        self._training = training
+        try:
+            yield
+        finally:
+            self._training = before
+
+    def _call_module(self, m, t):
+        # Training-mode calls update running statistics; keep the copy's state fixed between probes.
+        saved = [b.detach().clone() for b in m.buffers()] if self._training else None
+        try:
+            return m(t)
+        finally:
+            if saved is not None:
+                for b, s in zip(m.buffers(), saved, strict=True):
+                    b.data.copy_(s)
+
+    def _run(self, x, dtype):
+        torch = _torch()
+        with torch.no_grad():
+            return _to_numpy(self._call_module(self._copy(dtype), self._tensor(x, dtype)))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().double().numpy().copy() for n, p in self._master.named_parameters()}
+
+    def buffers(self) -> dict[str, np.ndarray]:
+        torch = _torch()
+        return {n: b.detach().double().numpy().copy() for n, b in self._master.named_buffers()
+                if torch.is_floating_point(b)}
+
+    @contextlib.contextmanager
+    def perturbed_parameters(self, rng):
+        torch = _torch()
+        params = [(n, p) for n, p in self._master.named_parameters() if torch.is_floating_point(p)]
+        if not params:
+            yield None
+            return
+        saved = [p.detach().clone() for _, p in params]
+        values = {}
+        with torch.no_grad():
+            for n, p in params:
+                v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
+                p.copy_(torch.from_numpy(v))
+                values[n] = v
+        self._copies.clear()
+        try:
+            yield values
+        finally:
+            with torch.no_grad():
+                for (_, p), s in zip(params, saved, strict=True):
+                    p.copy_(s)
+            self._copies.clear()
+
+    def gradients(self, x, dy, dtype="float64"):
+        torch = _torch()
+        self.calls += 1
+        m = self._copy(dtype)
+        for p in m.parameters():
+            p.grad = None
+            p.requires_grad_(True)
+        t = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
+        with torch.enable_grad():
+            y = self._call_module(m, t)
+            y.backward(torch.from_numpy(np.asarray(dy, dtype=np.float64)).to(y.dtype))
+        grads = {n: p.grad.double().numpy().copy() for n, p in m.named_parameters() if p.grad is not None}
+        return _to_numpy(t.grad), grads

@@ -32,3 +32,8 @@ __all__ = [
     "reference",
     "__version__",
 ]
+
+from . import targets  # noqa: E402
+from .probe.infer import Inference, infer  # noqa: E402
+
+__all__ += ["Inference", "infer", "targets"]

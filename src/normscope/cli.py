@@ -83,7 +83,57 @@ def _run_presets(args, console: Console) -> int:
     return EXIT_OK
 
 
-COMMANDS: list[Callable] = [_add_explain, _add_presets]
+def _add_target_args(p) -> None:
+    p.add_argument("target", metavar="TARGET",
+                   help="package.module:attr (a module class, factory, instance or function) or a .onnx file")
+    p.add_argument("--args", help="JSON list of positional arguments for a class or factory, e.g. '[64]'")
+    p.add_argument("--kwargs", help="JSON object of keyword arguments, e.g. '{\"eps\": 1e-6}'")
+    p.add_argument("--shape", required=True, help="input shape to probe with, e.g. 2,8,64")
+    p.add_argument("--framework", choices=("torch", "numpy", "jax", "onnx"),
+                   help="needed for plain functions, which could take any framework's arrays")
+    p.add_argument("--dtypes", help="restrict the dtypes tried, e.g. float32,bfloat16")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _add_infer(sub) -> None:
+    p = sub.add_parser(
+        "infer",
+        help="recover the complete contract of a black-box normalization, with evidence",
+        description="Infer the NormSpec of an implementation by controlled experiments. Exit 0 inferred, "
+                    "3 not a normalization, 2 usage error.",
+    )
+    _add_target_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_run_infer)
+
+
+def _run_infer(args, console: Console) -> int:
+    from .errors import NotANormalization
+    from .loading import load_target, parse_shape
+    from .probe.infer import infer
+    from .report.console import render_inference
+
+    shape = parse_shape(args.shape)
+    obj = load_target(args.target, args.args, args.kwargs)
+    try:
+        with console.status("inferring…") as status:
+            result = infer(obj, shape=shape, framework=args.framework, dtypes=args.dtypes, seed=args.seed,
+                           progress=lambda msg: status.update(msg))
+    except NotANormalization as exc:
+        if args.json:
+            print(json.dumps({"schema": "normscope.inference/1", "target": args.target,
+                              "not_a_normalization": str(exc)}, indent=2))
+        else:
+            console.print(f"[bold red]not a normalization:[/] {exc}")
+        return EXIT_NOT_NORM
+    if args.json:
+        print(result.to_json())
+    else:
+        render_inference(result, console)
+    return EXIT_OK
+
+
+COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -312,9 +312,16 @@ class NormSpec:
                 changes["group_axis"] = self.resolve_group_axis(ndim)
         return self.replace(**changes) if changes else self
 
-    def equivalent(self, other: NormSpec, ndim: int) -> bool:
-        """True when both specs compute the same function on inputs of ``ndim`` dimensions."""
-        return self.canonical(ndim) == other.canonical(ndim)
+    def equivalent(self, other: NormSpec, ndim: int, eps_rtol: float = 0.0) -> bool:
+        """True when both specs compute the same function on inputs of ``ndim`` dimensions.
+
+        ``eps_rtol`` accepts ε values that agree to that relative tolerance (a measured ε never matches
+        a stated one to the last bit).
+        """
+        a, b = self.canonical(ndim), other.canonical(ndim)
+        if eps_rtol and _eps_close(a.eps, b.eps, eps_rtol):
+            a = a.replace(eps=b.eps)
+        return a == b
 
 
 def _resolve(name: str, axes: Iterable[int], ndim: int) -> tuple[int, ...]:
@@ -328,8 +335,15 @@ def _resolve(name: str, axes: Iterable[int], ndim: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def differences(found: NormSpec, expected: NormSpec, ndim: int) -> list[str]:
-    """Plain-words differences between two contracts (empty when equivalent)."""
+def _eps_close(a: float, b: float, rtol: float) -> bool:
+    return a == b or (b != 0 and abs(a / b - 1) <= rtol)
+
+
+def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float = 0.01) -> list[str]:
+    """Plain-words differences between two contracts (empty when equivalent).
+
+    ε values within ``eps_rtol`` (1%, the resolution of inference) count as equal.
+    """
     a, b = found.canonical(ndim), expected.canonical(ndim)
     out: list[str] = []
     if a.center != b.center:
@@ -353,7 +367,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int) -> list[str]:
     }
     if a.eps_placement != b.eps_placement:
         out.append(f"expected {formulas[b.eps_placement]}; found {formulas[a.eps_placement]}")
-    if a.eps != b.eps and a.eps_placement == b.eps_placement:
+    if not _eps_close(a.eps, b.eps, eps_rtol) and a.eps_placement == b.eps_placement:
         out.append(f"expected ε={b.eps:g}; found ε={a.eps:g}")
     if a.variance != b.variance:
         out.append(f"expected {b.variance} variance (÷{'d' if b.variance == 'biased' else 'd−1'}); found {a.variance}")

@@ -123,3 +123,68 @@ def render_presets(rows: list[tuple[str, Any, str]], console: Console) -> None:
     for name, spec, origin in rows:
         t.add_row(name, spec.kind, escape(spec.summary()), escape(origin))
     console.print(t)
+
+
+FIELD_ORDER = ("center", "axes", "eps", "eps_placement", "variance", "variance_algorithm", "gamma", "beta",
+               "param_axes", "gamma_offset", "stats_dtype", "affine_order", "batch_stats")
+
+_CONFIDENCE_STYLE = {"decisive": "green", "from parameters": "green", "weak": "yellow", "assumed": "yellow",
+                     "not probed": "dim"}
+
+
+def compact(measured: Any, limit: int = 6) -> str:
+    """A short one-line rendering of an evidence dict: key numbers, lists truncated."""
+    if isinstance(measured, dict):
+        parts = []
+        for k, v in measured.items():
+            if isinstance(v, dict):
+                inner = compact(v, limit)
+                parts.append(f"{k}: {{{inner}}}")
+            else:
+                parts.append(f"{k}={compact(v, limit)}")
+        return ", ".join(parts)
+    if isinstance(measured, list | tuple):
+        items = [compact(v, limit) for v in measured[:limit]]
+        return "[" + ", ".join(items) + (", …" if len(measured) > limit else "") + "]"
+    if isinstance(measured, float):
+        return fmt(measured)
+    return str(measured)
+
+
+def render_inference(inf, console: Console) -> None:
+    spec = inf.spec
+    console.print(f"[bold]{escape(inf.target)}[/] at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, "
+                  f"accepts {', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s")
+    console.print(f"[bold]contract:[/] {escape(spec.summary())}")
+    t = Table(show_lines=False)
+    t.add_column("field", style="bold")
+    t.add_column("value")
+    t.add_column("experiment and measured numbers", overflow="fold")
+    t.add_column("confidence")
+    values = {
+        "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
+        "eps": f"{spec.eps:g}",
+        "param_axes": f"{list(spec.param_axes)}",
+    }
+    for field in FIELD_ORDER:
+        ev = inf.evidence.get(field)
+        value = values.get(field, str(getattr(spec, field)))
+        if ev is None:
+            t.add_row(field, escape(value), "", "")
+            continue
+        text = ev.experiment
+        if ev.measured:
+            text += " — " + compact(ev.measured)
+        if ev.note:
+            text += f" [italic]({escape(ev.note)})[/]"
+        style = _CONFIDENCE_STYLE.get(ev.confidence, "")
+        t.add_row(field, escape(value), text if ev.note else escape(text), f"[{style}]{ev.confidence}[/]")
+    console.print(t)
+    for name, values_ in inf.params.items():
+        arr = list(values_.ravel()) if hasattr(values_, "ravel") else list(values_)
+        console.print(f"{name} {tuple(getattr(values_, 'shape', ()))}: {vec(arr[:8])}{' …' if len(arr) > 8 else ''}")
+    v = inf.validation
+    checks = {k: val for k, val in v.items() if k not in ("tolerance", "max_relative_error", "dtype", "eval")}
+    console.print(
+        f"validation at {v.get('dtype')}: max relative error {fmt(v['max_relative_error'])} ≤ {fmt(v['tolerance'])} "
+        f"on fresh inputs ({escape(compact(checks))})")

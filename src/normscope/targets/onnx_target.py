@@ -1,7 +1,8 @@
 """ONNX models as targets, run by onnxruntime (extra ``onnx``).
 
 A model with one floating input and one output; symbolic dimensions are fine. The model runs at the
-element type its input declares.
+element type its input declares; other precisions run a converted copy of the graph (input, output and
+floating initializers cast), as a deployment at that precision would.
 """
 
 from __future__ import annotations
@@ -68,23 +69,45 @@ class OnnxTarget(Target):
         if elem not in _ELEM:
             raise TargetError(f"the ONNX input {self.input.name!r} is not a float tensor (element type {elem})")
         self.dtype = _ELEM[elem]
-        self.supported_dtypes = (self.dtype,)
         self.fixed_dims = [d.dim_value if d.HasField("dim_value") else None
                            for d in self.input.type.tensor_type.shape.dim]
         self._ort = ort
-        self._session = None
+        self._sessions: dict[str, object] = {}
         super().__init__(description or default)
 
-    def session(self):
-        if self._session is None:
+    def _variant(self, dtype: str):
+        """The model with its input, output and floating initializers converted to ``dtype``.
+
+        This is how the same graph is deployed at another precision; attributes such as
+        LayerNormalization's ``stash_type`` are kept, so the runtime's own precision rules apply.
+        """
+        if dtype == self.dtype:
+            return self.model
+        from onnx import numpy_helper
+
+        code = {v: k for k, v in _ELEM.items()}[dtype]
+        m = type(self.model)()
+        m.CopyFrom(self.model)
+        for init in m.graph.initializer:
+            if init.data_type in _ELEM:
+                arr = numpy_helper.to_array(init).astype(np.float64)
+                init.CopyFrom(numpy_helper.from_array(arr.astype(np.float32).astype(_np_dtype(dtype)), init.name))
+        for vi in [*m.graph.input, *m.graph.output, *m.graph.value_info]:
+            if vi.type.tensor_type.elem_type in _ELEM:
+                vi.type.tensor_type.elem_type = code
+        return m
+
+    def session(self, dtype: str | None = None):
+        dtype = dtype or self.dtype
+        if dtype not in self._sessions:
             opts = self._ort.SessionOptions()
             opts.log_severity_level = 3
             try:
-                self._session = self._ort.InferenceSession(self.model.SerializeToString(), opts,
-                                                           providers=["CPUExecutionProvider"])
+                self._sessions[dtype] = self._ort.InferenceSession(
+                    self._variant(dtype).SerializeToString(), opts, providers=["CPUExecutionProvider"])
             except Exception as exc:
-                raise TargetError(f"onnxruntime cannot load {self.description}: {exc}") from exc
-        return self._session
+                raise TargetError(f"onnxruntime cannot run {self.description} at {dtype}: {exc}") from exc
+        return self._sessions[dtype]
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         if len(self.fixed_dims) != len(shape) or any(
@@ -97,11 +120,9 @@ class OnnxTarget(Target):
             )
 
     def _run(self, x, dtype):
-        if dtype != self.dtype:
-            raise TargetError(f"this ONNX model takes {self.dtype} inputs, not {dtype}")
         self.check_shape(x.shape)
         arr = x.astype(np.float32).astype(_np_dtype(dtype)) if dtype != "float64" else x
-        (out,) = self.session().run(None, {self.input.name: arr})
+        (out,) = self.session(dtype).run(None, {self.input.name: arr})
         return np.asarray(out).astype(np.float64)
 
     def parameters(self):
@@ -125,13 +146,13 @@ class OnnxTarget(Target):
             v = rng.uniform(0.5, 1.5, size=arr.shape) * rng.choice([-1.0, 1.0], size=arr.shape)
             init.CopyFrom(numpy_helper.from_array(v.astype(arr.dtype), init.name))
             values[init.name] = v.astype(arr.dtype).astype(np.float64)
-        self._session = None
+        self._sessions.clear()
         try:
             yield values
         finally:
             for init, arr in saved:
                 init.CopyFrom(numpy_helper.from_array(arr, init.name))
-            self._session = None
+            self._sessions.clear()
 
 
 def _np_dtype(name: str):

@@ -87,7 +87,7 @@ class TorchModuleTarget(TorchFunctionTarget):
         self._training = bool(module.training)
         self._copies: dict[str, object] = {}
         self._original_dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in module.named_parameters()}
-        super().__init__(description or f"torch module {type(module).__name__}")
+        Target.__init__(self, description or f"torch module {type(module).__name__}")
         self.module_class = type(module).__name__
 
     def _copy(self, dtype: str):

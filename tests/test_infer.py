@@ -1,0 +1,357 @@
+"""Inference on the zoo: every field of the contract, for real, wrong and non-normalizations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import normscope
+from normscope import NormSpec, NotANormalization, TargetError
+from normscope.probe.infer import infer
+from normscope.spec import differences
+
+import zoo
+
+SHAPE = (2, 8, 64)
+IMAGE = (2, 4, 5, 5)
+
+
+def assert_contract(result, expected: NormSpec, ndim: int):
+    found = result.spec
+    diff = differences(found, expected, ndim)
+    assert not diff, f"{found.summary()}\n vs {expected.summary()}: {diff}"
+    assert found.equivalent(expected, ndim, eps_rtol=0.01)
+    # every field, explicitly (modulo ndim for axes)
+    for field in ("center", "groups", "eps_placement", "variance", "variance_algorithm", "gamma", "beta",
+                  "stats_dtype", "batch_stats"):
+        assert getattr(found, field) == getattr(expected, field), field
+    assert found.resolve_axes(ndim) == expected.resolve_axes(ndim)
+    if found.gamma or found.beta:
+        assert found.resolve_param_axes(ndim) == expected.resolve_param_axes(ndim)
+    if expected.eps:
+        assert abs(found.eps / expected.eps - 1) <= 0.01
+    else:
+        assert found.eps == 0
+
+
+# --------------------------------------------------------------------------------------------- real ones
+def test_torch_layernorm_recovers_contract_and_parameters():
+    m = zoo.randomize(torch.nn.LayerNorm(64))
+    r = infer(m, shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm"), 3)
+    np.testing.assert_allclose(r.params["gamma"], m.weight.detach().double().numpy(), rtol=1e-9)
+    np.testing.assert_allclose(r.params["beta"], m.bias.detach().double().numpy(), atol=1e-9)
+    assert r.calls <= 300
+    assert r.validation["max_relative_error"] < 1e-12
+
+
+def test_torch_layernorm_default_init_still_shows_its_affine():
+    # γ=1, β=0 are invisible from outside; the private copy with random parameters reveals them
+    r = infer(torch.nn.LayerNorm(64), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm"), 3)
+    assert r.evidence["gamma"].confidence == "from parameters"
+    np.testing.assert_allclose(r.params["gamma"], np.ones(64), atol=1e-9)
+
+
+def test_torch_layernorm_two_normalized_dims():
+    r = infer(zoo.randomize(torch.nn.LayerNorm([8, 64])), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm", normalized_dims=2), 3)
+    assert r.params["gamma"].shape == (8, 64)
+
+
+def test_torch_rmsnorm_eps_none_is_dtype_dependent():
+    r = infer(zoo.randomize(torch.nn.RMSNorm(64)), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_rmsnorm"), 3)
+    dep = r.evidence["eps"].measured["dtype_dependent"]
+    assert dep["float64"] == pytest.approx(np.finfo(np.float64).eps, rel=0.01)
+    assert dep["float32"] == pytest.approx(np.finfo(np.float32).eps, rel=0.01)
+
+
+def test_torch_groupnorm():
+    m = zoo.randomize(torch.nn.GroupNorm(2, 4))
+    r = infer(m, shape=IMAGE)
+    assert_contract(r, NormSpec.preset("torch_groupnorm", groups=2), 4)
+    assert r.spec.group_axis == 1
+    np.testing.assert_allclose(r.params["gamma"], m.weight.detach().double().numpy(), rtol=1e-9)
+
+
+def _trained_batchnorm():
+    bn = zoo.randomize(torch.nn.BatchNorm2d(4))
+    gen = torch.Generator().manual_seed(0)
+    bn.train()
+    with torch.no_grad():
+        for _ in range(3):
+            bn(torch.randn(8, 4, 5, 5, generator=gen) * 2 + 1)
+    return bn
+
+
+# torch's CPU batch_norm keeps the statistics of a bfloat16 module in bfloat16: the probe measures that.
+BN_CPU = {"stats_dtype": "input"}
+
+
+def test_torch_batchnorm_train():
+    bn = _trained_batchnorm()
+    r = infer(bn, shape=IMAGE)
+    assert_contract(r, NormSpec.preset("torch_batchnorm", **BN_CPU), 4)
+    assert bn.training  # untouched
+
+
+def test_torch_batchnorm_eval_recovers_running_statistics():
+    bn = _trained_batchnorm().eval()
+    r = infer(bn, shape=IMAGE)
+    assert_contract(r, NormSpec.preset("torch_batchnorm_eval", **BN_CPU), 4)
+    np.testing.assert_allclose(r.params["running_mean"], bn.running_mean.double().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(r.params["running_var"], bn.running_var.double().numpy(), rtol=1e-6)
+    assert r.validation["eval"]["max_relative_error"] < 1e-6
+
+
+def test_torch_instancenorm():
+    r = infer(torch.nn.InstanceNorm2d(4), shape=IMAGE)
+    assert_contract(r, NormSpec.preset("torch_instancenorm", **BN_CPU), 4)
+
+
+@pytest.mark.parametrize("name, preset, overrides", [
+    ("llama", "llama_rmsnorm", {}),
+    ("gemma", "gemma_rmsnorm", {}),
+    ("t5", "t5_layernorm", {}),
+])
+def test_hugging_face_norms(name, preset, overrides):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    cls = {"llama": LlamaRMSNorm, "gemma": GemmaRMSNorm, "t5": T5LayerNorm}[name]
+    r = infer(zoo.randomize(cls(64, eps=1e-6)), shape=SHAPE)
+    expected = NormSpec.preset(preset, **overrides)
+    assert_contract(r, expected, 3)
+    assert r.spec.affine_order == expected.affine_order
+    assert r.spec.gamma_offset == expected.gamma_offset  # read from the weights in a private copy
+
+
+def _flax(module_cls, **kw):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    m = module_cls(**kw)
+    params = m.init(jax.random.PRNGKey(0), jnp.ones(SHAPE))
+    params = jax.tree_util.tree_map(lambda a: a + jax.random.uniform(jax.random.PRNGKey(1), a.shape), params)
+    return lambda x: m.apply(params, x)
+
+
+def test_flax_layernorm():
+    import flax.linen as fnn
+
+    r = infer(_flax(fnn.LayerNorm), shape=SHAPE, framework="jax")
+    assert_contract(r, NormSpec.preset("flax_layernorm"), 3)
+    assert r.spec.variance_algorithm == "one_pass"
+
+
+def test_flax_rmsnorm():
+    import flax.linen as fnn
+
+    r = infer(_flax(fnn.RMSNorm), shape=SHAPE, framework="jax")
+    assert_contract(r, NormSpec.preset("flax_rmsnorm"), 3)
+
+
+def _onnx_model(op, opset, bias=True, dims=("b", "s", 64)):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.uniform(0.5, 1.5, 64).astype(np.float32), "scale")]
+    names = ["x", "scale"]
+    if bias:
+        inits.append(numpy_helper.from_array(rng.uniform(-1, 1, 64).astype(np.float32), "B"))
+        names.append("B")
+    node = helper.make_node(op, names, ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(dims))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(dims))], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), onnx
+
+
+# onnxruntime's CPU kernels multiply by the scale in fp32 before the cast back (the ONNX function body
+# casts first): the probe reports what the runtime does.
+ORT_CPU = {"affine_order": "scale_then_cast"}
+
+
+def test_onnx_layernormalization_17(tmp_path):
+    model, onnx = _onnx_model("LayerNormalization", 17)
+    path = tmp_path / "ln.onnx"
+    onnx.save(model, str(path))
+    r = infer(str(path), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("onnx_layernorm", **ORT_CPU), 3)
+    assert "float16" in r.dtypes
+
+
+def test_onnx_rmsnormalization_23():
+    model, _ = _onnx_model("RMSNormalization", 23, bias=False)
+    r = infer(model, shape=SHAPE)
+    assert_contract(r, NormSpec.preset("onnx_rmsnorm", **ORT_CPU), 3)
+
+
+def test_onnx_model_is_not_modified():
+    model, _ = _onnx_model("LayerNormalization", 17)
+    before = model.SerializeToString()
+    infer(model, shape=SHAPE)
+    assert model.SerializeToString() == before
+
+
+def test_onnx_fixed_dims_must_match_shape():
+    model, _ = _onnx_model("LayerNormalization", 17, dims=(2, 8, 64))
+    with pytest.raises(TargetError, match="--shape 2,8,64"):
+        infer(model, shape=(2, 4, 64))
+
+
+def test_numpy_seed_layer_norm_is_std_plus_eps():
+    r = infer(zoo.seed_layer_norm, shape=SHAPE, framework="numpy")
+    expected = NormSpec(center=True, axes=[-1], eps=1e-6, eps_placement="outside_sqrt", gamma=False, beta=False,
+                        stats_dtype="input")
+    assert_contract(r, expected, 3)
+
+
+# --------------------------------------------------------------------------------------------- eps accuracy
+@pytest.mark.parametrize("eps", [0.0, 1e-12, 1e-9, 1e-6, 1e-3, 0.1])
+def test_eps_value_float64(eps):
+    r = infer(lambda x: torch.nn.functional.layer_norm(x, (64,), eps=eps), shape=SHAPE, framework="torch",
+              dtypes=["float64"])
+    if eps == 0:
+        assert r.spec.eps == 0 and r.spec.eps_placement == "none"
+    else:
+        assert r.spec.eps == pytest.approx(eps, rel=0.01)
+        assert r.spec.eps_placement == "inside_sqrt"
+
+
+@pytest.mark.parametrize("eps", [1e-9, 1e-6, 1e-3])
+@pytest.mark.parametrize("placement", ["inside_sqrt", "outside_sqrt", "clamp"])
+def test_eps_value_and_placement_float32(eps, placement):
+    spec = NormSpec(center=False, axes=[-1], eps=eps, eps_placement=placement, gamma=False, beta=False)
+    from normscope import reference
+
+    r = infer(lambda x: reference.forward(x, spec, dtype="float32").astype(np.float32), shape=SHAPE,
+              framework="numpy", dtypes=["float32"])
+    assert r.spec.eps_placement == placement
+    assert r.spec.eps == pytest.approx(eps, rel=0.01)
+
+
+# --------------------------------------------------------------------------------------------- wrong ones
+def test_wrong_unbiased_variance():
+    r = infer(zoo.randomize(zoo.UnbiasedLayerNorm()), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm", variance="unbiased", stats_dtype="input"), 3)
+    assert "variance" in " ".join(differences(r.spec, NormSpec.preset("torch_layernorm"), 3))
+
+
+@pytest.mark.parametrize("fn, axes", [(zoo.sequence_axis_layernorm, [-2]), (zoo.batch_axis_layernorm, [0])])
+def test_wrong_statistics_axis(fn, axes):
+    r = infer(fn, shape=SHAPE, framework="torch")
+    expected = NormSpec(center=True, axes=axes, eps=1e-5, gamma=False, beta=False, stats_dtype="input")
+    assert_contract(r, expected, 3)
+    assert any("statistics reduce over" in d for d in differences(r.spec, NormSpec.preset("torch_layernorm",
+               affine=False), 3))
+
+
+def test_wrong_gamma_along_sequence():
+    r = infer(zoo.SequenceGammaLayerNorm(), shape=SHAPE)
+    assert r.spec.resolve_param_axes(3) == (1,)
+    assert r.spec.resolve_axes(3) == (2,)
+    assert any("γ/β indexed by" in d for d in differences(r.spec, NormSpec.preset("torch_layernorm"), 3))
+
+
+def test_wrong_eps_outside_sqrt():
+    r = infer(zoo.eps_outside_layernorm, shape=SHAPE, framework="torch")
+    assert r.spec.eps_placement == "outside_sqrt" and r.spec.eps == pytest.approx(1e-5, rel=0.01)
+    assert "expected ε inside √ (sqrt(var+ε)); found ε outside √ (std+ε)" in differences(
+        r.spec, NormSpec.preset("torch_layernorm", affine=False), 3)
+
+
+def test_wrong_one_pass_variance():
+    r = infer(zoo.one_pass_layernorm, shape=SHAPE, framework="torch")
+    assert r.spec.variance_algorithm == "one_pass"
+
+
+def test_wrong_bf16_statistics():
+    r = infer(zoo.randomize(zoo.InputDtypeStatsRMSNorm()), shape=SHAPE)
+    assert r.spec.stats_dtype == "input"
+    assert r.evidence["stats_dtype"].confidence == "decisive"
+
+
+def test_wrong_cast_order_under_llama_contract():
+    r = infer(zoo.randomize(zoo.ScaleThenCastRMSNorm()), shape=SHAPE)
+    assert r.spec.affine_order == "scale_then_cast"
+    assert "expected cast then scale; found scale then cast" in differences(
+        r.spec, NormSpec.preset("llama_rmsnorm"), 3)
+
+
+def test_wrong_eps_value():
+    r = infer(zoo.randomize(torch.nn.LayerNorm(64, eps=1e-3)), shape=SHAPE)
+    assert r.spec.eps == pytest.approx(1e-3, rel=0.01)
+    assert "expected ε=1e-05; found ε=0.001" in differences(r.spec, NormSpec.preset("torch_layernorm"), 3)
+
+
+# --------------------------------------------------------------------------------------------- not norms
+@pytest.mark.parametrize("fn, framework, words", [
+    (zoo.softmax, "torch", "scaling the input by 4"),
+    (zoo.numpy_tanh, "numpy", "scaling the input by 4"),
+    (zoo.max_abs_scale, "torch", "depends on more than the mean and variance"),
+    (zoo.causal_mean_center, "torch", "moved"),
+    (lambda x: x * 1.0, "torch", "elementwise"),
+])
+def test_not_a_normalization(fn, framework, words):
+    with pytest.raises(NotANormalization, match=words):
+        infer(fn, shape=SHAPE, framework=framework)
+
+
+def test_linear_layer_is_not_a_normalization():
+    lin = torch.nn.Linear(64, 64).double()
+    with pytest.raises(NotANormalization):
+        infer(lin, shape=SHAPE)
+
+
+# --------------------------------------------------------------------------------------------- state & api
+def _state(m):
+    return ({k: v.clone() for k, v in m.state_dict().items()}, m.training,
+            {n: p.requires_grad for n, p in m.named_parameters()})
+
+
+def _same(a, b):
+    assert a[1] == b[1] and a[2] == b[2]
+    assert a[0].keys() == b[0].keys()
+    for k in a[0]:
+        assert torch.equal(a[0][k], b[0][k]), k
+
+
+def test_module_state_is_unchanged_after_inference_and_after_failure():
+    bn = _trained_batchnorm()
+    bn.weight.requires_grad_(False)
+    before = _state(bn)
+    infer(bn, shape=IMAGE)
+    _same(before, _state(bn))
+    with pytest.raises(NormscopeError_or_target()):
+        infer(bn, shape=(2, 3, 5, 5))  # wrong channel count: the module itself fails
+    _same(before, _state(bn))
+
+
+def NormscopeError_or_target():
+    return normscope.NormscopeError
+
+
+def test_plain_callable_needs_a_framework():
+    with pytest.raises(TargetError, match="framework="):
+        infer(zoo.seed_layer_norm, shape=SHAPE)
+
+
+def test_inference_json_schema():
+    import json
+
+    r = infer(torch.nn.LayerNorm(64), shape=SHAPE)
+    data = json.loads(r.to_json())
+    assert data["schema"] == "normscope.inference/1"
+    assert NormSpec.from_dict(data["spec"]) == r.spec
+    assert set(data["evidence"]) >= {"center", "axes", "eps", "eps_placement", "variance", "gamma", "beta"}
+    assert data["calls"] == r.calls > 0
+
+
+def test_wrappers_and_dtype_restriction():
+    t = normscope.targets.numpy(zoo.seed_layer_norm)
+    r = infer(t, shape=SHAPE, dtypes="float32")
+    assert r.dtypes == ("float32",) and r.probe_dtype == "float32"

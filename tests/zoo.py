@@ -1,0 +1,129 @@
+"""Implementations the suite probes: real ones, deliberately wrong ones, and non-normalizations.
+
+The wrong ones are the silent errors normscope exists to catch: each keeps shapes right and produces
+finite numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+H = 64
+
+
+def seed_layer_norm(x, eps=1e-6):
+    """The primer's NumPy layer_norm: divides by std + eps (ε outside the square root)."""
+    return (x - x.mean(-1, keepdims=True)) / (x.std(-1, keepdims=True) + eps)
+
+
+def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Give γ/β distinct values so the affine is observable from outside."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) + 0.5)
+    return module
+
+
+class UnbiasedLayerNorm(nn.Module):
+    """LayerNorm with the unbiased variance (÷(d−1)), as torch.var's default would give."""
+
+    def __init__(self, d=H, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+        self.eps = eps
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True)  # unbiased by default
+        return (x - mu) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def sequence_axis_layernorm(x, eps=1e-5):
+    """Statistics over the sequence axis (-2) instead of hidden."""
+    mu = x.mean(-2, keepdim=True)
+    var = x.var(-2, keepdim=True, unbiased=False)
+    return (x - mu) / torch.sqrt(var + eps)
+
+
+def batch_axis_layernorm(x, eps=1e-5):
+    """Statistics over the batch axis (0)."""
+    mu = x.mean(0, keepdim=True)
+    var = x.var(0, keepdim=True, unbiased=False)
+    return (x - mu) / torch.sqrt(var + eps)
+
+
+class SequenceGammaLayerNorm(nn.Module):
+    """γ/β indexed by the sequence axis (shape (S, 1)) instead of hidden."""
+
+    def __init__(self, seq=8, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(seq, 1) + 0.5)
+        self.bias = nn.Parameter(torch.rand(seq, 1) - 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = x.var(-1, keepdim=True, unbiased=False)
+        return (x - mu) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+def eps_outside_layernorm(x, eps=1e-5):
+    mu = x.mean(-1, keepdim=True)
+    return (x - mu) / (x.var(-1, keepdim=True, unbiased=False).sqrt() + eps)
+
+
+def one_pass_layernorm(x, eps=1e-5):
+    mu = x.mean(-1, keepdim=True)
+    var = (x * x).mean(-1, keepdim=True) - mu * mu
+    return (x - mu) / torch.sqrt(var.clamp_min(0) + eps)
+
+
+class InputDtypeStatsRMSNorm(nn.Module):
+    """RMSNorm whose statistics stay in the input dtype (no fp32 upcast)."""
+
+    def __init__(self, d=H, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        ms = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(ms + self.eps))
+
+
+class ScaleThenCastRMSNorm(nn.Module):
+    """A Llama-style RMSNorm that multiplies by γ in fp32 before casting back (Gemma's order, no offset)."""
+
+    def __init__(self, d=H, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+# Not normalizations --------------------------------------------------------------------------------
+def softmax(x):
+    return torch.softmax(x, -1)
+
+
+def max_abs_scale(x):
+    return x / x.abs().amax(-1, keepdim=True)
+
+
+def causal_mean_center(x):
+    """Subtracts a running (prefix) mean along the sequence: a dependency no axis set explains."""
+    n = torch.arange(1, x.shape[-2] + 1, dtype=x.dtype).reshape(-1, 1)
+    c = x - x.cumsum(-2) / n
+    return c / (c.norm(dim=-1, keepdim=True) + 1e-6)
+
+
+def numpy_tanh(x):
+    return np.tanh(x)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import zoo
 
 import normscope
 from normscope import NormSpec, NotANormalization, TargetError
 from normscope.probe.infer import infer
 from normscope.spec import differences
-
-import zoo
 
 SHAPE = (2, 8, 64)
 IMAGE = (2, 4, 5, 5)

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 from . import targets  # noqa: E402
+from .probe.checks import Finding, Report, check  # noqa: E402
 from .probe.infer import Inference, infer  # noqa: E402
 
-__all__ += ["Inference", "infer", "targets"]
+__all__ += ["Finding", "Inference", "Report", "check", "infer", "targets"]

@@ -133,7 +133,50 @@ def _run_infer(args, console: Console) -> int:
     return EXIT_OK
 
 
-COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer]
+def _add_check(sub) -> None:
+    p = sub.add_parser(
+        "check",
+        help="run the acceptance battery of an implementation against an expected contract",
+        description="Exit 0 when every finding passes, 1 when any fails, 2 on a usage error.",
+    )
+    _add_target_args(p)
+    p.add_argument("--expect", required=True, help="a preset name (normscope presets) or a spec JSON file")
+    p.add_argument("--eps", type=_number, help="override the expected ε")
+    p.add_argument("--junit", metavar="PATH", help="also write JUnit XML (one testcase per finding)")
+    p.add_argument("--quick", action="store_true", help="fewer grid points (about 2 s)")
+    p.add_argument("--verbose", action="store_true", help="show passing grid points too")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_run_check)
+
+
+def _run_check(args, console: Console) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .loading import load_target, parse_shape
+    from .probe.checks import check, resolve_expected
+    from .report.console import render_check
+
+    shape = parse_shape(args.shape)
+    expected = resolve_expected(args.expect, args.eps)
+    obj = load_target(args.target, args.args, args.kwargs)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True, disable=args.json) as bar:
+        task = bar.add_task("checking…", total=None)
+        report = check(obj, expect=expected, shape=shape, framework=args.framework, dtypes=args.dtypes,
+                       quick=args.quick, seed=args.seed,
+                       progress=lambda msg: bar.update(task, description=f"checking: {msg}"))
+    if args.junit:
+        report.to_junit(args.junit)
+    if args.json:
+        print(report.to_json())
+    else:
+        render_check(report, console, verbose=args.verbose)
+        if args.junit:
+            console.print(f"JUnit XML written to {args.junit}")
+    return EXIT_OK if report.ok else EXIT_FAIL
+
+
+COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer, _add_check]
 
 
 def build_parser() -> argparse.ArgumentParser:

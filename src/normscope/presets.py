@@ -158,7 +158,7 @@ def preset(name: str, **overrides: Any) -> NormSpec:
     if key not in PRESETS:
         import difflib
 
-        close = difflib.get_close_matches(key, PRESETS, n=3)
+        close = [p for p in PRESETS if key and key in p][:3] or difflib.get_close_matches(key, PRESETS, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise SpecError(f"unknown preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}")
     factory = PRESETS[key]

@@ -191,9 +191,13 @@ def forward(
     running_mean=None,
     running_var=None,
     dtype: str | None = None,
+    param_dtype: str | None = None,
 ) -> np.ndarray:
     """y = spec(x) in float64, or as an implementation faithful to ``spec`` computes it at ``dtype``.
 
+    ``param_dtype`` is where γ/β are stored (default: the input dtype, as a module cast with ``.to(dtype)``;
+    ``"float32"`` for frameworks that keep parameters in fp32, such as flax). It matters only for
+    ``scale_then_cast``: with ``cast_then_scale`` the product is taken in the input dtype.
     Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
     """
     if not isinstance(spec, NormSpec):
@@ -201,6 +205,7 @@ def forward(
     x = _check_input(x)
     lay = _layout(x.shape, spec)
     d = Precision(dtype_name(dtype))
+    stored = Precision(dtype_name(param_dtype)) if param_dtype is not None else d
     c = Precision(wider("float32", d.name) if spec.stats_dtype == "float32" else d.name)
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
     b = lay.expand(beta, lay.param_axes, "beta") if spec.beta else None
@@ -222,9 +227,9 @@ def forward(
         else:
             y = xhat
             if g is not None:
-                y = c.op(y * _scale(g, spec, c, d))
+                y = c.op(y * _scale(g, spec, c, stored))
             if b is not None:
-                y = c.op(y + c.round(d.round(b)))
+                y = c.op(y + c.round(stored.round(b)))
             y = d.round(y)
     return np.asarray(y, dtype=np.float64)
 

@@ -188,3 +188,49 @@ def render_inference(inf, console: Console) -> None:
     console.print(
         f"validation at {v.get('dtype')}: max relative error {fmt(v['max_relative_error'])} ≤ {fmt(v['tolerance'])} "
         f"on fresh inputs ({escape(compact(checks))})")
+
+
+_STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
+
+
+def render_check(report, console: Console, verbose: bool = False) -> None:
+    c = report.counts()
+    console.print(f"[bold]{escape(report.target)}[/] at shape {tuple(report.shape)}, dtypes "
+                  f"{', '.join(report.dtypes)}; {report.calls} calls, {report.seconds:.2f} s")
+    console.print(f"[bold]expected:[/] {escape(report.expected.summary())}")
+    console.print(f"[bold]parameters:[/] {escape(report.params_source)}")
+    t = Table()
+    t.add_column("section")
+    t.add_column("finding")
+    t.add_column("", justify="center")
+    t.add_column("measured", justify="right")
+    t.add_column("tolerance", justify="right")
+    t.add_column("why", overflow="fold")
+    for f in report.findings:
+        if f.status == "pass" and not verbose and f.section == "reference" and f.name.startswith(("forward", "backward")):
+            continue
+        t.add_row(f.section, escape(f.name), f"[{_STATUS_STYLE[f.status]}]{f.status}[/]", _cell(f.measured),
+                  _cell(f.tolerance), escape(f.why))
+    console.print(t)
+    hidden = sum(1 for f in report.findings if f.status == "pass" and f.section == "reference"
+                 and f.name.startswith(("forward", "backward")))
+    if hidden and not verbose:
+        console.print(f"[dim]{hidden} passing forward/backward grid points not shown (--verbose shows them)[/]")
+    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
+    console.print(f"{verdict}: {c['pass']} passed, {c['fail']} failed, {c['skip']} skipped")
+    if report.differences:
+        console.print("[bold]the target's inferred contract differs:[/]")
+        for d in report.differences:
+            console.print(f"  • {escape(d)}")
+        if report.inferred is not None:
+            console.print(f"  inferred: {escape(report.inferred.summary())}")
+    elif report.inference_error:
+        console.print(f"[bold]inference could not explain the failure:[/] {escape(report.inference_error)}")
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return fmt(v)
+    return escape(compact(v, 4))

@@ -57,6 +57,16 @@ class Target:
     def _run(self, x: np.ndarray, dtype: str) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    supports_noncontiguous: bool = False
+
+    def call_noncontiguous(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
+        """Call with a non-contiguous (strided) view holding the same values (torch targets)."""
+        raise TargetError(f"{self.framework} targets have no non-contiguous inputs")
+
+    def buffers_after_training_step(self, x: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Running statistics after one training-mode forward on ``x`` (in a private copy), or None."""
+        return None
+
     def accepts(self, dtype: str, shape: tuple[int, ...]) -> bool:
         """Whether the target runs on ``dtype`` inputs of ``shape`` (probed once, then cached)."""
         dtype = dtype_name(dtype)

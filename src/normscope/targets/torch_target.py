@@ -47,15 +47,32 @@ class TorchFunctionTarget(Target):
         super().__init__(description or f"torch function {getattr(fn, '__qualname__', repr(fn))}")
         self.fn = fn
 
-    def _tensor(self, x: np.ndarray, dtype: str, grad: bool = False):
+    supports_noncontiguous = True
+
+    def _tensor(self, x: np.ndarray, dtype: str, grad: bool = False, contiguous: bool = True):
         torch = _torch()
-        t = torch.from_numpy(x).to(_torch_dtype(dtype))
+        if contiguous or x.ndim < 2:
+            t = torch.from_numpy(np.ascontiguousarray(x)).to(_torch_dtype(dtype))
+            return t.requires_grad_(grad)
+        order = tuple(reversed(range(x.ndim)))  # store transposed, view back: same values, other strides
+        t = torch.from_numpy(np.ascontiguousarray(x.transpose(order))).to(_torch_dtype(dtype)).permute(order)
+        assert not t.is_contiguous()
         return t.requires_grad_(grad)
 
-    def _run(self, x, dtype):
+    def _run(self, x, dtype, contiguous: bool = True):
         torch = _torch()
         with torch.no_grad():
-            return _to_numpy(self.fn(self._tensor(x, dtype)))
+            return _to_numpy(self._apply(self._tensor(x, dtype, contiguous=contiguous), dtype))
+
+    def _apply(self, t, dtype):
+        return self.fn(t)
+
+    def call_noncontiguous(self, x, dtype="float64"):
+        from ..precision import dtype_name
+
+        x = np.asarray(x, dtype=np.float64)
+        self.calls += 1
+        return self._run(x, dtype_name(dtype), contiguous=False)
 
     def gradients(self, x, dy, dtype="float64"):
         torch = _torch()
@@ -120,10 +137,28 @@ class TorchModuleTarget(TorchFunctionTarget):
                 for b, s in zip(m.buffers(), saved, strict=True):
                     b.data.copy_(s)
 
-    def _run(self, x, dtype):
+    def _apply(self, t, dtype):
+        return self._call_module(self._copy(dtype), t)
+
+    def buffers_after_training_step(self, x):
         torch = _torch()
-        with torch.no_grad():
-            return _to_numpy(self._call_module(self._copy(dtype), self._tensor(x, dtype)))
+        m = self._copy("float64")
+        floating = [(n, b) for n, b in m.named_buffers() if torch.is_floating_point(b)]
+        if not floating:
+            return None
+        saved = {n: b.detach().clone() for n, b in m.named_buffers()}
+        was = m.training
+        self.calls += 1
+        try:
+            m.train(True)
+            with torch.no_grad():
+                m(self._tensor(np.asarray(x, dtype=np.float64), "float64"))
+            return {n: b.detach().double().numpy().copy() for n, b in floating}
+        finally:
+            m.train(was)
+            with torch.no_grad():
+                for n, b in m.named_buffers():
+                    b.copy_(saved[n])
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {n: p.detach().double().numpy().copy() for n, p in self._master.named_parameters()}

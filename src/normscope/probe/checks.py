@@ -1,0 +1,800 @@
+"""The acceptance battery: prove that an implementation honours an expected contract.
+
+Each finding compares the target with the float64 reference (and, at low precision, with the reference's
+emulation of a faithful implementation at that dtype). The tolerance is derived, not chosen: at dtype d
+an implementation passes when its error against the exact result is at most twice the error of a
+faithful implementation at d, plus a small atol (a few units of d's rounding). Every finding carries
+what it measured, what it expected and the tolerance it used.
+
+Sections, in the order the acceptance procedure gives them: hand case, invariances, degenerate and
+extreme inputs, dependency, affine broadcast, forward/backward against the reference, train/eval rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import reference
+from ..errors import InputError, NormscopeError, NotANormalization, TargetError
+from ..precision import UNIT_ROUNDOFF, Precision
+from ..spec import NormSpec, differences
+from ..targets import Target, as_target
+from ..targets.base import check_dtype_list
+from .groups import Groups
+
+SCHEMA = "normscope.check/1"
+HIDDEN_SIZES = (1, 3, 64, 123, 1000, 4097)
+Progress = Callable[[str], None]
+
+# small atol (units of the dtype's rounding × output scale) for invariance and dependency findings
+ATOL_UNITS = {"float64": 64, "float32": 16, "float16": 1, "bfloat16": 1}
+
+
+@dataclasses.dataclass
+class Finding:
+    """One check: pass, fail or skip, with the numbers behind the verdict."""
+
+    name: str
+    section: str
+    status: str  # pass · fail · skip
+    measured: Any = None
+    expected: Any = None
+    tolerance: Any = None
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _jsonable(v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass
+class Report:
+    target: str
+    expected: NormSpec
+    shape: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    findings: list[Finding]
+    params_source: str
+    calls: int
+    seconds: float
+    quick: bool
+    differences: list[str] = dataclasses.field(default_factory=list)
+    inferred: NormSpec | None = None
+    inference_error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(f.status != "fail" for f in self.findings)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == "fail"]
+
+    def counts(self) -> dict[str, int]:
+        out = {"pass": 0, "fail": 0, "skip": 0}
+        for f in self.findings:
+            out[f.status] += 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "target": self.target,
+            "ok": self.ok,
+            "expected": self.expected.to_dict(),
+            "expected_summary": self.expected.summary(),
+            "shape": list(self.shape),
+            "dtypes": list(self.dtypes),
+            "params_source": self.params_source,
+            "counts": self.counts(),
+            "findings": [f.to_dict() for f in self.findings],
+            "differences": self.differences,
+            "inferred": self.inferred.to_dict() if self.inferred else None,
+            "inference_error": self.inference_error,
+            "calls": self.calls,
+            "seconds": round(self.seconds, 3),
+            "quick": self.quick,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def text(self) -> str:
+        """Plain-text report (what ``assert_conforms`` raises with)."""
+        c = self.counts()
+        lines = [f"{self.target} vs {self.expected.summary()}: {c['pass']} passed, {c['fail']} failed, "
+                 f"{c['skip']} skipped"]
+        for f in self.findings:
+            if f.status == "fail":
+                lines.append(f"  FAIL {f.section}/{f.name}: {f.why} (measured {_short(f.measured)}, expected "
+                             f"{_short(f.expected)}, tolerance {_short(f.tolerance)})")
+        for d in self.differences:
+            lines.append(f"  contract difference: {d}")
+        return "\n".join(lines)
+
+    def to_junit(self, path: str | Path) -> None:
+        """JUnit XML, one testcase per finding, for CI systems."""
+        c = self.counts()
+        suite = ET.Element("testsuite", name=f"normscope check {self.target}", tests=str(len(self.findings)),
+                           failures=str(c["fail"]), skipped=str(c["skip"]), time=f"{self.seconds:.3f}")
+        for f in self.findings:
+            case = ET.SubElement(suite, "testcase", classname=f"normscope.{f.section}", name=f.name)
+            detail = (f"measured: {_short(f.measured)}; expected: {_short(f.expected)}; tolerance: "
+                      f"{_short(f.tolerance)}")
+            if f.status == "fail":
+                el = ET.SubElement(case, "failure", message=f.why)
+                el.text = detail + ("\n" + "\n".join(self.differences) if self.differences else "")
+            elif f.status == "skip":
+                ET.SubElement(case, "skipped", message=f.why)
+            else:
+                ET.SubElement(case, "system-out").text = detail
+        ET.ElementTree(ET.Element("testsuites")).getroot().append(suite)
+        tree = ET.ElementTree(suite)
+        ET.indent(tree)
+        tree.write(str(path), encoding="utf-8", xml_declaration=True)
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_short(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_short(x) for x in v[:8]) + (", …" if len(v) > 8 else "") + "]"
+    return str(v)
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, np.ndarray):
+        return _jsonable(v.tolist())
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def _expand(values, shape, spec: NormSpec) -> np.ndarray:
+    axes = spec.resolve_param_axes(len(shape))
+    full = [1] * len(shape)
+    for a in axes:
+        full[a] = shape[a]
+    return np.asarray(values, dtype=np.float64).reshape(full)
+
+
+def _same_parameter(exposed: np.ndarray, recovered: np.ndarray, proportional: bool) -> bool:
+    """Whether a recovered γ (up to a scale near 1: a wrong variance estimator hides there) or β is this one."""
+    if not proportional:
+        return bool(np.allclose(exposed, recovered, rtol=1e-3, atol=1e-3))
+    denom = float(np.dot(exposed.ravel(), exposed.ravel()))
+    if denom == 0:
+        return bool(np.allclose(recovered, 0, atol=1e-3))
+    c = float(np.dot(exposed.ravel(), recovered.ravel())) / denom
+    resid = float(np.max(np.abs(recovered - c * exposed))) / max(float(np.max(np.abs(recovered))), 1e-300)
+    return 0.5 < c < 2 and resid < 1e-3
+
+
+def resolve_expected(expect, eps: float | None = None) -> NormSpec:
+    """A NormSpec from a NormSpec, a preset name or a path to a spec JSON file."""
+    if isinstance(expect, NormSpec):
+        spec = expect
+    elif isinstance(expect, str | Path) and (str(expect).endswith(".json") or Path(str(expect)).is_file()):
+        path = Path(expect)
+        if not path.is_file():
+            raise InputError(f"no such spec file: {path}")
+        spec = NormSpec.from_json(path.read_text())
+    elif isinstance(expect, str):
+        spec = NormSpec.preset(expect)
+    else:
+        raise InputError(f"expect must be a NormSpec, a preset name or a spec JSON path; got {type(expect).__name__}")
+    return spec.replace(eps=eps) if eps is not None else spec
+
+
+# ------------------------------------------------------------------------------------------------------
+class _Battery:
+    def __init__(self, target: Target, spec: NormSpec, shape, dtypes, quick: bool, seed: int, progress):
+        self.t = target
+        self.spec = spec
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+        self.quick = quick
+        self.rng = np.random.default_rng(seed)
+        self.progress = progress or (lambda _m: None)
+        self.findings: list[Finding] = []
+        allowed = dtypes or ("float32", "float16", "bfloat16")
+        self.accepted = tuple(d for d in allowed if target.accepts(d, self.shape))
+        if not self.accepted and dtypes is None and target.accepts("float64", self.shape):
+            self.accepted = ("float64",)
+        if not self.accepted:
+            reasons = "; ".join(f"{d}: {target.rejection(d)}" for d in allowed)
+            raise TargetError(f"{target.description} ran on none of the dtypes tried ({reasons})")
+        # Contracts are stated for the dtypes models run in: float32 leads; float64 only when asked for
+        # (some implementations change at float64, e.g. torch RMSNorm's eps=None becomes finfo(float64).eps).
+        self.dtype = "float32" if "float32" in self.accepted else (
+            "float64" if "float64" in self.accepted else self.accepted[0])
+        try:
+            spec.resolve_axes(self.ndim)
+            spec.resolve_param_axes(self.ndim)
+            self.groups = Groups.build(self.shape, spec.resolve_axes(self.ndim), spec.groups,
+                                       spec.resolve_group_axis(self.ndim))
+        except NormscopeError as exc:
+            raise InputError(f"the expected contract does not fit shape {self.shape}: {exc}") from None
+        self.params: dict[str, np.ndarray] = {}
+        self.param_names: dict[str, str] = {}
+        self.params_source = ""
+        self.param_dtype: str | None = None
+
+    # -------------------------------------------------------------- helpers
+    def add(self, name, section, status, measured=None, expected=None, tolerance=None, why="") -> Finding:
+        finding = Finding(name, section, status, measured, expected, tolerance, why)
+        self.findings.append(finding)
+        return finding
+
+    def ref(self, x, dtype=None, spec=None, **kw):
+        spec = spec or self.spec
+        with np.errstate(all="ignore"):
+            return reference.forward(x, spec, gamma=self.params.get("gamma"), beta=self.params.get("beta"),
+                                     running_mean=self.params.get("running_mean"),
+                                     running_var=self.params.get("running_var"),
+                                     dtype=None if dtype in (None, "float64") else dtype, **kw)
+
+    def emulate(self, x, dtype, spec=None):
+        """The faithful output at ``dtype``; γ/β stored at the input dtype or fp32, whichever the target uses."""
+        if dtype == "float64":
+            return self.ref(x, spec=spec)
+        return self.ref(x, dtype, spec=spec, param_dtype=self.param_dtype)
+
+    def atol(self, dtype, scale):
+        return ATOL_UNITS[dtype] * UNIT_ROUNDOFF[dtype] * max(1.0, scale)
+
+    def error_bound(self, x, dtype, exact, spec=None) -> np.ndarray:
+        """Per-element error a faithful implementation may add beyond its output rounding.
+
+        Statistics accumulated in the compute dtype c (fp32, or the input dtype) err by ~k·u(c)·max|x|, and
+        the normalization amplifies that by 1/denominator: k·u(c)·(max|x| in the group / denominator)·|γ|
+        + k·u(c)·|β|, with k = 2·log2(group size) + 8 (pairwise summation), plus 4·u(dtype)·|y|.
+        """
+        spec = spec or self.spec
+        c = dtype
+        if spec.stats_dtype == "float32" and dtype in ("float16", "bfloat16"):
+            c = "float32"
+        uc, ud = UNIT_ROUNDOFF[c], UNIT_ROUNDOFF[dtype]
+        g = Groups.build(x.shape, spec.resolve_axes(x.ndim), spec.groups, spec.resolve_group_axis(x.ndim))
+        k = 2 * math.log2(max(g.size, 2)) + 8
+        gmax = np.zeros(g.count)
+        np.maximum.at(gmax, g.labels.ravel(), np.abs(x).ravel())
+        with np.errstate(all="ignore"):
+            st = reference.statistics(x, spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0),
+                                      running_mean=self.params.get("running_mean"),
+                                      running_var=self.params.get("running_var"))
+            gain = g.spread(gmax) / st.denom
+        lay_g = self.params.get("gamma") if spec.gamma else None
+        lay_b = self.params.get("beta") if spec.beta else None
+        gam = np.abs(_expand(lay_g, x.shape, spec) + spec.gamma_offset) if lay_g is not None else 1.0
+        bet = np.abs(_expand(lay_b, x.shape, spec)) if lay_b is not None else 0.0
+        return k * uc * (gain * gam + bet) + 4 * ud * np.abs(exact)
+
+    def compare(self, name, section, x, dtype, why, run=None, spec=None):
+        """Target vs reference at ``dtype``: |error| ≤ 2 × faithful error + bound, element by element."""
+        x = Precision(dtype).round(x).astype(np.float64)
+        y = (run or self.t)(x, dtype)
+        exact = self.ref(x, spec=spec)
+        emul = self.emulate(x, dtype, spec=spec)
+        with np.errstate(all="ignore"):
+            scale = float(np.nanmax(np.abs(exact))) if np.isfinite(exact).any() else 1.0
+            faithful = np.abs(emul - exact)
+        if not np.all(np.isfinite(emul)) or not np.all(np.isfinite(exact)):
+            if np.array_equal(np.isfinite(y), np.isfinite(emul)):
+                return self.add(name, section, "skip", None, None, None,
+                                f"{why}: the contract itself is not finite here at {dtype}; the target agrees")
+            return self.add(name, section, "skip", int((~np.isfinite(y)).sum()), int((~np.isfinite(emul)).sum()),
+                            None, f"{why}: the contract itself overflows or is undefined at {dtype}")
+        if float(faithful.max()) > 0.5 * max(scale, 1e-300) and dtype != "float64":
+            return self.add(name, section, "skip", None, float(faithful.max()), None,
+                            f"{why}: a faithful {dtype} implementation itself errs by {float(faithful.max()):.3g} "
+                            "here")
+        bound = 2 * faithful + self.error_bound(x, dtype, exact, spec)
+        with np.errstate(all="ignore"):
+            err = np.abs(y - exact)
+            if not np.all(np.isfinite(y)):
+                bad = int((~np.isfinite(y)).sum())
+                return self.add(name, section, "fail", math.inf, 0.0, float(bound.max()),
+                                f"{why} at {dtype}: {bad} non-finite outputs where the contract is finite")
+            ratio = np.where(err == 0, 0.0, err / bound)
+        worst = int(np.argmax(ratio))
+        status = "pass" if float(ratio.max()) <= 1.0 else "fail"
+        e, b = float(err.ravel()[worst]), float(bound.ravel()[worst])
+        return self.add(name, section, status, float(err.max()), 0.0, b,
+                        f"{why} ({dtype}; worst element {e:.3g} vs 2 × faithful "
+                        f"{float(faithful.ravel()[worst]):.2g} + accumulation bound)")
+
+    def pattern(self):
+        return self.groups.pattern(self.rng)
+
+    # -------------------------------------------------------------- parameters
+    def resolve_params(self):
+        """γ/β (and running statistics) from the target when exposed, else recovered by probing."""
+        spec = self.spec
+        pshape = reference.param_shape(self.shape, spec)
+        exposed = self.t.parameters()
+        buffers = self.t.buffers()
+        recovered = self._recover_affine(pshape)
+        sources = []
+        for field in ("gamma", "beta"):
+            if not getattr(spec, field):
+                continue
+            match = None
+            target_values = recovered.get(field)
+            for name, values in exposed.items():
+                if values.size != int(np.prod(pshape)) or name in self.param_names.values():
+                    continue
+                v = values.reshape(pshape)
+                if target_values is not None and _same_parameter(v, target_values, proportional=field == "gamma"):
+                    match = name
+                    break
+            if match is not None:
+                self.params[field] = exposed[match].reshape(pshape)
+                self.param_names[field] = match
+                sources.append(f"{'γ' if field == 'gamma' else 'β'} from the target's parameter {match!r}")
+            elif target_values is not None:
+                self.params[field] = target_values
+                sources.append(f"{'γ' if field == 'gamma' else 'β'} recovered by probing")
+        if spec.batch_stats == "running":
+            for field in ("running_mean", "running_var"):
+                if field in buffers:
+                    self.params[field] = buffers[field]
+                    sources.append(f"{field} from the target's buffer")
+            if "running_var" not in self.params:
+                raise TargetError("the contract uses running statistics but the target exposes no running_mean/"
+                                  "running_var buffers; check it against the training contract instead")
+        self.params_source = "; ".join(sources) or "no affine parameters"
+
+    def _affine_full(self) -> tuple[np.ndarray, np.ndarray]:
+        """γ (effective) and β at every position from ±a·u under the expected axes, two patterns."""
+        a = 1e3
+        gam = np.zeros(self.shape)
+        bet = np.zeros(self.shape)
+        best = np.zeros(self.shape)
+        base = self.spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0, batch_stats=None)
+        for u in (self.pattern(), self.pattern()):
+            yp, ym = self.t(a * u, self.dtype), self.t(-a * u, self.dtype)
+            xhat = reference.forward(a * u, base)
+            with np.errstate(all="ignore"):
+                g = (yp - ym) / (2 * xhat)
+            take = np.abs(u) > best
+            gam = np.where(take, g, gam)
+            bet = np.where(take, (yp + ym) / 2, bet)
+            best = np.maximum(best, np.abs(u))
+        return gam, bet
+
+    def _recover_affine(self, pshape) -> dict[str, np.ndarray]:
+        """γ, β from ±a·u: β = (y₊+y₋)/2, γ = (y₊−y₋)/2x̂ with x̂ from the reference."""
+        spec = self.spec
+        if not (spec.gamma or spec.beta):
+            return {}
+        gam, bet = self._affine_full()
+        self._affine_maps = (gam, bet)
+        pidx = spec.resolve_param_axes(self.ndim)
+        take = tuple(slice(None) if ax in pidx else 0 for ax in range(self.ndim))
+        out = {}
+        if spec.gamma:
+            out["gamma"] = gam[take].reshape(pshape) - spec.gamma_offset
+        if spec.beta:
+            out["beta"] = bet[take].reshape(pshape)
+        return out
+
+    # -------------------------------------------------------------- 1. hand case
+    def hand_case(self):
+        g = self.groups
+        flat = g.labels.ravel()
+        order = np.argsort(flat, kind="stable")
+        rank = np.empty(flat.size, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=g.count))[:-1]])
+        rank[order] = np.arange(flat.size) - starts[flat[order]]
+        x = np.array([1.0, 2.0, 3.0])[rank % 3].reshape(self.shape)
+        stats = reference.statistics(x, self.spec.replace(batch_stats=None)
+                                     if self.spec.batch_stats == "running" else self.spec,
+                                     running_mean=self.params.get("running_mean"),
+                                     running_var=self.params.get("running_var"))
+        first = g.labels == 0
+        kind = "mean square" if not self.spec.center else "variance"
+        stages = {"mean": float(stats.mean[first][0]), kind: float(stats.var[first][0]),
+                  "denominator": float(stats.denom[first][0]),
+                  "normalized": [float(v) for v in stats.xhat[first][:3]]}
+        note = "" if g.size % 3 == 0 else f" (group size {g.size} is not a multiple of 3: stages differ from the text)"
+        f = self.compare("hand case [1, 2, 3]", "hand", x, self.dtype,
+                         "every group holds [1, 2, 3, 1, 2, 3, …]" + note)
+        f.expected = {"stages": stages}
+
+    # -------------------------------------------------------------- 2. invariances
+    def invariances(self):
+        x = self.pattern() * 10 + self.rng.normal(size=self.shape)
+        d = self.dtype
+        y = self.t(x, d)
+        for a in (5.0,):
+            ys = self.t(a * x, d)
+            ref_change = float(np.max(np.abs(self.ref(a * x) - self.ref(x))))
+            change = float(np.max(np.abs(ys - y)))
+            tol = ref_change + self.atol(d, float(np.max(np.abs(y))))
+            self.add(f"scale × {a:g}", "invariance", "pass" if abs(change - ref_change) <= tol else "fail",
+                     change, ref_change, tol,
+                     f"multiplying the input by {a:g} moved the output by {change:.3g}; the contract moves it by "
+                     f"{ref_change:.3g} (only ε breaks exact invariance)")
+        shift = 3 * float(np.std(x))
+        ys = self.t(x + shift, d)
+        ref_change = float(np.max(np.abs(self.ref(x + shift) - self.ref(x))))
+        change = float(np.max(np.abs(ys - y)))
+        scale = float(np.max(np.abs(y)))
+        if self.spec.center:
+            tol = self.atol(d, scale) * 4
+            ok = change <= ref_change + tol
+            why = f"adding {shift:.3g} to every input moved the output by {change:.3g}; a centred norm must not move"
+        else:
+            tol = 0.01 * ref_change + self.atol(d, scale)
+            ok = abs(change - ref_change) <= tol
+            why = (f"adding {shift:.3g} to every input moved the output by {change:.3g}; an RMS norm must move by "
+                   f"{ref_change:.3g}")
+        self.add("common shift", "invariance", "pass" if ok else "fail", change, ref_change, tol, why)
+
+    # -------------------------------------------------------------- 3. degenerate and extreme
+    def extremes(self):
+        g, d = self.groups, self.dtype
+        const = g.spread(self.rng.uniform(-3, 3, size=g.count)) * np.ones(self.shape)
+        self.compare("constant vector", "extreme", const, d, "every group constant (variance 0)")
+        zero = np.zeros(self.shape)
+        if self.spec.eps_placement == "none":
+            y = self.t(zero, d)
+            self.add("zero vector", "extreme", "skip", int((~np.isfinite(y)).sum()), None, None,
+                     "the contract has no ε: 0/0 is undefined for a zero vector")
+        else:
+            f = self.compare("zero vector", "extreme", zero, d, "all zeros: finite and equal to β")
+            f.expected = "β"
+        u = self.pattern()
+        for v in sorted({1e-12, *( [self.spec.eps * 0.01] if self.spec.eps > 0 else [])}):
+            x = 1.0 + math.sqrt(v) * u
+            f = self.compare(f"tiny variance {v:.3g}", "extreme", x, d,
+                             f"variance {v:.3g}: the gain is capped as ε and its placement say")
+            base = self.spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0, batch_stats=None)
+            with np.errstate(all="ignore"):
+                gain = float(np.std(reference.forward(x, base)) / max(float(np.std(x - np.mean(x))), 1e-300))
+            f.expected = {"gain": gain, "no-ε gain": 1 / math.sqrt(v)}
+        for dt, scale in (("float16", 3e4), ("bfloat16", 1e37), ("float32", 1e18)):
+            if dt in self.accepted:
+                self.compare(f"large values {scale:g}", "extreme", scale * self.pattern() + 0.1 * scale, dt,
+                             f"values near {scale:g}: squares overflow {dt} unless statistics are wider")
+        offset = 1e8 if d == "float64" else 1e4
+        self.compare(f"offset {offset:g} + small spread", "extreme", offset + self.pattern(), d,
+                     "a large common offset with unit spread (one-pass variance cancels)")
+        self.nonfinite()
+
+    def nonfinite(self):
+        g, d = self.groups, self.dtype
+        x = self.pattern() * 3
+        y0 = self.t(x, d)
+        p = tuple(0 for _ in self.shape)
+        own = g.labels == g.labels[p]
+        for bad in (math.nan, math.inf):
+            xb = x.copy()
+            xb[p] = bad
+            y = self.t(xb, d)
+            outside = ~own
+            leaked = int((~np.isfinite(y[outside])).sum() + (y[outside] != y0[outside]).sum())
+            self.add(f"{bad} confined to its group", "extreme", "pass" if leaked == 0 else "fail", leaked, 0, 0,
+                     f"one {bad} input changed {leaked} outputs outside its normalization group")
+
+    # -------------------------------------------------------------- 4. dependency
+    def dependency(self):
+        g, d = self.groups, self.dtype
+        p = tuple(0 for _ in self.shape)
+        own = g.labels == g.labels[p]
+        x = self.pattern() * 3
+        for axis, label in ((0, "other batch items"), (self.ndim - 2, "other tokens")):
+            if axis < 0 or self.shape[axis] < 2 or (axis == 0 and label == "other tokens"):
+                self.add(f"{label} changed", "dependency", "skip", why=f"axis {axis} has size 1 at this shape")
+                continue
+            x2 = x.copy()
+            idx = np.indices(self.shape)[axis]
+            change_mask = idx != 0
+            x2[change_mask] = self.rng.normal(size=int(change_mask.sum())) * 3
+            moved = float(np.max(np.abs(self.t(x2, d)[own] - self.t(x, d)[own])))
+            ref_moved = float(np.max(np.abs(self.ref(x2)[own] - self.ref(x)[own])))
+            scale = float(np.max(np.abs(self.ref(x))))
+            tol = 0.01 * ref_moved + self.atol(d, scale)
+            ok = abs(moved - ref_moved) <= tol
+            self.add(f"{label} changed", "dependency", "pass" if ok else "fail", moved, ref_moved, tol,
+                     f"changing {label} (axis {axis}) moved the fixed position's group by {moved:.3g}; the contract "
+                     f"moves it by {ref_moved:.3g}")
+
+    # -------------------------------------------------------------- 5. affine broadcast
+    def affine(self):
+        spec = self.spec
+        if not (spec.gamma or spec.beta):
+            self.add("γ/β broadcast", "affine", "skip", why="the contract has no affine parameters")
+            return
+        pshape = reference.param_shape(self.shape, spec)
+        expected_axes = list(spec.resolve_param_axes(self.ndim))
+        with self.t.perturbed_parameters(self.rng) as values:
+            if values:
+                source = "distinct random γ/β in a private copy"
+                truth = {f: values[n].reshape(pshape) for f, n in self.param_names.items() if n in values}
+                gam, bet = self._affine_full()
+            else:
+                source = "the target's own γ/β"
+                truth = {}
+                gam, bet = self._affine_maps
+        for field, full in (("gamma", gam), ("beta", bet)):
+            if not getattr(spec, field):
+                continue
+            scale = max(float(np.max(np.abs(full))), 1.0)
+            tol = 1e-6 * scale if self.dtype == "float64" else 1e-3 * scale
+            varies = [a for a in range(self.ndim)
+                      if np.max(np.abs(full - full.mean(axis=a, keepdims=True))) > tol]
+            offset = spec.gamma_offset if field == "gamma" else 0.0
+            extra = sorted(set(varies) - set(expected_axes))
+            ok = not extra
+            measured: dict[str, Any] = {"varies_along": varies}
+            if field in truth and ok:
+                take = tuple(slice(None) if a in expected_axes else 0 for a in range(self.ndim))
+                err = float(np.max(np.abs(full[take].reshape(pshape) - (truth[field] + offset))))
+                measured["max_error_vs_parameter"] = err
+                ok = err <= tol
+            sym = "γ" if field == "gamma" else "β"
+            self.add(f"{sym} along {expected_axes}", "affine", "pass" if ok else "fail", measured,
+                     {"varies_along ⊆": expected_axes}, tol,
+                     f"{source}: {sym} varies along axes {varies}; the contract indexes it by {expected_axes}")
+
+    # -------------------------------------------------------------- 6. forward / backward
+    def shapes(self) -> Iterator[tuple[int, ...]]:
+        """The probe shape, leading sizes 1 and odd, and hidden sizes where no parameter fixes them."""
+        yield self.shape
+        lead = [a for a in range(self.ndim) if a not in self.spec.resolve_axes(self.ndim)]
+        for sizes in ((1,), (3,)) if not self.quick else ((1,),):
+            s = list(self.shape)
+            for a in lead:
+                s[a] = sizes[0]
+            if tuple(s) != self.shape:
+                yield tuple(s)
+        if self.quick:
+            return
+        fixed = set(self.spec.resolve_param_axes(self.ndim)) | {
+            a for a in range(self.ndim) if self.spec.groups is not None and a == self.spec.resolve_group_axis(self.ndim)}
+        free = [a for a in self.spec.resolve_axes(self.ndim) if a not in fixed and a != 0]
+        if free:
+            a = free[-1]
+            for h in HIDDEN_SIZES:
+                if h == self.shape[a] or (self.spec.center and h == 1):
+                    continue
+                s = list(self.shape)
+                s[a] = h
+                yield tuple(s)
+
+    def forward_grid(self):
+        dtypes = self.accepted if not self.quick else tuple(dict.fromkeys([self.dtype, *(
+            d for d in ("bfloat16",) if d in self.accepted)]))
+        skipped_sizes = []
+        for shape in self.shapes():
+            try:
+                sub = _Battery.__new__(_Battery)
+                sub.__dict__.update(self.__dict__)
+                sub.shape, sub.findings = shape, self.findings
+                sub.groups = Groups.build(shape, self.spec.resolve_axes(self.ndim), self.spec.groups,
+                                          self.spec.resolve_group_axis(self.ndim))
+            except NormscopeError:
+                continue
+            for d in dtypes:
+                x = self.rng.normal(size=shape) * 2 + 0.5
+                try:
+                    sub.compare(f"forward {shape} {d}", "reference", x, d, f"random input of shape {shape}")
+                except TargetError as exc:
+                    if shape != self.shape:
+                        skipped_sizes.append(shape)
+                        break
+                    raise exc
+                self.progress(f"forward {shape} {d}")
+        if skipped_sizes:
+            self.add("other shapes", "reference", "skip", [list(s) for s in dict.fromkeys(skipped_sizes)],
+                     why="the target does not accept these shapes (sizes fixed by the implementation)")
+        if self.t.supports_noncontiguous:
+            x = self.rng.normal(size=self.shape)
+            for d in dtypes[:2]:
+                self.compare(f"non-contiguous input {d}", "reference", x, d, "a strided (transposed) view",
+                             run=self.t.call_noncontiguous)
+        self.precision_order()
+
+    def precision_order(self):
+        """At bf16/fp16 the target must sit closer to its contract's rounding than to the other order's."""
+        spec = self.spec
+        pshape = reference.param_shape(self.shape, spec)
+        for d in ("bfloat16", "float16"):
+            if d not in self.accepted or spec.stats_dtype != "float32":
+                continue
+            x = Precision(d).round(self.rng.normal(size=self.shape) * 3).astype(np.float64)
+            saved = self.params
+            with self.t.perturbed_parameters(self.rng) as values:  # distinct γ/β make the order observable
+                if values:
+                    self.params = {**saved, **{f: values[n].reshape(pshape) for f, n in self.param_names.items()
+                                               if n in values}}
+                try:
+                    y = self.t(x, d)
+                    ulp = np.maximum(np.abs(y), 1e-30) * UNIT_ROUNDOFF[d] * 2
+
+                    def dev(s, y=y, x=x, d=d, ulp=ulp):
+                        return float(np.nanmean(np.abs(y - self.emulate(x, d, spec=s)) / ulp))
+
+                    mine = dev(spec)
+                    others = {"statistics in the input dtype": dev(spec.replace(stats_dtype="input"))}
+                    g = self.params.get("gamma")
+                    identity = g is None or np.allclose(g + spec.gamma_offset, 1.0)
+                    if (spec.gamma or spec.beta) and not (identity and not np.any(self.params.get("beta", 0))):
+                        flip = "scale_then_cast" if spec.affine_order == "cast_then_scale" else "cast_then_scale"
+                        others[flip.replace("_", " ")] = dev(spec.replace(affine_order=flip))
+                finally:
+                    self.params = saved
+            nearest = min(others.values())
+            ok = mine <= nearest + 0.02
+            self.add(f"rounding at {d}", "reference", "pass" if ok else "fail", mine, others, 0.02,
+                     f"mean distance (ulps) to the contract's {d} rounding {mine:.3g}, to the nearest other "
+                     f"contract's {nearest:.3g}" + ("" if values else " (the target's own γ/β)"))
+
+    def backward_grid(self):
+        if not self.t.differentiable:
+            self.add("backward", "reference", "skip", why=f"{self.t.framework} targets expose no gradients here")
+            return
+        import torch
+
+        from ..nn import Norm
+
+        dtypes = self.accepted if not self.quick else (self.dtype,)
+        x = self.rng.normal(size=self.shape) * 2 + 0.5
+        dy = self.rng.normal(size=self.shape)
+        spec = self.spec
+        kw = {k: self.params.get(k) for k in ("gamma", "beta")}
+        dx_ref, dg_ref, db_ref = reference.backward(x, dy, spec, **kw, running_mean=self.params.get("running_mean"),
+                                                    running_var=self.params.get("running_var"))
+        pshape = reference.param_shape(self.shape, spec)
+        faithful = Norm(spec, pshape if (spec.gamma or spec.beta) else (), momentum=0.0)
+        with torch.no_grad():
+            for field, attr in (("gamma", "weight"), ("beta", "bias")):
+                if getattr(faithful, attr) is not None and field in self.params:
+                    getattr(faithful, attr).copy_(torch.from_numpy(self.params[field]))
+            if spec.batch_stats is not None and "running_var" in self.params:
+                faithful.running_mean.copy_(torch.from_numpy(self.params["running_mean"]))
+                faithful.running_var.copy_(torch.from_numpy(self.params["running_var"]))
+        faithful.train(spec.batch_stats != "running")
+        for d in dtypes:
+            xd = Precision(d).round(x).astype(np.float64)
+            try:
+                dx, pgrads = self.t.gradients(xd, dy, d)
+            except TargetError as exc:
+                self.add(f"backward {d}", "reference", "skip", why=str(exc))
+                continue
+            dx_ref_d = reference.backward(xd, dy, spec, **kw, running_mean=self.params.get("running_mean"),
+                                          running_var=self.params.get("running_var"))
+            m = faithful.to(getattr(torch, d))
+            xt = torch.from_numpy(xd).to(getattr(torch, d)).requires_grad_(True)
+            m.zero_grad()
+            m(xt).backward(torch.from_numpy(dy).to(getattr(torch, d)))
+            fdx = xt.grad.double().numpy()
+            grads = {"dx": (dx, dx_ref_d[0], fdx)}
+            for field, attr, ref_g in (("gamma", "weight", dx_ref_d[1]), ("beta", "bias", dx_ref_d[2])):
+                name = self.param_names.get(field)
+                if ref_g is not None and name in pgrads:
+                    grads[f"d{field}"] = (pgrads[name].reshape(ref_g.shape), ref_g,
+                                          getattr(m, attr).grad.double().numpy().reshape(ref_g.shape))
+            for label, (got, exact, faith) in grads.items():
+                scale = float(np.max(np.abs(exact)))
+                fe = float(np.max(np.abs(faith - exact)))
+                tol = 2 * fe + self.atol(d, scale) * (1 if d == "float64" else 4)
+                err = float(np.max(np.abs(got - exact))) if np.all(np.isfinite(got)) else math.inf
+                self.add(f"backward {label} {d}", "reference", "pass" if err <= tol else "fail", err, 0.0, tol,
+                         f"{label} at {d}: max |target − analytic| {err:.3g} vs bound {tol:.3g} (2 × a faithful "
+                         f"{d} module's {fe:.3g} + atol)")
+        faithful.double()
+        del dx_ref, dg_ref, db_ref
+
+    # -------------------------------------------------------------- 7. train / eval
+    def modes(self):
+        spec = self.spec
+        if spec.batch_stats is None:
+            return
+        if not self.t.has_modes:
+            self.add("train/eval rules", "modes", "skip", why="the target has no train/eval modes")
+            return
+        x = self.rng.normal(size=self.shape) * 2 + 1
+        with self.t.mode(True):
+            self.compare("training uses batch statistics", "modes", x, self.dtype, "train mode",
+                         spec=spec.replace(batch_stats="batch"))
+        before = self.t.buffers()
+        after = self.t.buffers_after_training_step(x)
+        if not after or "running_mean" not in after:
+            self.add("running statistics update", "modes", "skip", why="the target exposes no running buffers")
+        else:
+            lay_axes = spec.resolve_axes(self.ndim)
+            mean = x.mean(axis=lay_axes)
+            var_u = x.var(axis=lay_axes, ddof=1)
+            var_b = x.var(axis=lay_axes)
+            rm0, rv0 = before["running_mean"].ravel(), before["running_var"].ravel()
+            rm1, rv1 = after["running_mean"].ravel(), after["running_var"].ravel()
+            with np.errstate(all="ignore"):
+                m_mean = np.median((rm1 - rm0) / (mean.ravel() - rm0))
+                m_var_u = np.median((rv1 - rv0) / (var_u.ravel() - rv0))
+                m_var_b = np.median((rv1 - rv0) / (var_b.ravel() - rv0))
+            ok = abs(m_var_u - m_mean) <= 1e-6 + 1e-4 * abs(m_mean)
+            self.add("running statistics update", "modes", "pass" if ok else "fail",
+                     {"momentum_from_mean": m_mean, "momentum_from_var_unbiased": m_var_u,
+                      "momentum_from_var_biased": m_var_b}, "equal momenta with the unbiased variance", 1e-4,
+                     "running_mean and running_var must move by one momentum, the variance unbiased (÷(n−1))")
+        if "running_var" in self.params or "running_var" in before:
+            eval_spec = spec.replace(batch_stats="running")
+            saved = dict(self.params)
+            self.params.update({k: before[k] for k in ("running_mean", "running_var") if k in before})
+            with self.t.mode(False):
+                self.compare("evaluation uses running statistics", "modes", x, self.dtype, "eval mode",
+                             spec=eval_spec)
+            self.params = saved
+
+
+def check(
+    target,
+    *,
+    expect,
+    shape,
+    framework: str | None = None,
+    dtypes=None,
+    quick: bool = False,
+    eps: float | None = None,
+    seed: int = 0,
+    explain_failures: bool = True,
+    progress: Progress | None = None,
+) -> Report:
+    """Run the acceptance battery of ``target`` against the expected contract.
+
+    ``expect``: a NormSpec, a preset name or a spec JSON path (``eps`` overrides its ε). Returns a
+    :class:`Report`; when a finding fails, the report also carries the inferred contract and its
+    differences from the expected one, in plain words.
+    """
+    started = time.perf_counter()
+    spec = resolve_expected(expect, eps)
+    t = as_target(target, framework)
+    shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
+    calls_before = t.calls
+    mode = {"batch": True, "running": False}.get(spec.batch_stats or "", t.training)
+    b = _Battery(t, spec, shape, check_dtype_list(dtypes), quick, seed, progress)
+    sections = [("parameters", b.resolve_params), ("hand case", b.hand_case), ("invariances", b.invariances),
+                ("degenerate and extreme inputs", b.extremes), ("dependency", b.dependency),
+                ("affine broadcast", b.affine), ("forward vs reference", b.forward_grid),
+                ("backward vs reference", b.backward_grid)]
+    with t.mode(bool(mode)):
+        for label, step in sections:
+            b.progress(label)
+            step()
+    b.progress("train/eval rules")
+    b.modes()
+    report = Report(target=t.description, expected=spec, shape=shape, dtypes=b.accepted, findings=b.findings,
+                    params_source=b.params_source, calls=t.calls - calls_before,
+                    seconds=time.perf_counter() - started, quick=quick)
+    if not report.ok and explain_failures:
+        b.progress("a finding failed: inferring the contract to explain it")
+        from .infer import infer
+
+        try:
+            inferred = infer(t, shape=shape, dtypes=dtypes, seed=seed)
+            report.inferred = inferred.spec
+            report.differences = differences(inferred.spec, spec, len(shape))
+        except (NotANormalization, NormscopeError) as exc:
+            report.inference_error = str(exc)
+        report.calls = t.calls - calls_before
+        report.seconds = time.perf_counter() - started
+    return report

@@ -1,0 +1,195 @@
+"""The acceptance battery: real implementations pass their presets, every wrong one fails the right finding."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+import torch
+import zoo
+
+from normscope import NormSpec, check
+from normscope.testing import assert_conforms
+
+SHAPE = (2, 8, 64)
+IMAGE = (2, 4, 5, 5)
+
+
+def failed(report) -> set[str]:
+    return {f"{f.section}/{f.name}" for f in report.findings if f.status == "fail"}
+
+
+def assert_passes(report):
+    assert report.ok, report.text()
+    assert report.counts()["pass"] >= 15
+
+
+# ---------------------------------------------------------------------------------------------- real ones
+@pytest.mark.parametrize("make, preset, shape, overrides", [
+    (lambda: torch.nn.LayerNorm(64), "torch_layernorm", SHAPE, {}),
+    (lambda: zoo.randomize(torch.nn.LayerNorm(64)), "torch_layernorm", SHAPE, {}),
+    (lambda: torch.nn.RMSNorm(64), "torch_rmsnorm", SHAPE, {}),
+    (lambda: zoo.randomize(torch.nn.GroupNorm(2, 4)), "torch_groupnorm", IMAGE, {"groups": 2}),
+    (lambda: torch.nn.LayerNorm(64, eps=1e-12), "bert_layernorm", SHAPE, {}),
+], ids=["layernorm", "layernorm-random", "rmsnorm", "groupnorm", "bert"])
+def test_real_implementations_pass_their_preset(make, preset, shape, overrides):
+    assert_passes(check(make(), expect=NormSpec.preset(preset, **overrides), shape=shape))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "t5"])
+def test_hugging_face_norms_pass_their_presets(name):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    cls, preset = {"llama": (LlamaRMSNorm, "llama_rmsnorm"), "gemma": (GemmaRMSNorm, "gemma_rmsnorm"),
+                   "t5": (T5LayerNorm, "t5_layernorm")}[name]
+    assert_passes(check(zoo.randomize(cls(64, eps=1e-6)), expect=preset, shape=SHAPE))
+
+
+def test_batchnorm_train_and_eval_rules():
+    bn = zoo.randomize(torch.nn.BatchNorm2d(4))
+    r = check(bn, expect=NormSpec.preset("torch_batchnorm", stats_dtype="input"), shape=IMAGE)
+    assert_passes(r)
+    names = {f.name: f for f in r.findings if f.section == "modes"}
+    assert names["running statistics update"].status == "pass"
+    assert names["running statistics update"].measured["momentum_from_mean"] == pytest.approx(0.1)
+    assert names["evaluation uses running statistics"].status == "pass"
+
+
+def test_batchnorm_with_biased_running_variance_fails_the_update_rule():
+    class BiasedRunningBN(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            if self.training:
+                with torch.no_grad():
+                    mean, var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+                    self.running_mean.mul_(0.9).add_(0.1 * mean)
+                    self.running_var.mul_(0.9).add_(0.1 * var)
+                return torch.nn.functional.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            return super().forward(x)
+
+    r = check(BiasedRunningBN(4), expect=NormSpec.preset("torch_batchnorm", stats_dtype="input"), shape=IMAGE,
+              quick=True, explain_failures=False)
+    assert "modes/running statistics update" in failed(r)
+
+
+# ---------------------------------------------------------------------------------------------- wrong ones
+def test_seed_std_plus_eps_fails_a_torch_layernorm_contract_with_explanation():
+    r = check(zoo.seed_layer_norm, expect=NormSpec.preset("torch_layernorm", affine=False), shape=SHAPE,
+              framework="numpy")
+    assert not r.ok
+    assert "extreme/tiny variance 1e-12" in failed(r)
+    assert "expected ε inside √ (sqrt(var+ε)); found ε outside √ (std+ε)" in r.differences
+
+
+@pytest.mark.parametrize("target, framework, expect, finding, difference", [
+    (zoo.sequence_axis_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
+     "dependency/other tokens changed", "statistics reduce over [-2], expected [-1]"),
+    (zoo.batch_axis_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
+     "dependency/other batch items changed", "statistics reduce over [0], expected [-1]"),
+    (zoo.eps_outside_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
+     "extreme/tiny variance 1e-12", "found ε outside √"),
+    (zoo.one_pass_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
+     "extreme/offset 10000 + small spread", "one-pass"),
+], ids=["sequence-axis", "batch-axis", "eps-outside", "one-pass"])
+def test_wrong_functions_fail_the_right_finding(target, framework, expect, finding, difference):
+    r = check(target, expect=expect, shape=SHAPE, framework=framework)
+    assert finding in failed(r), r.text()
+    assert any(difference in d for d in r.differences), r.differences
+
+
+def test_unbiased_variance_fails():
+    r = check(zoo.randomize(zoo.UnbiasedLayerNorm()), expect="torch_layernorm", shape=SHAPE)
+    assert "hand/hand case [1, 2, 3]" in failed(r)
+    assert any("unbiased" in d for d in r.differences)
+
+
+def test_gamma_along_sequence_fails_affine_broadcast():
+    r = check(zoo.SequenceGammaLayerNorm(), expect="torch_layernorm", shape=SHAPE)
+    assert any(f.startswith("affine/") for f in failed(r)), r.text()
+    assert any("γ/β indexed by" in d for d in r.differences)
+
+
+def test_bf16_statistics_fail_under_llama_contract():
+    r = check(zoo.randomize(zoo.InputDtypeStatsRMSNorm()), expect="llama_rmsnorm", shape=SHAPE)
+    assert "reference/rounding at bfloat16" in failed(r)
+    assert "expected fp32 statistics; found statistics in the input dtype" in r.differences
+
+
+def test_gemma_cast_order_under_llama_contract_fails():
+    r = check(zoo.randomize(zoo.ScaleThenCastRMSNorm()), expect="llama_rmsnorm", shape=SHAPE)
+    assert failed(r) == {"reference/rounding at bfloat16", "reference/rounding at float16"}, r.text()
+    assert r.differences == ["expected cast then scale; found scale then cast"]
+
+
+def test_wrong_eps_value_fails():
+    r = check(torch.nn.LayerNorm(64, eps=1e-3), expect="torch_layernorm", shape=SHAPE)
+    assert "extreme/tiny variance 1e-12" in failed(r)
+    assert "expected ε=1e-05; found ε=0.001" in r.differences
+
+
+def test_eps_override_makes_it_pass():
+    assert check(torch.nn.LayerNorm(64, eps=1e-3), expect="torch_layernorm", eps=1e-3, shape=SHAPE, quick=True).ok
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def test_report_json_and_junit(tmp_path):
+    r = check(zoo.eps_outside_layernorm, expect=NormSpec.preset("torch_layernorm", affine=False), shape=SHAPE,
+              framework="torch", quick=True)
+    data = json.loads(r.to_json())
+    assert data["schema"] == "normscope.check/1" and data["ok"] is False
+    assert data["counts"]["fail"] == len(r.failures) > 0
+    f0 = data["findings"][0]
+    assert set(f0) == {"name", "section", "status", "measured", "expected", "tolerance", "why"}
+    path = tmp_path / "out.xml"
+    r.to_junit(path)
+    suite = ET.parse(path).getroot()
+    assert suite.tag == "testsuite" and int(suite.get("failures")) == len(r.failures)
+    assert len(suite.findall("testcase")) == len(r.findings)
+
+
+def test_expect_from_spec_file(tmp_path):
+    path = tmp_path / "spec.json"
+    path.write_text(NormSpec.preset("torch_rmsnorm").to_json())
+    assert check(torch.nn.RMSNorm(64), expect=str(path), shape=SHAPE, quick=True).ok
+
+
+def test_assert_conforms():
+    assert assert_conforms(torch.nn.LayerNorm(64), "torch_layernorm", shape=SHAPE).ok
+    with pytest.raises(AssertionError, match="FAIL"):
+        assert_conforms(torch.nn.LayerNorm(64, eps=1e-3), "torch_layernorm", shape=SHAPE)
+
+
+def test_pytest_fixture(assert_norm_conforms):
+    assert_norm_conforms(torch.nn.RMSNorm(64), "torch_rmsnorm", shape=SHAPE)
+
+
+@pytest.mark.normscope(expect="torch_layernorm", shape=SHAPE)
+def test_pytest_marker():
+    return torch.nn.LayerNorm(64)
+
+
+def test_quick_is_smaller():
+    full = check(torch.nn.LayerNorm(64), expect="torch_layernorm", shape=SHAPE)
+    quick = check(torch.nn.LayerNorm(64), expect="torch_layernorm", shape=SHAPE, quick=True)
+    assert quick.ok and full.ok and quick.calls < full.calls
+
+
+def test_module_is_untouched_by_check():
+    m = zoo.randomize(torch.nn.LayerNorm(64))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    check(m, expect="torch_layernorm", shape=SHAPE, quick=True)
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    assert m.training
+
+
+def test_hidden_size_grid_for_functions():
+    r = check(lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5), expect=NormSpec.preset(
+        "torch_layernorm", affine=False), shape=SHAPE, framework="torch")
+    shapes = {f.name for f in r.findings if f.name.startswith("forward")}
+    for h in (3, 123, 1000, 4097):
+        assert any(f"{h})" in s for s in shapes), shapes
+    assert r.ok, r.text()
+    assert np.isfinite([f.measured for f in r.findings if isinstance(f.measured, float)]).all()

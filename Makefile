@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.base: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet "$(TORCH)" -e .
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[onnx]"
 	touch $@
 
 $(VENV)/.dev: $(BIN)/python pyproject.toml

@@ -59,7 +59,7 @@ def load_target(spec: str, args_json: str | None = None, kwargs_json: str | None
 
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+        shape = tuple(int(s) for s in text.split(",") if s.strip())
     except ValueError:
         raise TargetError(f"--shape must be comma-separated sizes like 2,8,64; got {text!r}") from None
     if not shape or any(s < 1 for s in shape):

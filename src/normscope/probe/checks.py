@@ -28,7 +28,7 @@ from ..errors import InputError, NormscopeError, NotANormalization, TargetError
 from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec, differences
 from ..targets import Target, as_target
-from ..targets.base import check_dtype_list
+from ..targets.base import check_dtype_list, no_dtype_error
 from .groups import Groups
 
 SCHEMA = "normscope.check/1"
@@ -218,8 +218,7 @@ class _Battery:
         if not self.accepted and dtypes is None and target.accepts("float64", self.shape):
             self.accepted = ("float64",)
         if not self.accepted:
-            reasons = "; ".join(f"{d}: {target.rejection(d)}" for d in allowed)
-            raise TargetError(f"{target.description} ran on none of the dtypes tried ({reasons})")
+            raise no_dtype_error(target, allowed)
         # Contracts are stated for the dtypes models run in: float32 leads; float64 only when asked for
         # (some implementations change at float64, e.g. torch RMSNorm's eps=None becomes finfo(float64).eps).
         self.dtype = "float32" if "float32" in self.accepted else (

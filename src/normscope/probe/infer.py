@@ -32,7 +32,7 @@ from ..errors import NotANormalization, TargetError
 from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec
 from ..targets import Target, as_target
-from ..targets.base import check_dtype_list
+from ..targets.base import check_dtype_list, no_dtype_error
 from .groups import Groups
 
 SCHEMA = "normscope.inference/1"
@@ -132,8 +132,7 @@ class _Prober:
         allowed = dtypes or ("float64", "float32", "float16", "bfloat16")
         self.accepted = tuple(d for d in allowed if target.accepts(d, shape))
         if not self.accepted:
-            reasons = "; ".join(f"{d}: {target.rejection(d)}" for d in allowed)
-            raise TargetError(f"{target.description} ran on none of the dtypes tried ({reasons})")
+            raise no_dtype_error(target, allowed)
         self.dtype = "float64" if "float64" in self.accepted else (
             "float32" if "float32" in self.accepted else self.accepted[0])
         self.noise = 64 * UNIT_ROUNDOFF[self.dtype]

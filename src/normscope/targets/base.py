@@ -123,6 +123,16 @@ class Target:
         raise TargetError(f"{self.description} is not differentiable through normscope")
 
 
+def no_dtype_error(target: Target, tried) -> TargetError:
+    """One clear line when a target runs on none of the dtypes tried (usually a shape mismatch)."""
+    reasons = [target.rejection(d) for d in tried]
+    first = reasons[0] if reasons else "no dtype tried"
+    same = all(r.split(" failed on ")[-1].split(": ", 1)[-1] == first.split(" failed on ")[-1].split(": ", 1)[-1]
+               for r in reasons)
+    detail = first if same else "; ".join(f"{d}: {r}" for d, r in zip(tried, reasons, strict=True))
+    return TargetError(f"{target.description} ran on none of {', '.join(tried)}: {detail} (check --shape)")
+
+
 def check_dtype_list(dtypes) -> tuple[str, ...] | None:
     if dtypes is None:
         return None

@@ -1,0 +1,144 @@
+"""The command line: output, JSON and exit codes, run as a user would (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+
+def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {"COLUMNS": "200", "PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-m", "normscope", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=300)
+
+
+def test_explain_defaults_show_the_seed_numbers():
+    r = run("explain")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for text in ("μ = 2", "σ² = 0.6667", "σ = 0.8165", "[−1.2247, 0, 1.2247]", "RMS = 2.1602",
+                 "[0.4629, 0.9258, 1.3887]", "316.2", "1e6"):
+        assert text in out, text
+
+
+def test_explain_json():
+    r = run("explain", "--json", "2", "4", "9")
+    data = json.loads(r.stdout)
+    assert data["schema"] == "normscope.explain/1"
+    assert data["layernorm"]["mean"] == pytest.approx(5.0)
+    shift, scale = data["invariances"]
+    assert shift["layernorm_unchanged"] and not shift["rmsnorm_unchanged"]
+    assert scale["layernorm_unchanged"] and scale["rmsnorm_unchanged"]
+    assert not scale["layernorm_unchanged_with_eps"]
+    assert data["eps_gain"]["gain_without_eps"] == pytest.approx(1e6, rel=1e-6)
+    assert data["eps_gain"]["gain_eps_inside_sqrt"] == pytest.approx(316.2, rel=1e-3)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("explain", "1", "abc"), "'abc' is not a number"),
+    (("explain", "nan", "1"), "not a finite number"),
+    (("explain", "5"), "at least two numbers"),
+    (("explain", "1", "2", "--gamma", "1", "2", "3"), "--gamma needs 1 or 2 numbers"),
+])
+def test_explain_bad_input_is_one_line_exit_2(args, words):
+    r = run(*args)
+    assert r.returncode == 2
+    assert words in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_presets_table_and_json():
+    r = run("presets")
+    assert r.returncode == 0 and "llama_rmsnorm" in r.stdout and "E[x²]−E[x]²" in r.stdout
+    data = json.loads(run("presets", "--json").stdout)
+    assert data["torch_rmsnorm"]["eps"] == 1.1920928955078125e-07
+
+
+def test_infer_layernorm():
+    r = run("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64")
+    assert r.returncode == 0, r.stderr
+    assert "LayerNorm over [-1], ε=1e-05 inside √, biased two-pass, γ β over [-1]" in r.stdout
+    assert "validation" in r.stdout
+
+
+def test_infer_json():
+    r = run("infer", "torch.nn:RMSNorm", "--args", "[64]", "--shape", "2,8,64", "--json")
+    data = json.loads(r.stdout)
+    assert data["schema"] == "normscope.inference/1"
+    assert data["spec"]["center"] is False and data["spec"]["eps"] == pytest.approx(1.1920928955078125e-07, rel=1e-3)
+
+
+def test_infer_onnx_file(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.full(64, 1.5, np.float32), "scale"),
+             numpy_helper.from_array(np.full(64, 0.25, np.float32), "B")]
+    node = helper.make_node("LayerNormalization", ["x", "scale", "B"], ["y"], axis=-1, epsilon=1e-5)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 64])], inits)
+    path = tmp_path / "ln.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    r = run("infer", str(path), "--shape", "2,8,64", "--json")
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)["spec"]
+    assert spec["kind"] == "layernorm" and spec["eps"] == pytest.approx(1e-5, rel=0.01)
+
+
+def test_infer_not_a_normalization_exit_3():
+    r = run("infer", "torch:softmax", "--kwargs", '{"dim": -1}', "--shape", "2,8,64", "--framework", "torch")
+    assert r.returncode != 0
+    r = run("infer", "zoo:softmax", "--shape", "2,8,64", "--framework", "torch")
+    assert r.returncode == 3
+    assert "scaling the input by 4" in r.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (("infer", "nonexistent.module:X", "--shape", "2,8,64"), "cannot import"),
+    (("infer", "torch.nn:NoSuch", "--shape", "2,8,64"), "has no attribute"),
+    (("infer", "torch.nn:LayerNorm", "--args", "[64", "--shape", "2,8,64"), "--args is not valid JSON"),
+    (("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,x"), "--shape"),
+    (("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,32"), "failed on"),
+    (("infer", "zoo:seed_layer_norm", "--shape", "2,8,64"), "--framework"),
+    (("infer", "missing.onnx", "--shape", "2,8,64"), "no such ONNX file"),
+])
+def test_infer_usage_errors_exit_2(args, words):
+    r = run(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert words in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_check_pass_exit_0_and_junit(tmp_path):
+    junit = tmp_path / "out.xml"
+    r = run("check", "torch.nn:RMSNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "torch_rmsnorm",
+            "--junit", str(junit))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout and junit.is_file()
+
+
+def test_check_fail_exit_1_explains():
+    r = run("check", "zoo:seed_layer_norm", "--framework", "numpy", "--shape", "2,8,64", "--expect",
+            "torch_layernorm")
+    assert r.returncode == 1
+    assert "FAIL" in r.stdout
+    assert "found ε outside √ (std+ε)" in r.stdout
+
+
+def test_check_json_and_eps_override():
+    r = run("check", "torch.nn:LayerNorm", "--kwargs", '{"normalized_shape": 64, "eps": 0.001}', "--shape",
+            "2,8,64", "--expect", "torch_layernorm", "--eps", "1e-3", "--quick", "--json")
+    data = json.loads(r.stdout)
+    assert r.returncode == 0 and data["ok"] and data["schema"] == "normscope.check/1"
+
+
+def test_check_unknown_preset_exit_2():
+    r = run("check", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "lama_rmsnorm")
+    assert r.returncode == 2 and "llama_rmsnorm" in r.stderr

@@ -193,3 +193,42 @@ def test_hidden_size_grid_for_functions():
         assert any(f"{h})" in s for s in shapes), shapes
     assert r.ok, r.text()
     assert np.isfinite([f.measured for f in r.findings if isinstance(f.measured, float)]).all()
+
+
+def test_instancenorm_passes():
+    assert_passes(check(torch.nn.InstanceNorm2d(4), expect=NormSpec.preset("torch_instancenorm", stats_dtype="input"),
+                        shape=IMAGE))
+
+
+def _onnx_layernorm():
+    pytest.importorskip("onnx")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import onnx_layernorm
+
+    return onnx_layernorm.build()
+
+
+def test_onnxruntime_layernorm_passes_with_its_rounding_order():
+    # onnxruntime's CPU kernel multiplies by the scale in fp32 before the cast back
+    assert_passes(check(_onnx_layernorm(), expect=NormSpec.preset("onnx_layernorm", affine_order="scale_then_cast"),
+                        shape=SHAPE))
+
+
+def test_onnxruntime_deviates_from_the_onnx_function_body_only_in_rounding_order():
+    r = check(_onnx_layernorm(), expect="onnx_layernorm", shape=SHAPE)
+    assert failed(r) == {"reference/rounding at float16"}, r.text()
+    assert r.differences == ["expected cast then scale; found scale then cast"]
+
+
+def test_flax_layernorm_passes_its_one_pass_contract():
+    jax = pytest.importorskip("jax")
+    import flax.linen as fnn
+    import jax.numpy as jnp
+
+    m = fnn.LayerNorm()
+    params = m.init(jax.random.PRNGKey(0), jnp.ones(SHAPE))
+    params = jax.tree_util.tree_map(lambda a: a + jax.random.uniform(jax.random.PRNGKey(1), a.shape), params)
+    assert_passes(check(lambda x: m.apply(params, x), expect="flax_layernorm", shape=SHAPE, framework="jax"))

@@ -46,8 +46,7 @@ class JaxTarget(Target):
         self.calls += 1
         with jax.enable_x64(dtype == "float64"):
             arr = jnp.asarray(np.asarray(x, dtype=np.float64), dtype=getattr(jnp, dtype))
-            cot = jnp.asarray(np.asarray(dy, dtype=np.float64), dtype=getattr(jnp, dtype))
-            _, vjp = jax.vjp(self.fn, arr)
-            (dx,) = vjp(cot)
+            y, vjp = jax.vjp(self.fn, arr)
+            (dx,) = vjp(jnp.asarray(np.asarray(dy, dtype=np.float64), dtype=y.dtype))
             return np.asarray(jnp.asarray(dx, dtype=jnp.float64 if dtype == "float64" else jnp.float32),
                               dtype=np.float64), {}

@@ -103,7 +103,6 @@ class TorchModuleTarget(TorchFunctionTarget):
         self._master = master.to(torch.float64)
         self._training = bool(module.training)
         self._copies: dict[str, object] = {}
-        self._original_dtypes = {n: str(p.dtype).removeprefix("torch.") for n, p in module.named_parameters()}
         Target.__init__(self, description or f"torch module {type(module).__name__}")
         self.module_class = type(module).__name__
 

@@ -403,143 +403,8 @@ def infer(
             raise TargetError(f"each statistic covers one element at shape {shape}; probe a larger shape")
         center = pr.invariances(g)
 
-        pr.progress("affine: ±u with u already normalized")
-        big = 1e6  # ε is negligible at variance 1e12 for every placement (ε/√V ≤ 1e-8 for ε ≤ 1e-2)
-        gamma_hat, beta_hat, noise, _ = pr.plus_minus(g, big)
-        if noise > 1e-3:
-            raise NotANormalization(
-                f"two different inputs with identical statistics (±u, u normalized per group) gave γ/β estimates "
-                f"that differ by {noise:.3g} (relative): the output depends on more than the mean and variance "
-                "(e.g. max-abs scaling)")
-        noise = max(noise, pr.noise)
-        scale = float(np.max(np.abs(gamma_hat)))
-        tol = max(1000 * noise, 1e-7) * max(scale, 1.0)
-        g_axes = pr.varying_axes(gamma_hat, tol)
-        b_axes = pr.varying_axes(beta_hat, tol)
-        beta_present = float(np.max(np.abs(beta_hat))) > tol
-        k_unbiased = g.size / (g.size - 1)
-
-        fitted = None
-        with t.perturbed_parameters(pr.rng) as values:
-            if values:
-                gp, bp, _, _ = pr.plus_minus(g, big)
-                pg_axes, pb_axes = pr.varying_axes(gp, tol), pr.varying_axes(bp, tol)
-                fitted = {"gamma": None, "beta": None}
-                for name, v in values.items():
-                    for axes_try in (pg_axes, pb_axes):
-                        full = pr.expand_param(v, axes_try)
-                        if full is None:
-                            continue
-                        c0, c1, res = pr.fit_linear(gp, full)
-                        if res < 1e-4 and abs(c1) > 1e-3 and fitted["gamma"] is None and pg_axes == axes_try:
-                            fitted["gamma"] = (name, c0, c1, res, axes_try)
-                            break
-                        b0, b1, bres = pr.fit_linear(bp, full)
-                        if bres < 1e-4 and abs(b1 - 1) < 1e-3 and fitted["beta"] is None and pb_axes == axes_try:
-                            fitted["beta"] = (name, b0, b1, bres, axes_try)
-                            break
-                if fitted["gamma"] is None and fitted["beta"] is None:
-                    fitted = None
-
-        variance, gamma_offset, gamma_present = "biased", 0.0, bool(g_axes)
-        if fitted is not None:
-            gamma_present = fitted["gamma"] is not None
-            beta_present = fitted["beta"] is not None
-            param_axes = sorted(set((fitted["gamma"] or fitted["beta"])[4]))
-            if gamma_present:
-                name, c0, c1, res, _ = fitted["gamma"]
-                r_inf = abs(c1)
-                variance = "unbiased" if abs(r_inf - math.sqrt(1 / k_unbiased)) < abs(r_inf - 1) else "biased"
-                gamma_offset = round(c0 / c1, 6) + 0.0  # no −0.0
-                ev["gamma"] = Evidence(
-                    f"a private copy with random parameters: output slope follows parameter {name!r}",
-                    {"parameter": name, "fit_intercept": c0, "fit_slope": c1, "fit_residual": res},
-                    "from parameters")
-                ev["variance"] = Evidence(
-                    "large-variance gain against the known γ: 1 means ÷d, √((d−1)/d) means ÷(d−1)",
-                    {"gain": r_inf, "biased_expects": 1.0, "unbiased_expects": math.sqrt(1 / k_unbiased),
-                     "d": g.size})
-            else:
-                const = float(np.mean(gamma_hat))
-                variance = "unbiased" if abs(const - math.sqrt(1 / k_unbiased)) < abs(const - 1) else "biased"
-            if beta_present:
-                ev["beta"] = Evidence(
-                    "a private copy with random parameters: output offset equals parameter "
-                    f"{fitted['beta'][0]!r}", {"parameter": fitted["beta"][0], "fit_residual": fitted["beta"][3]},
-                    "from parameters")
-            ev["gamma_offset"] = Evidence(
-                "intercept/slope of the output scale against the weight", {"gamma_offset": gamma_offset},
-                "from parameters")
-        else:
-            param_axes = sorted(set(g_axes) | set(b_axes))
-            const = float(np.mean(gamma_hat))
-            if not g_axes:
-                if abs(const - 1) <= tol:
-                    gamma_present, variance = False, "biased"
-                elif abs(const - math.sqrt(1 / k_unbiased)) <= tol:
-                    gamma_present, variance = False, "unbiased"
-                else:
-                    gamma_present = True
-                ev["variance"] = Evidence(
-                    "large-variance gain (no learned γ varies): 1 means ÷d, √((d−1)/d) means ÷(d−1)",
-                    {"gain": const, "biased_expects": 1.0, "unbiased_expects": math.sqrt(1 / k_unbiased),
-                     "d": g.size}, "decisive" if not gamma_present else "assumed",
-                    "" if not gamma_present else "a constant γ≠1 and ÷d vs ÷(d−1) are confounded; assumed ÷d")
-            else:
-                ev["variance"] = Evidence(
-                    "large-variance gain", {"d": g.size}, "assumed",
-                    "with a learned γ of unknown scale, ÷d and ÷(d−1) are behaviourally identical up to γ's "
-                    "scale; assumed ÷d (pass a module or ONNX model to pin it)")
-            ev["gamma"] = Evidence(
-                "±a·u (u normalized): γ·r = (y₊ − y₋)/2u per coordinate",
-                {"varies_along_axes": g_axes, "mean": const, "min": float(gamma_hat.min()),
-                 "max": float(gamma_hat.max())},
-                "decisive" if g_axes or not gamma_present else "weak")
-            ev["gamma_offset"] = Evidence("not inferable from behaviour", {}, "not probed",
-                                          "(1+w) and γ=1+w are the same function; known only from weights")
-        if not (gamma_present or beta_present):
-            param_axes = []
-        ev.setdefault("beta", Evidence(
-            "±a·u: β = (y₊ + y₋)/2 per coordinate",
-            {"varies_along_axes": b_axes, "max_abs": float(np.max(np.abs(beta_hat)))}))
-        ev["param_axes"] = Evidence(
-            "axes along which the recovered γ/β vary", {"gamma_axes": g_axes, "beta_axes": b_axes,
-                                                         "param_axes": param_axes},
-            "from parameters" if fitted else ("decisive" if param_axes else "weak"))
-
-        # ---------------------------------------------------------------- 5. ε and placement
-        pr.progress("ε: gain of u·√v for v down to the underflow range")
-        lo = -60 if pr.dtype == "float64" else -36
-        variances = 10.0 ** np.arange(4, lo - 1, -1, dtype=np.float64)
-        rho = pr.gain_scan(g, gamma_hat, beta_hat, pr.dtype, variances)
-        # Below this gain the signal γ·r·u drowns in the rounding of β (and of the output itself).
-        floor = 1e3 * noise * (1 + float(np.max(np.abs(beta_hat))) / max(float(np.mean(np.abs(gamma_hat))), 1e-300))
-        placement, eps_fit, eps_measure, eps_conf = pr.fit_eps(variances, rho, noise, floor)
-        eps_dtype = pr.dtype
-        if pr.dtype == "float64" and "float32" in pr.accepted and placement != "none":
-            v32 = 10.0 ** np.arange(4, -37, -1, dtype=np.float64)
-            rho32 = pr.gain_scan(g, gamma_hat, beta_hat, "float32", v32)
-            n32 = 64 * UNIT_ROUNDOFF["float32"]
-            p32, e32, m32, c32 = pr.fit_eps(v32, rho32, n32, floor * n32 / noise)
-            eps_measure["float32_check"] = {"placement": p32, "eps": e32}
-            if p32 == placement and e32 > 0 and abs(e32 / eps_fit - 1) > 0.02 and e32 > 1e-10:
-                eps_measure["dtype_dependent"] = {"float64": eps_fit, "float32": e32}
-                eps_fit, eps_dtype = e32, "float32"
-        correction = k_unbiased if variance == "unbiased" else 1.0
-        if placement in ("outside_sqrt", "clamp"):
-            correction = math.sqrt(correction)
-        eps = float(f"{eps_fit * correction:.6g}") if placement != "none" else 0.0
-        note = ""
-        if "dtype_dependent" in eps_measure:
-            note = (f"ε depends on the input dtype ({eps_measure['dtype_dependent']['float64']:.4g} at float64, "
-                    f"{eps_measure['dtype_dependent']['float32']:.4g} at float32, e.g. finfo(dtype).eps); "
-                    "reported at float32")
-        ev["eps"] = Evidence("gain r(v) of u·√v: inside ε = v(1/r²−1), outside ε = √v(1/r−1), clamp ε = √v/r",
-                             {**eps_measure, "eps": eps, "measured_at": eps_dtype}, eps_conf, note)
-        ev["eps_placement"] = Evidence("the placement whose ε estimates agree across v (log-residual)",
-                                       {"residuals": eps_measure.get("model_residuals", {}), "chosen": placement},
-                                       eps_conf)
-
+        aff = _affine(pr, g)
+        placement, eps, eps_dtype = _epsilon(pr, g, aff)
         algorithm = "two_pass"
         if center:
             algorithm = "one_pass" if pr.one_pass(g) else "two_pass"
@@ -547,7 +412,7 @@ def infer(
             ev["variance_algorithm"] = Evidence("not applicable without centring", {}, "decisive")
 
         channel_style = (0 in g.axes) or g.groups is not None or bool(
-            param_axes and not set(param_axes) <= set(g.axes))
+            aff.param_axes and not set(aff.param_axes) <= set(g.axes))
         spec = NormSpec(
             center=center,
             axes=_natural(g.axes, ndim, channel_style),
@@ -555,43 +420,27 @@ def infer(
             group_axis=None if g.group_axis is None else _natural((g.group_axis,), ndim, channel_style)[0],
             eps=eps,
             eps_placement=placement,
-            variance=variance,
+            variance=aff.variance,
             variance_algorithm=algorithm,
-            gamma=gamma_present,
-            beta=beta_present,
-            param_axes=_natural(tuple(param_axes), ndim, channel_style),
-            gamma_offset=gamma_offset if gamma_present else 0.0,
+            gamma=aff.gamma,
+            beta=aff.beta,
+            param_axes=_natural(tuple(aff.param_axes), ndim, channel_style),
+            gamma_offset=aff.gamma_offset if aff.gamma else 0.0,
             batch_stats=("batch" if has_modes else None),
         )
         ev["axes"] = Evidence("perturb one input by ±1e3·max|x| and see which outputs move",
                               {"probes": pr.dep_records, "group_size": g.size, "groups_per_call": g.count})
 
-        # ---------------------------------------------------------------- γ, β values
-        base = spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0)
-        u = g.pattern(pr.rng)
-        xhat = reference.forward(big * u, base)
-        r_v = g.spread(g.sum(xhat * u) / g.sum(u * u))
-        params: dict[str, np.ndarray] = {}
-        pidx = spec.resolve_param_axes(ndim)
-        take = tuple(slice(None) if a in pidx else 0 for a in range(ndim))
-        if gamma_present:
-            params["gamma"] = (gamma_hat / r_v)[take] - spec.gamma_offset
-        if beta_present:
-            params["beta"] = beta_hat[take]
+        params = _parameter_values(pr, g, spec, aff)
 
-        # ---------------------------------------------------------------- 7. precision
-        if fitted is not None:  # random parameters make the affine order observable
+        if aff.fitted is not None:  # random parameters make the affine order observable
             with t.perturbed_parameters(pr.rng) as values:
-                known = {}
-                for field in ("gamma", "beta"):
-                    if fitted[field] is not None:
-                        known[field] = np.asarray(values[fitted[field][0]], dtype=np.float64).reshape(
-                            reference.param_shape(shape, spec))
+                known = {field: np.asarray(values[fit.name], dtype=np.float64).reshape(
+                    reference.param_shape(shape, spec)) for field, fit in aff.fitted.items() if fit is not None}
                 spec = _precision(pr, spec, known, ev, "random, in a private copy")
         else:
             spec = _precision(pr, spec, params, ev, "as recovered")
 
-        # ---------------------------------------------------------------- 9. validation
         pr.progress("validation on fresh inputs")
         validation = _validate(pr, spec, params, g, None, eps_dtype)
 
@@ -616,6 +465,196 @@ def infer(
         spec=final, evidence=ev, params=params, calls=t.calls - calls_before, target=t.description,
         shape=shape, probe_dtype=pr.dtype, dtypes=pr.accepted, seconds=time.perf_counter() - started,
         validation=validation)
+
+
+@dataclasses.dataclass
+class _Fit:
+    """One parameter of a private copy explained as γ (slope, intercept) or β (offset) of the output."""
+
+    name: str
+    intercept: float
+    slope: float
+    residual: float
+    axes: list[int]
+
+
+@dataclasses.dataclass
+class _Affine:
+    """What the ±u experiments found: γ̂ = γ·r(V) and β̂ at every position, and the fields they decide."""
+
+    gamma_hat: np.ndarray
+    beta_hat: np.ndarray
+    noise: float
+    gamma: bool
+    beta: bool
+    param_axes: list[int]
+    variance: str
+    gamma_offset: float
+    fitted: dict[str, _Fit | None] | None
+
+
+BIG = 1e6  # ±u is scaled to variance 1e12: ε is negligible for every placement (ε/√V ≤ 1e-8 for ε ≤ 1e-2)
+
+
+def _affine(pr: _Prober, g: Groups) -> _Affine:
+    """Step 4: β, γ (up to scale) and param_axes; with a private copy, γ's scale, variance and offset."""
+    pr.progress("affine: ±u with u already normalized")
+    ev = pr.evidence
+    gamma_hat, beta_hat, noise, _ = pr.plus_minus(g, BIG)
+    if noise > max(1e-3, 16 * UNIT_ROUNDOFF[pr.dtype]):
+        raise NotANormalization(
+            f"two different inputs with identical statistics (±u, u normalized per group) gave γ/β estimates "
+            f"that differ by {noise:.3g} (relative): the output depends on more than the mean and variance "
+            "(e.g. max-abs scaling)")
+    noise = max(noise, pr.noise)
+    tol = max(1000 * noise, 1e-7) * max(float(np.max(np.abs(gamma_hat))), 1.0)
+    g_axes = pr.varying_axes(gamma_hat, tol)
+    b_axes = pr.varying_axes(beta_hat, tol)
+    unbiased_gain = math.sqrt((g.size - 1) / g.size)
+    fitted = _fit_parameters(pr, g, tol)
+
+    if fitted is not None:
+        gamma, beta = fitted["gamma"] is not None, fitted["beta"] is not None
+        param_axes = sorted(set((fitted["gamma"] or fitted["beta"]).axes))
+        variance, gamma_offset = "biased", 0.0
+        if gamma:
+            fit = fitted["gamma"]
+            gain = abs(fit.slope)
+            variance = "unbiased" if abs(gain - unbiased_gain) < abs(gain - 1) else "biased"
+            gamma_offset = round(fit.intercept / fit.slope, 6) + 0.0  # no −0.0
+            ev["gamma"] = Evidence(
+                f"a private copy with random parameters: output slope follows parameter {fit.name!r}",
+                {"parameter": fit.name, "fit_intercept": fit.intercept, "fit_slope": fit.slope,
+                 "fit_residual": fit.residual}, "from parameters")
+            ev["variance"] = Evidence(
+                "large-variance gain against the known γ: 1 means ÷d, √((d−1)/d) means ÷(d−1)",
+                {"gain": gain, "biased_expects": 1.0, "unbiased_expects": unbiased_gain, "d": g.size})
+        else:
+            const = float(np.mean(gamma_hat))
+            variance = "unbiased" if abs(const - unbiased_gain) < abs(const - 1) else "biased"
+            ev["variance"] = Evidence(
+                "large-variance gain (no γ): 1 means ÷d, √((d−1)/d) means ÷(d−1)",
+                {"gain": const, "biased_expects": 1.0, "unbiased_expects": unbiased_gain, "d": g.size})
+        if beta:
+            ev["beta"] = Evidence(
+                f"a private copy with random parameters: output offset equals parameter {fitted['beta'].name!r}",
+                {"parameter": fitted["beta"].name, "fit_residual": fitted["beta"].residual}, "from parameters")
+        ev["gamma_offset"] = Evidence("intercept/slope of the output scale against the weight",
+                                      {"gamma_offset": gamma_offset}, "from parameters")
+    else:
+        param_axes = sorted(set(g_axes) | set(b_axes))
+        beta = float(np.max(np.abs(beta_hat))) > tol
+        const = float(np.mean(gamma_hat))
+        gamma, variance, gamma_offset = bool(g_axes), "biased", 0.0
+        if not g_axes:
+            if abs(const - 1) <= tol:
+                gamma = False
+            elif abs(const - unbiased_gain) <= tol:
+                gamma, variance = False, "unbiased"
+            else:
+                gamma = True
+            ev["variance"] = Evidence(
+                "large-variance gain (no learned γ varies): 1 means ÷d, √((d−1)/d) means ÷(d−1)",
+                {"gain": const, "biased_expects": 1.0, "unbiased_expects": unbiased_gain, "d": g.size},
+                "assumed" if gamma else "decisive",
+                "a constant γ≠1 and ÷d vs ÷(d−1) are confounded; assumed ÷d" if gamma else "")
+        else:
+            ev["variance"] = Evidence(
+                "large-variance gain", {"d": g.size}, "assumed",
+                "with a learned γ of unknown scale, ÷d and ÷(d−1) are behaviourally identical up to γ's "
+                "scale; assumed ÷d (pass a module or ONNX model to pin it)")
+        ev["gamma"] = Evidence(
+            "±a·u (u normalized): γ·r = (y₊ − y₋)/2u per coordinate",
+            {"varies_along_axes": g_axes, "mean": const, "min": float(gamma_hat.min()),
+             "max": float(gamma_hat.max())},
+            "decisive" if g_axes or not gamma else "weak")
+        ev["gamma_offset"] = Evidence("not inferable from behaviour", {}, "not probed",
+                                      "(1+w) and γ=1+w are the same function; known only from weights")
+    if not (gamma or beta):
+        param_axes = []
+    ev.setdefault("beta", Evidence(
+        "±a·u: β = (y₊ + y₋)/2 per coordinate",
+        {"varies_along_axes": b_axes, "max_abs": float(np.max(np.abs(beta_hat)))}))
+    ev["param_axes"] = Evidence(
+        "axes along which the recovered γ/β vary",
+        {"gamma_axes": g_axes, "beta_axes": b_axes, "param_axes": param_axes},
+        "from parameters" if fitted else ("decisive" if param_axes else "weak"))
+    return _Affine(gamma_hat, beta_hat, noise, gamma, beta, param_axes, variance, gamma_offset, fitted)
+
+
+def _fit_parameters(pr: _Prober, g: Groups, tol: float) -> dict[str, _Fit | None] | None:
+    """In a private copy with random parameters, find the parameter acting as γ (y ∝ c₀ + c₁·w) and as β."""
+    with pr.t.perturbed_parameters(pr.rng) as values:
+        if not values:
+            return None
+        gp, bp, _, _ = pr.plus_minus(g, BIG)
+    pg_axes, pb_axes = pr.varying_axes(gp, tol), pr.varying_axes(bp, tol)
+    fitted: dict[str, _Fit | None] = {"gamma": None, "beta": None}
+    for name, v in values.items():
+        if fitted["gamma"] is None and (full := pr.expand_param(v, pg_axes)) is not None:
+            c0, c1, res = pr.fit_linear(gp, full)
+            if res < 1e-4 and abs(c1) > 1e-3:
+                fitted["gamma"] = _Fit(name, c0, c1, res, pg_axes)
+                continue
+        if fitted["beta"] is None and (full := pr.expand_param(v, pb_axes)) is not None:
+            b0, b1, res = pr.fit_linear(bp, full)
+            if res < 1e-4 and abs(b1 - 1) < 1e-3:
+                fitted["beta"] = _Fit(name, b0, b1, res, pb_axes)
+    return fitted if (fitted["gamma"] or fitted["beta"]) else None
+
+
+def _epsilon(pr: _Prober, g: Groups, aff: _Affine) -> tuple[str, float, str]:
+    """Step 5: ε and its placement from the gain of u·√v, cross-checked at float32; returns the dtype used."""
+    pr.progress("ε: gain of u·√v for v down to the underflow range")
+    lo = -60 if pr.dtype == "float64" else -36
+    variances = 10.0 ** np.arange(4, lo - 1, -1, dtype=np.float64)
+    rho = pr.gain_scan(g, aff.gamma_hat, aff.beta_hat, pr.dtype, variances)
+    # Below this gain the signal γ·r·u drowns in the rounding of β (and of the output itself).
+    floor = 1e3 * aff.noise * (1 + float(np.max(np.abs(aff.beta_hat)))
+                               / max(float(np.mean(np.abs(aff.gamma_hat))), 1e-300))
+    placement, eps_fit, measured, confidence = pr.fit_eps(variances, rho, aff.noise, floor)
+    eps_dtype = pr.dtype
+    if pr.dtype == "float64" and "float32" in pr.accepted and placement != "none":
+        v32 = 10.0 ** np.arange(4, -37, -1, dtype=np.float64)
+        rho32 = pr.gain_scan(g, aff.gamma_hat, aff.beta_hat, "float32", v32)
+        n32 = 64 * UNIT_ROUNDOFF["float32"]
+        p32, e32, _, _ = pr.fit_eps(v32, rho32, n32, floor * n32 / aff.noise)
+        measured["float32_check"] = {"placement": p32, "eps": e32}
+        if p32 == placement and e32 > 0 and abs(e32 / eps_fit - 1) > 0.02 and e32 > 1e-10:
+            measured["dtype_dependent"] = {"float64": eps_fit, "float32": e32}
+            eps_fit, eps_dtype = e32, "float32"
+    # an unbiased estimator scales the variance by d/(d−1): the measured ε is ε/k inside, ε/√k outside
+    k = g.size / (g.size - 1) if aff.variance == "unbiased" else 1.0
+    correction = math.sqrt(k) if placement in ("outside_sqrt", "clamp") else k
+    eps = float(f"{eps_fit * correction:.6g}") if placement != "none" else 0.0
+    note = ""
+    if "dtype_dependent" in measured:
+        dep = measured["dtype_dependent"]
+        note = (f"ε depends on the input dtype ({dep['float64']:.4g} at float64, {dep['float32']:.4g} at float32, "
+                "e.g. finfo(dtype).eps); reported at float32")
+    pr.evidence["eps"] = Evidence(
+        "gain r(v) of u·√v: inside ε = v(1/r²−1), outside ε = √v(1/r−1), clamp ε = √v/r",
+        {**measured, "eps": eps, "measured_at": eps_dtype}, confidence, note)
+    pr.evidence["eps_placement"] = Evidence(
+        "the placement whose ε estimates agree across v (log-residual)",
+        {"residuals": measured.get("model_residuals", {}), "chosen": placement}, confidence)
+    return placement, eps, eps_dtype
+
+
+def _parameter_values(pr: _Prober, g: Groups, spec: NormSpec, aff: _Affine) -> dict[str, np.ndarray]:
+    """γ = γ̂ / r(V) with r(V) from the reference for the inferred spec, and β = β̂, at the param shape."""
+    base = spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0)
+    u = g.pattern(pr.rng)
+    xhat = reference.forward(BIG * u, base)
+    r_v = g.spread(g.sum(xhat * u) / g.sum(u * u))
+    pidx = spec.resolve_param_axes(pr.ndim)
+    take = tuple(slice(None) if a in pidx else 0 for a in range(pr.ndim))
+    params: dict[str, np.ndarray] = {}
+    if aff.gamma:
+        params["gamma"] = (aff.gamma_hat / r_v)[take] - spec.gamma_offset
+    if aff.beta:
+        params["beta"] = aff.beta_hat[take]
+    return params
 
 
 def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec:

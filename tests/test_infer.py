@@ -354,3 +354,17 @@ def test_wrappers_and_dtype_restriction():
     t = normscope.targets.numpy(zoo.seed_layer_norm)
     r = infer(t, shape=SHAPE, dtypes="float32")
     assert r.dtypes == ("float32",) and r.probe_dtype == "float32"
+
+
+def test_onnx_model_as_bytes():
+    model, _ = _onnx_model("RMSNormalization", 23, bias=False)
+    r = infer(model.SerializeToString(), shape=SHAPE)
+    assert r.spec.kind == "rmsnorm" and r.spec.eps == pytest.approx(1e-5, rel=0.01)
+
+
+def test_missing_extra_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "jax", None)  # import jax now raises ImportError
+    with pytest.raises(normscope.MissingExtraError, match=r"pip install 'normscope\[jax\]'"):
+        infer(zoo.seed_layer_norm, shape=SHAPE, framework="jax")

@@ -664,6 +664,9 @@ class _Battery:
         if skipped_sizes:
             self.add("other shapes", "reference", "skip", [list(s) for s in dict.fromkeys(skipped_sizes)],
                      why="the target does not accept these shapes (sizes fixed by the implementation)")
+        self.add("other ε values", "reference", "skip", expected=self.spec.eps,
+                 why="a target's ε is its own and cannot be varied from outside; the tiny-variance findings test "
+                     "it where it takes over")
         if self.t.supports_noncontiguous:
             x = self.rng.normal(size=self.shape)
             for d in dtypes[:2]:

@@ -532,3 +532,15 @@ def test_eps_json_round_trip_is_exact():
     for eps in (1.1920928955078125e-07, 1e-12, math.ulp(1.0), 0.1):
         spec = NormSpec(eps=eps)
         assert NormSpec.from_json(spec.to_json()).eps == eps
+
+
+def test_degenerate_groupings_are_equivalent_given_the_shape():
+    gn1 = NormSpec.preset("torch_groupnorm", groups=1)
+    ln_chw = NormSpec(center=True, axes=[1, 2, 3], param_axes=[1])
+    assert not gn1.equivalent(ln_chw, 4)
+    assert gn1.equivalent(ln_chw, 4, shape=(2, 4, 5, 5))
+    gn_c = NormSpec.preset("torch_groupnorm", groups=4)
+    instance = NormSpec(center=True, axes=[2, 3], param_axes=[1])
+    assert gn_c.equivalent(instance, 4, shape=(2, 4, 5, 5))
+    assert differences(instance, gn_c, 4, shape=(2, 4, 5, 5)) == []
+    assert not gn_c.equivalent(instance, 4, shape=(2, 8, 5, 5))

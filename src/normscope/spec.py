@@ -300,12 +300,21 @@ class NormSpec:
     def same_axes(self, other: NormSpec, ndim: int) -> bool:
         return self.resolve_axes(ndim) == other.resolve_axes(ndim)
 
-    def canonical(self, ndim: int | None = None) -> NormSpec:
+    def canonical(self, ndim: int | None = None, shape: tuple[int, ...] | None = None) -> NormSpec:
         """An equivalent spec in canonical form, for comparing contracts.
 
         ε = 0 makes every placement the same (``none``); the affine order only matters with fp32 statistics
-        and an affine; with ``ndim`` given, axes become non-negative.
+        and an affine; with ``ndim`` given, axes become non-negative; with the input ``shape`` given, one
+        group is no grouping and one channel per group drops the channel axis from the reduction.
         """
+        if shape is not None and self.groups is not None:
+            ga = self.resolve_group_axis(len(shape))
+            if self.groups == 1:
+                return self.replace(groups=None, group_axis=None).canonical(ndim, shape)
+            if self.groups == shape[ga]:
+                axes = [a for a in self.resolve_axes(len(shape)) if a != ga]
+                if axes:
+                    return self.replace(axes=axes, groups=None, group_axis=None).canonical(ndim, shape)
         changes: dict[str, Any] = {}
         if self.eps == 0.0:
             changes["eps_placement"] = "none"
@@ -318,13 +327,14 @@ class NormSpec:
                 changes["group_axis"] = self.resolve_group_axis(ndim)
         return self.replace(**changes) if changes else self
 
-    def equivalent(self, other: NormSpec, ndim: int, eps_rtol: float = 0.0) -> bool:
+    def equivalent(self, other: NormSpec, ndim: int, eps_rtol: float = 0.0,
+                   shape: tuple[int, ...] | None = None) -> bool:
         """True when both specs compute the same function on inputs of ``ndim`` dimensions.
 
         ``eps_rtol`` accepts ε values that agree to that relative tolerance (a measured ε never matches
-        a stated one to the last bit).
+        a stated one to the last bit); ``shape`` lets degenerate groupings compare equal.
         """
-        a, b = self.canonical(ndim), other.canonical(ndim)
+        a, b = self.canonical(ndim, shape), other.canonical(ndim, shape)
         if eps_rtol and _eps_close(a.eps, b.eps, eps_rtol):
             a = a.replace(eps=b.eps)
         return a == b
@@ -345,12 +355,14 @@ def _eps_close(a: float, b: float, rtol: float) -> bool:
     return a == b or (b != 0 and abs(a / b - 1) <= rtol)
 
 
-def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float = 0.01) -> list[str]:
+def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float = 0.01,
+                shape: tuple[int, ...] | None = None) -> list[str]:
     """Plain-words differences between two contracts (empty when equivalent).
 
-    ε values within ``eps_rtol`` (1%, the resolution of inference) count as equal.
+    ε values within ``eps_rtol`` (1%, the resolution of inference) count as equal; with the input
+    ``shape``, degenerate groupings (one group, or one channel per group) compare as what they compute.
     """
-    a, b = found.canonical(ndim), expected.canonical(ndim)
+    a, b = found.canonical(ndim, shape), expected.canonical(ndim, shape)
     out: list[str] = []
     if a.center != b.center:
         out.append(

@@ -858,7 +858,7 @@ def check(
         try:
             inferred = infer(t, shape=shape, dtypes=dtypes, seed=seed)
             report.inferred = inferred.spec
-            report.differences = differences(inferred.spec, spec, len(shape))
+            report.differences = differences(inferred.spec, spec, len(shape), shape=shape)
         except (NotANormalization, NormscopeError) as exc:
             report.inference_error = str(exc)
         report.calls = t.calls - calls_before

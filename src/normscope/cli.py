@@ -8,18 +8,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
 
-from .errors import NormscopeError
+from .errors import InputError, NormscopeError
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_NORM = 0, 1, 2, 3
 
 
-class UsageError(NormscopeError):
-    """A command-line argument is wrong."""
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the seed must be ≥ 0")
+    return value
 
 
 def _number(text: str) -> float:
@@ -44,6 +51,8 @@ def _add_explain(sub) -> None:
         description="Step-by-step LayerNorm and RMSNorm of a small vector, with every intermediate.",
     )
     p.add_argument("values", nargs="*", type=_number, help="the input vector (default: 1 2 3)")
+    # let "-2e3" be a value, not an option (argparse only recognises -2000 and -2.5 by default)
+    p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
     p.add_argument("--kind", choices=("layernorm", "rmsnorm", "both"), default="both")
     p.add_argument("--eps", type=_number, default=0.0, help="ε for the hand calculation (default 0: ignored)")
     p.add_argument("--gamma", nargs="+", type=_number, help="γ: one number or one per value")
@@ -103,7 +112,7 @@ def _add_infer(sub) -> None:
                     "3 not a normalization, 2 usage error.",
     )
     _add_target_args(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(run=_run_infer)
 
 
@@ -145,7 +154,7 @@ def _add_check(sub) -> None:
     p.add_argument("--junit", metavar="PATH", help="also write JUnit XML (one testcase per finding)")
     p.add_argument("--quick", action="store_true", help="fewer grid points (about 2 s)")
     p.add_argument("--verbose", action="store_true", help="show passing grid points too")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.set_defaults(run=_run_check)
 
 
@@ -159,6 +168,12 @@ def _run_check(args, console: Console) -> int:
     shape = parse_shape(args.shape)
     expected = resolve_expected(args.expect, args.eps)
     obj = load_target(args.target, args.args, args.kwargs)
+    if args.junit:
+        from pathlib import Path
+
+        junit = Path(args.junit)
+        if junit.is_dir() or not junit.parent.is_dir():
+            raise InputError(f"--junit {args.junit}: not a file path in an existing folder")
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=args.json) as bar:
         task = bar.add_task("checking…", total=None)

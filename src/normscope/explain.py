@@ -42,7 +42,17 @@ def _specs(eps: float) -> dict[str, NormSpec]:
     }
 
 
-def explain(
+def explain(values: Sequence[float] = (1.0, 2.0, 3.0), **kwargs) -> dict[str, Any]:
+    """Step-by-step LayerNorm/RMSNorm of ``values`` with the invariance and ε demonstrations, as data.
+
+    Keywords: ``kind`` ("layernorm", "rmsnorm", "both"), ``eps``, ``gamma``, ``beta``. Values so large
+    that their squares overflow give infinities in the table, not warnings.
+    """
+    with np.errstate(all="ignore"):
+        return _explain(values, **kwargs)
+
+
+def _explain(
     values: Sequence[float] = (1.0, 2.0, 3.0),
     *,
     kind: str = "both",
@@ -50,7 +60,6 @@ def explain(
     gamma: Sequence[float] | None = None,
     beta: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Step-by-step LayerNorm/RMSNorm of ``values`` with the invariance and ε demonstrations, as data."""
     if kind not in KINDS:
         raise InputError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
     x = np.asarray(list(values), dtype=np.float64)
@@ -60,6 +69,11 @@ def explain(
         raise InputError(f"explain needs finite numbers; got {x.tolist()}")
     if not math.isfinite(eps) or eps < 0:
         raise InputError(f"--eps must be a finite number ≥ 0; got {eps}")
+    if eps == 0 and kind != "rmsnorm" and np.ptp(x) <= 1e-15 * float(np.max(np.abs(x))):
+        raise InputError("the values are all equal: with ε = 0 LayerNorm divides 0 by 0; give --eps (e.g. 1e-5) "
+                         "to see how ε defines it, or use --kind rmsnorm")
+    if eps == 0 and not np.any(x):
+        raise InputError("all values are 0: with ε = 0 both norms divide 0 by 0; give --eps (e.g. 1e-5)")
     g = _floats("--gamma", gamma, x.size)
     b = _floats("--beta", beta, x.size)
     specs = _specs(eps)

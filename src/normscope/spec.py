@@ -240,6 +240,9 @@ class NormSpec:
         unknown = sorted(set(changes) - names)
         if unknown:
             raise SpecError(f"unknown NormSpec fields {unknown}; valid fields are {sorted(names)}")
+        gamma, beta = changes.get("gamma", self.gamma), changes.get("beta", self.beta)
+        if not (gamma or beta) and "param_axes" not in changes:
+            changes["param_axes"] = ()  # no affine left: nothing is indexed
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -409,5 +412,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
     if a.affine_order != b.affine_order and a.stats_dtype == b.stats_dtype == "float32":
         out.append(f"expected {b.affine_order.replace('_', ' ')}; found {a.affine_order.replace('_', ' ')}")
     if a.batch_stats != b.batch_stats:
-        out.append(f"expected {b.batch_stats} statistics; found {a.batch_stats} statistics")
+        words = {None: "statistics of each input (no train/eval modes)", "batch": "batch statistics",
+                 "running": "running statistics"}
+        out.append(f"expected {words[b.batch_stats]}; found {words[a.batch_stats]}")
     return out

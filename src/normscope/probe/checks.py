@@ -26,10 +26,12 @@ import numpy as np
 
 from .. import reference
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
+from ..jsonable import jsonable
 from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec, differences
 from ..targets import Target, as_target
 from ..targets.base import check_dtype_list, no_dtype_error
+from .experiments import plus_minus, varying_axes
 from .groups import Groups
 
 SCHEMA = "normscope.check/1"
@@ -37,7 +39,7 @@ HIDDEN_SIZES = (1, 3, 64, 123, 1000, 4097)
 Progress = Callable[[str], None]
 
 # small atol (units of the dtype's rounding × output scale) for invariance and dependency findings
-ATOL_UNITS = {"float64": 64, "float32": 16, "float16": 1, "bfloat16": 1}
+ATOL_UNITS = {"float64": 64, "float32": 16, "float16": 4, "bfloat16": 4}  # ≥ 1 ulp: two rounded outputs
 
 
 @dataclasses.dataclass
@@ -53,7 +55,7 @@ class Finding:
     why: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(self).items()}
+        return {k: jsonable(v) for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclasses.dataclass
@@ -153,20 +155,6 @@ def _short(v) -> str:
     return str(v)
 
 
-def _jsonable(v):
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, np.ndarray):
-        return _jsonable(v.tolist())
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
-
-
 def _expand(values, shape, spec: NormSpec) -> np.ndarray:
     axes = spec.resolve_param_axes(len(shape))
     full = [1] * len(shape)
@@ -184,7 +172,8 @@ def _same_parameter(exposed: np.ndarray, recovered: np.ndarray, proportional: bo
         return bool(np.allclose(recovered, 0, atol=1e-3))
     c = float(np.dot(exposed.ravel(), recovered.ravel())) / denom
     resid = float(np.max(np.abs(recovered - c * exposed))) / max(float(np.max(np.abs(recovered))), 1e-300)
-    return 0.5 < c < 2 and resid < 1e-3
+    # ÷d vs ÷(d−1) scales the probed γ by √((d−1)/d) or its inverse, within [1/√2, √2] for d ≥ 2
+    return 0.7071 <= c <= 1.4143 and resid < 1e-3
 
 
 def resolve_expected(expect, eps: float | None = None) -> NormSpec:
@@ -195,7 +184,14 @@ def resolve_expected(expect, eps: float | None = None) -> NormSpec:
         path = Path(expect)
         if not path.is_file():
             raise InputError(f"no such spec file: {path}")
-        spec = NormSpec.from_json(path.read_text())
+        text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path} is not JSON: {exc}") from None
+        if isinstance(data, dict) and data.get("schema") in ("normscope.inference/1", "normscope.check/1"):
+            data = data.get("spec") or data.get("expected")  # a saved inference or check names its contract
+        spec = NormSpec.from_dict(data)
     elif isinstance(expect, str):
         spec = NormSpec.preset(expect)
     else:
@@ -211,6 +207,8 @@ class _Battery:
         self.shape = tuple(shape)
         self.ndim = len(self.shape)
         self.quick = quick
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InputError(f"seed must be an integer ≥ 0; got {seed!r}")
         self.rng = np.random.default_rng(seed)
         self.progress = progress or (lambda _m: None)
         self.findings: list[Finding] = []
@@ -346,8 +344,16 @@ class _Battery:
         pshape = reference.param_shape(self.shape, spec)
         exposed = self.t.parameters()
         buffers = self.t.buffers()
-        recovered = self._recover_affine(pshape)
         sources = []
+        if spec.batch_stats == "running":
+            for field in ("running_mean", "running_var"):
+                if field in buffers:
+                    self.params[field] = buffers[field]
+                    sources.append(f"{field} from the target's buffer")
+            if "running_var" not in self.params:
+                raise TargetError("the contract uses running statistics but the target exposes no running_mean/"
+                                  "running_var buffers; check it against the training contract instead")
+        recovered = self._recover_affine(pshape)
         for field in ("gamma", "beta"):
             if not getattr(spec, field):
                 continue
@@ -368,40 +374,28 @@ class _Battery:
                 self.params[field] = target_values
                 self.params_recovered = True
                 sources.append(f"{'γ' if field == 'gamma' else 'β'} recovered by probing")
-        if spec.batch_stats == "running":
-            for field in ("running_mean", "running_var"):
-                if field in buffers:
-                    self.params[field] = buffers[field]
-                    sources.append(f"{field} from the target's buffer")
-            if "running_var" not in self.params:
-                raise TargetError("the contract uses running statistics but the target exposes no running_mean/"
-                                  "running_var buffers; check it against the training contract instead")
+                candidates = [n for n, v in exposed.items() if v.size == target_values.size
+                              and n not in self.param_names.values()]
+                if candidates:
+                    sym = "γ" if field == "gamma" else "β"
+                    rel = {n: float(np.max(np.abs(exposed[n].reshape(pshape) - target_values)))
+                           for n in candidates}
+                    self.add(f"{sym} is the target's parameter", "affine", "fail", rel, "one of them",
+                             None, f"the target has parameters {candidates} of {sym}'s shape {pshape}, but the "
+                             f"probed {sym} is none of them (max |difference| per parameter shown)"
+                             + ("; γ may only differ by the variance estimator's scale" if field == "gamma" else ""))
         self.params_source = "; ".join(sources) or "no affine parameters"
 
     def _affine_full(self) -> tuple[np.ndarray, np.ndarray]:
-        """γ (effective) and β at every position from ±a·u under the expected axes, two patterns."""
-        a = 1e3
-        gam = np.zeros(self.shape)
-        bet = np.zeros(self.shape)
-        best = np.zeros(self.shape)
-        base = self.spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0, batch_stats=None)
-        seen = []
-        for u in (self.pattern(), self.pattern()):
-            yp, ym = self.t(a * u, self.dtype), self.t(-a * u, self.dtype)
-            xhat = reference.forward(a * u, base)
-            with np.errstate(all="ignore"):
-                g = (yp - ym) / (2 * xhat)
-            seen.append((g, (yp + ym) / 2, np.abs(u)))
-            take = np.abs(u) > best
-            gam = np.where(take, g, gam)
-            bet = np.where(take, (yp + ym) / 2, bet)
-            best = np.maximum(best, np.abs(u))
-        (g1, b1, m1), (g2, b2, m2) = seen
-        both = (m1 > 0.3) & (m2 > 0.3)
+        """γ (effective) and β at every position from ±a·u: γ = (y₊−y₋)/2x̂ with x̂ from the reference."""
+        base = self.spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0)
+        stats = {k: self.params.get(k) for k in ("running_mean", "running_var")} if base.batch_stats == "running" \
+            else {}
+        pm = plus_minus(lambda x: self.t(x, self.dtype), self.groups, self.rng, 1e3,
+                        normalize=lambda x: reference.forward(x, base, **stats))
         # the two patterns measure the same γ/β: their disagreement is the recovery's own uncertainty
-        self.recovery_noise = (float(np.max(np.abs(g1 - g2)[both])) if both.any() else 0.0,
-                               float(np.max(np.abs(b1 - b2))))
-        return gam, bet
+        self.recovery_noise = (pm.gamma_noise, pm.beta_noise)
+        return pm.gamma, pm.beta
 
     def _recover_affine(self, pshape) -> dict[str, np.ndarray]:
         """γ, β from ±a·u: β = (y₊+y₋)/2, γ = (y₊−y₋)/2x̂ with x̂ from the reference."""
@@ -475,17 +469,8 @@ class _Battery:
     # -------------------------------------------------------------- 3. degenerate and extreme
     def extremes(self):
         g, d = self.groups, self.dtype
-        const = g.spread(self.rng.uniform(-3, 3, size=g.count)) * np.ones(self.shape)
-        self.compare("constant vector", "extreme", const, d, "every group constant (variance 0)")
-        zero = np.zeros(self.shape)
-        if self.spec.eps_placement == "none":
-            y = self.t(zero, d)
-            self.add("zero vector", "extreme", "skip", int((~np.isfinite(y)).sum()), None, None,
-                     "the contract has no ε: 0/0 is undefined for a zero vector")
-        else:
-            f = self.compare("zero vector", "extreme", zero, d, "all zeros: finite and equal to β")
-            f.expected = "β"
-        u = self.pattern()
+        # degenerate inputs at every dtype (a kernel may special-case half precision), once in --quick
+        dtypes = [d] + ([] if self.quick else [t for t in ("float16", "bfloat16") if t in self.accepted and t != d])
         spec = self.spec
         # where ε takes over: variance ≈ ε inside the root, standard deviation ≈ ε outside it or as a clamp
         knee = spec.eps if spec.eps_placement == "inside_sqrt" else spec.eps**2
@@ -493,13 +478,26 @@ class _Battery:
         if spec.eps > 0 and knee > 1e-36:
             variances |= {knee, knee * 0.01}
         base = spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0, batch_stats=None)
-        for v in sorted(variances, reverse=True):
-            x = math.sqrt(v) * u  # zero mean: the statistics are exact, only ε decides the gain
-            f = self.compare(f"tiny variance {v:.3g}", "extreme", x, d,
-                             f"variance {v:.3g}: the gain is capped as ε and its placement say")
-            with np.errstate(all="ignore"):
-                gain = float(np.std(reference.forward(x, base)) / max(float(np.std(x)), 1e-300))
-            f.expected = {"gain": gain, "no-ε gain": 1.0}
+        for dt in dtypes:
+            at = "" if dt == d else f" at {dt}"
+            const = g.spread(self.rng.uniform(-3, 3, size=g.count)) * np.ones(self.shape)
+            self.compare(f"constant vector{at}", "extreme", const, dt, "every group constant (variance 0)")
+            zero = np.zeros(self.shape)
+            if spec.eps_placement == "none":
+                y = self.t(zero, dt)
+                self.add(f"zero vector{at}", "extreme", "skip", int((~np.isfinite(y)).sum()), None, None,
+                         "the contract has no ε: 0/0 is undefined for a zero vector")
+            else:
+                f = self.compare(f"zero vector{at}", "extreme", zero, dt, "all zeros: finite and equal to β")
+                f.expected = "β"
+            u = self.pattern()
+            for v in sorted(variances, reverse=True):
+                x = math.sqrt(v) * u  # zero mean: the statistics are exact, only ε decides the gain
+                f = self.compare(f"tiny variance {v:.3g}{at}", "extreme", x, dt,
+                                 f"variance {v:.3g}: the gain is capped as ε and its placement say")
+                with np.errstate(all="ignore"):
+                    gain = float(np.std(reference.forward(x, base)) / max(float(np.std(x)), 1e-300))
+                f.expected = {"gain": gain, "no-ε gain": 1.0}
         for dt, scale in (("float16", 3e4), ("bfloat16", 1e37), ("float32", 1e18)):
             if dt in self.accepted:
                 self.compare(f"large values {scale:g}", "extreme", scale * self.pattern() + 0.1 * scale, dt,
@@ -595,8 +593,7 @@ class _Battery:
                 continue
             scale = max(float(np.max(np.abs(full))), 1.0)
             tol = 1e-6 * scale if self.dtype == "float64" else 1e-3 * scale
-            varies = [a for a in range(self.ndim)
-                      if np.max(np.abs(full - full.mean(axis=a, keepdims=True))) > tol]
+            varies = varying_axes(full, tol)
             offset = spec.gamma_offset if field == "gamma" else 0.0
             extra = sorted(set(varies) - set(expected_axes))
             ok = not extra
@@ -667,12 +664,33 @@ class _Battery:
         self.add("other ε values", "reference", "skip", expected=self.spec.eps,
                  why="a target's ε is its own and cannot be varied from outside; the tiny-variance findings test "
                      "it where it takes over")
+        self.output_dtypes(dtypes)
         if self.t.supports_noncontiguous:
             x = self.rng.normal(size=self.shape)
             for d in dtypes[:2]:
-                self.compare(f"non-contiguous input {d}", "reference", x, d, "a strided (transposed) view",
-                             run=self.t.call_noncontiguous)
+                try:
+                    self.compare(f"non-contiguous input {d}", "reference", x, d, "a strided (transposed) view",
+                                 run=self.t.call_noncontiguous)
+                except Exception as exc:
+                    self.add(f"non-contiguous input {d}", "reference", "fail", None, None, None,
+                             f"the target failed on a strided view: {type(exc).__name__}: {exc}")
         self.precision_order()
+
+    def output_dtypes(self, dtypes):
+        """A normalization returns its input's dtype; a wider one is reported, a narrower one fails."""
+        order = ("bfloat16", "float16", "float32", "float64")
+        for d in dtypes:
+            self.t(self.rng.normal(size=self.shape), d)
+            out = self.t.output_dtype
+            if out == d:
+                self.add(f"output dtype at {d}", "reference", "pass", out, d, None, f"{d} in, {out} out")
+            elif out in order and order.index(out) > order.index(d):
+                self.add(f"output dtype at {d}", "reference", "skip", out, d, None,
+                         f"{d} in, {out} out: promoted (the contract does not fix the output dtype; values were "
+                         "compared as returned, and layers after it will compute in the wider dtype)")
+            else:
+                self.add(f"output dtype at {d}", "reference", "fail", out, d, None,
+                         f"{d} in, {out} out: the output lost or changed precision")
 
     def precision_order(self):
         """At bf16/fp16 the target must sit closer to its contract's rounding than to the other order's."""
@@ -745,8 +763,9 @@ class _Battery:
             xd = Precision(d).round(x).astype(np.float64)
             try:
                 dx, pgrads = self.t.gradients(xd, dy, d)
-            except TargetError as exc:
-                self.add(f"backward {d}", "reference", "skip", why=str(exc))
+            except Exception as exc:  # a differentiable target whose backward fails fails the finding
+                self.add(f"backward {d}", "reference", "fail", None, "gradients", None,
+                         f"the target's backward failed: {type(exc).__name__}: {exc}")
                 continue
             dx_ref_d = reference.backward(xd, dy, spec, **kw, running_mean=self.params.get("running_mean"),
                                           running_var=self.params.get("running_var"))

@@ -59,7 +59,7 @@ class Groups:
         """A zero-mean, unit-variance vector per group whose entries are bounded away from 0.
 
         Elements are paired at random within each group with opposite signs and equal magnitudes in
-        [0.5, 1.5]; with an odd group size one element is 0 (a second pattern covers it).
+        [0.5, 1.5]; with an odd group size the last three form a triple m·(1, 1, −2), so no entry is 0.
         """
         flat = self.labels.ravel()
         order = np.lexsort((rng.random(flat.size), flat))
@@ -69,8 +69,14 @@ class Groups:
         pair = rank // 2
         magnitude = rng.uniform(0.5, 1.5, size=(self.count, self.size // 2 + 1))
         z = magnitude[flat, pair] * np.where(rank % 2 == 0, 1.0, -1.0)
-        odd_last = (self.size % 2 == 1) & (rank == self.size - 1)
-        z[odd_last] = 0.0
+        if self.size % 2 == 1 and self.size >= 3:
+            first = self.size - 3
+            in_triple = rank >= first
+            triple = magnitude[flat, first // 2] * np.array([1.0, 1.0, -2.0])[np.clip(rank - first, 0, 2)]
+            z = np.where(in_triple, triple, z)
+        elif self.size == 1:
+            z = np.zeros_like(z)
         z = z.reshape(self.shape)
         scale = np.sqrt(self.mean(z * z))
-        return z / self.spread(scale)
+        with np.errstate(all="ignore"):
+            return z / self.spread(scale)

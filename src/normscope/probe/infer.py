@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from ..errors import NotANormalization, TargetError
+from ..errors import InputError, NotANormalization, TargetError
+from ..jsonable import jsonable
 from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec
 from ..targets import Target, as_target
 from ..targets.base import check_dtype_list, no_dtype_error
+from .experiments import plus_minus, varying_axes
 from .groups import Groups
 
 SCHEMA = "normscope.inference/1"
@@ -53,7 +55,7 @@ class Evidence:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"experiment": self.experiment, "measured": _jsonable(self.measured),
+        return {"experiment": self.experiment, "measured": jsonable(self.measured),
                 "confidence": self.confidence, "note": self.note}
 
 
@@ -83,27 +85,13 @@ class Inference:
             "summary": self.spec.summary(),
             "evidence": {k: v.to_dict() for k, v in self.evidence.items()},
             "params": {k: np.asarray(v).tolist() for k, v in self.params.items()},
-            "validation": _jsonable(self.validation),
+            "validation": jsonable(self.validation),
             "calls": self.calls,
             "seconds": round(self.seconds, 4),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
-
-
-def _jsonable(v):
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    if isinstance(v, np.ndarray):
-        return _jsonable(v.tolist())
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
 
 
 def _rel(a: np.ndarray, b: np.ndarray, scale: float | None = None) -> float:
@@ -126,6 +114,8 @@ class _Prober:
         self.t = target
         self.shape = shape
         self.ndim = len(shape)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InputError(f"seed must be an integer ≥ 0; got {seed!r}")
         self.rng = np.random.default_rng(seed)
         self.progress = progress or (lambda _msg: None)
         self.evidence: dict[str, Evidence] = {}
@@ -133,9 +123,17 @@ class _Prober:
         self.accepted = tuple(d for d in allowed if target.accepts(d, shape))
         if not self.accepted:
             raise no_dtype_error(target, allowed)
-        self.dtype = "float64" if "float64" in self.accepted else (
-            "float32" if "float32" in self.accepted else self.accepted[0])
+        if not {"float64", "float32"} & set(self.accepted):
+            raise TargetError(
+                f"{target.description} ran only on {', '.join(self.accepted)}; inference probes the structure "
+                "in float32 or float64 (its experiments need their range and precision): allow one of them")
+        self.dtype = "float64" if "float64" in self.accepted else "float32"
         self.noise = 64 * UNIT_ROUNDOFF[self.dtype]
+        # set by the experiments as they run, in the order infer() calls them
+        self.mode_change = 0.0  # modes(): train vs eval output change
+        self.x0 = self.y0 = None  # dependency(): the base input and output, reused by invariances()
+        self.scale_change = 0.0
+        self.dep_records: list[dict[str, Any]] = []
 
     def run(self, x: np.ndarray, dtype: str | None = None) -> np.ndarray:
         return self.t(x, dtype or self.dtype)
@@ -226,7 +224,7 @@ class _Prober:
         return Groups.build(shape, axes, groups, group_axis)
 
     # ------------------------------------------------------------------ 3. invariances
-    def invariances(self, g: Groups) -> bool:
+    def invariances(self) -> bool:
         self.progress("invariances: common shift")
         scale_change = self.scale_change
         shift = 3 * float(np.std(self.x0))
@@ -242,33 +240,12 @@ class _Prober:
 
     # ------------------------------------------------------------------ 4. affine
     def plus_minus(self, g: Groups, a: float):
-        """β̂ and γ̂ = γ·r(a²) at every position from ±a·u with two patterns, and the noise seen."""
-        u1, u2 = g.pattern(self.rng), g.pattern(self.rng)
-        est = []
-        for u in (u1, u2):
-            yp, ym = self.run(a * u), self.run(-a * u)
-            with np.errstate(all="ignore"):
-                est.append(((yp + ym) / 2, (yp - ym) / (2 * u), np.abs(u)))
-        (b1, g1, m1), (b2, g2, m2) = est
-        gamma = np.where(m1 >= m2, g1, g2)
-        beta = (b1 + b2) / 2
-        both = (m1 > 0.3) & (m2 > 0.3)
-        scale = float(np.max(np.abs(gamma[np.isfinite(gamma)]))) if np.isfinite(gamma).any() else 1.0
-        noise = max(
-            float(np.max(np.abs(g1 - g2)[both])) / scale if both.any() else 0.0,
-            float(np.max(np.abs(b1 - b2))) / scale,
-        )
-        if not np.all(np.isfinite(gamma)) or not np.all(np.isfinite(beta)):
+        """β̂ and γ̂ = γ·r(a²) at every position from ±a·u, and the measurement's relative noise."""
+        pm = plus_minus(self.run, g, self.rng, a)
+        if not np.all(np.isfinite(pm.gamma)) or not np.all(np.isfinite(pm.beta)):
             raise NotANormalization("±u inputs (u already normalized) produced non-finite outputs")
-        return gamma, beta, noise, (u1, u2)
-
-    @staticmethod
-    def varying_axes(v: np.ndarray, tol: float) -> list[int]:
-        out = []
-        for a in range(v.ndim):
-            if np.max(np.abs(v - v.mean(axis=a, keepdims=True))) > tol:
-                out.append(a)
-        return out
+        scale = max(float(np.max(np.abs(pm.gamma))), 1e-300)
+        return pm.gamma, pm.beta, max(pm.gamma_noise, pm.beta_noise) / scale
 
     @staticmethod
     def fit_linear(obs: np.ndarray, p: np.ndarray):
@@ -348,8 +325,15 @@ class _Prober:
         return best, estimates[best], out, "decisive" if decisive else "weak"
 
     # ------------------------------------------------------------------ 6. one-pass
-    def one_pass(self, g: Groups) -> bool:
-        offset = 1e8 if self.dtype == "float64" else 1e4
+    def one_pass(self, g: Groups, noise: float) -> bool:
+        """A large common offset M with unit spread: E[x²]−E[x]² loses ~M²·u, two-pass only ~M·u.
+
+        u is the target's effective precision (the ±u noise, at least the probe dtype's), so a target that
+        computes in float32 behind a float64 interface is probed at an offset float32 can carry:
+        M = u^-0.65 keeps two-pass error M·u ≲ 1% while one-pass error M²·u ≫ 1.
+        """
+        u_eff = max(noise / 4, UNIT_ROUNDOFF[self.dtype])
+        offset = float(f"{u_eff ** -0.65:.1g}")
         u = g.pattern(self.rng)
         x = offset + u
         with np.errstate(all="ignore"):
@@ -358,10 +342,39 @@ class _Prober:
         change = _rel(y_off, y_dev)
         self.evidence["variance_algorithm"] = Evidence(
             f"input {offset:g} + u (σ = 1) vs the same deviations without the offset: E[x²]−E[x]² cancels",
-            {"offset": offset, "relative_change": change},
+            {"offset": offset, "effective_precision": u_eff, "relative_change": change},
             "decisive" if (change < 0.01 or change > 0.2) else "weak",
         )
         return change > 0.05
+
+
+@dataclasses.dataclass
+class _Fit:
+    """One parameter of a private copy explained as γ (slope, intercept) or β (offset) of the output."""
+
+    name: str
+    intercept: float
+    slope: float
+    residual: float
+    axes: list[int]
+
+
+@dataclasses.dataclass
+class _Affine:
+    """What the ±u experiments found: γ̂ = γ·r(V) and β̂ at every position, and the fields they decide."""
+
+    gamma_hat: np.ndarray
+    beta_hat: np.ndarray
+    noise: float
+    gamma: bool
+    beta: bool
+    param_axes: list[int]
+    variance: str
+    gamma_offset: float
+    fitted: dict[str, _Fit | None] | None
+
+
+BIG = 1e6  # ±u is scaled to variance 1e12: ε is negligible for every placement (ε/√V ≤ 1e-8 for ε ≤ 1e-2)
 
 
 def infer(
@@ -401,13 +414,13 @@ def infer(
                 "output): an elementwise map, not a normalization")
         if g.size < 2:
             raise TargetError(f"each statistic covers one element at shape {shape}; probe a larger shape")
-        center = pr.invariances(g)
+        center = pr.invariances()
 
         aff = _affine(pr, g)
         placement, eps, eps_dtype = _epsilon(pr, g, aff)
         algorithm = "two_pass"
         if center:
-            algorithm = "one_pass" if pr.one_pass(g) else "two_pass"
+            algorithm = "one_pass" if pr.one_pass(g, aff.noise) else "two_pass"
         else:
             ev["variance_algorithm"] = Evidence("not applicable without centring", {}, "decisive")
 
@@ -428,8 +441,12 @@ def infer(
             gamma_offset=aff.gamma_offset if aff.gamma else 0.0,
             batch_stats=("batch" if has_modes else None),
         )
+        unit_axes = _natural(tuple(a for a in range(ndim) if shape[a] == 1), ndim, channel_style)
         ev["axes"] = Evidence("perturb one input by ±1e3·max|x| and see which outputs move",
-                              {"probes": pr.dep_records, "group_size": g.size, "groups_per_call": g.count})
+                              {"probes": pr.dep_records, "group_size": g.size, "groups_per_call": g.count},
+                              "weak" if unit_axes else "decisive",
+                              f"axes {unit_axes} have size 1 at this shape, so whether they are reduced cannot be "
+                              "seen: probe a shape with at least 2 along them" if unit_axes else "")
 
         params = _parameter_values(pr, g, spec, aff)
 
@@ -467,40 +484,11 @@ def infer(
         validation=validation)
 
 
-@dataclasses.dataclass
-class _Fit:
-    """One parameter of a private copy explained as γ (slope, intercept) or β (offset) of the output."""
-
-    name: str
-    intercept: float
-    slope: float
-    residual: float
-    axes: list[int]
-
-
-@dataclasses.dataclass
-class _Affine:
-    """What the ±u experiments found: γ̂ = γ·r(V) and β̂ at every position, and the fields they decide."""
-
-    gamma_hat: np.ndarray
-    beta_hat: np.ndarray
-    noise: float
-    gamma: bool
-    beta: bool
-    param_axes: list[int]
-    variance: str
-    gamma_offset: float
-    fitted: dict[str, _Fit | None] | None
-
-
-BIG = 1e6  # ±u is scaled to variance 1e12: ε is negligible for every placement (ε/√V ≤ 1e-8 for ε ≤ 1e-2)
-
-
 def _affine(pr: _Prober, g: Groups) -> _Affine:
     """Step 4: β, γ (up to scale) and param_axes; with a private copy, γ's scale, variance and offset."""
     pr.progress("affine: ±u with u already normalized")
     ev = pr.evidence
-    gamma_hat, beta_hat, noise, _ = pr.plus_minus(g, BIG)
+    gamma_hat, beta_hat, noise = pr.plus_minus(g, BIG)
     if noise > max(1e-3, 16 * UNIT_ROUNDOFF[pr.dtype]):
         raise NotANormalization(
             f"two different inputs with identical statistics (±u, u normalized per group) gave γ/β estimates "
@@ -508,8 +496,8 @@ def _affine(pr: _Prober, g: Groups) -> _Affine:
             "(e.g. max-abs scaling)")
     noise = max(noise, pr.noise)
     tol = max(1000 * noise, 1e-7) * max(float(np.max(np.abs(gamma_hat))), 1.0)
-    g_axes = pr.varying_axes(gamma_hat, tol)
-    b_axes = pr.varying_axes(beta_hat, tol)
+    g_axes = varying_axes(gamma_hat, tol)
+    b_axes = varying_axes(beta_hat, tol)
     unbiased_gain = math.sqrt((g.size - 1) / g.size)
     fitted = _fit_parameters(pr, g, tol)
 
@@ -587,8 +575,8 @@ def _fit_parameters(pr: _Prober, g: Groups, tol: float) -> dict[str, _Fit | None
     with pr.t.perturbed_parameters(pr.rng) as values:
         if not values:
             return None
-        gp, bp, _, _ = pr.plus_minus(g, BIG)
-    pg_axes, pb_axes = pr.varying_axes(gp, tol), pr.varying_axes(bp, tol)
+        gp, bp, _ = pr.plus_minus(g, BIG)
+    pg_axes, pb_axes = varying_axes(gp, tol), varying_axes(bp, tol)
     fitted: dict[str, _Fit | None] = {"gamma": None, "beta": None}
     for name, v in values.items():
         if fitted["gamma"] is None and (full := pr.expand_param(v, pg_axes)) is not None:
@@ -756,7 +744,7 @@ def _running_stats(pr: _Prober, spec: NormSpec, params, g: Groups) -> dict[str, 
     slope = (y2 - y1) / (x2 - x1)
     intercept = y1 - slope * x1
     ndim = pr.ndim
-    kept = [a for a in range(ndim) if a not in spec.resolve_axes(ndim) and a != 0] or []
+    kept = [a for a in range(ndim) if a not in spec.resolve_axes(ndim) and a != 0]
     take = tuple(slice(None) if a in kept else 0 for a in range(ndim))
     A, B = slope[take], intercept[take]
     pidx = spec.resolve_param_axes(ndim)

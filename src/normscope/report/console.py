@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +16,8 @@ def fmt(v: float, digits: int = 4) -> str:
     """A number the way a person writes it: 4 decimals, −0 shown as 0, tiny or huge in e-notation."""
     if v != v:  # NaN
         return "nan"
+    if v in (math.inf, -math.inf):
+        return "∞" if v > 0 else "−∞"
     if v == 0:
         return "0"
     a = abs(v)

@@ -27,6 +27,7 @@ class Target:
     def __init__(self, description: str):
         self.description = description
         self.calls = 0
+        self.output_dtype: str | None = None  # the dtype the last call returned, as a dtype name
         self._accepts: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._reasons: dict[str, str] = {}
 
@@ -121,6 +122,16 @@ class Target:
     def gradients(self, x: np.ndarray, dy: np.ndarray, dtype: str = "float64"):
         """(dx, {parameter name: gradient}) of sum(dy · f(x)), for differentiable targets."""
         raise TargetError(f"{self.description} is not differentiable through normscope")
+
+
+def dtype_of(value) -> str | None:
+    """The dtype name of an array-like output (None when it has no floating dtype normscope knows)."""
+    from ..errors import InputError
+
+    try:
+        return dtype_name(getattr(value, "dtype", None) or np.asarray(value).dtype)
+    except (InputError, TypeError, ValueError):
+        return None
 
 
 def no_dtype_error(target: Target, tried) -> TargetError:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import MissingExtraError, TargetError
-from .base import Target
+from .base import Target, dtype_of
 
 
 def _jax():
@@ -37,6 +37,7 @@ class JaxTarget(Target):
             out = self.fn(arr)
             if isinstance(out, tuple | list):
                 out = out[0]
+            self.output_dtype = dtype_of(out)
             if str(out.dtype) != dtype and dtype == "float64":
                 raise TargetError(f"the function returned {out.dtype} for a float64 input")
             return np.asarray(jnp.asarray(out, dtype=jnp.float32 if dtype != "float64" else jnp.float64))

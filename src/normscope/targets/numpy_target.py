@@ -7,7 +7,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from .base import Target
+from .base import Target, dtype_of
 
 _NUMPY_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
                  "bfloat16": ml_dtypes.bfloat16}
@@ -25,4 +25,6 @@ class NumpyTarget(Target):
     def _run(self, x, dtype):
         with np.errstate(all="ignore"):
             out = self.fn(x.astype(_NUMPY_DTYPES[dtype]))
-        return np.asarray(out).astype(np.float64)
+        out = np.asarray(out)
+        self.output_dtype = dtype_of(out)
+        return out.astype(np.float64)

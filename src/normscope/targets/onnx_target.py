@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MissingExtraError, TargetError
-from .base import Target
+from .base import Target, dtype_of
 
 _ELEM = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
 
@@ -114,15 +114,17 @@ class OnnxTarget(Target):
             d is not None and d != s for d, s in zip(self.fixed_dims, shape, strict=False)
         ):
             dims = ["?" if d is None else str(d) for d in self.fixed_dims]
+            hint = [d if d != "?" else (str(shape[i]) if i < len(shape) else "2") for i, d in enumerate(dims)]
             raise TargetError(
                 f"the ONNX input has shape ({', '.join(dims)}) but the probe shape is {tuple(shape)}; "
-                f"pass --shape {','.join(d if d != '?' else '2' for d in dims)}"
+                f"pass --shape {','.join(hint)}"
             )
 
     def _run(self, x, dtype):
         self.check_shape(x.shape)
         arr = x.astype(np.float32).astype(_np_dtype(dtype)) if dtype != "float64" else x
         (out,) = self.session(dtype).run(None, {self.input.name: arr})
+        self.output_dtype = dtype_of(out)
         return np.asarray(out).astype(np.float64)
 
     def parameters(self):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ..errors import TargetError
-from .base import Target
+from .base import Target, dtype_of
 
 
 def _torch():
@@ -62,7 +62,9 @@ class TorchFunctionTarget(Target):
     def _run(self, x, dtype, contiguous: bool = True):
         torch = _torch()
         with torch.no_grad():
-            return _to_numpy(self._apply(self._tensor(x, dtype, contiguous=contiguous), dtype))
+            out = self._apply(self._tensor(x, dtype, contiguous=contiguous), dtype)
+        self.output_dtype = dtype_of(out[0] if isinstance(out, tuple | list) and out else out)
+        return _to_numpy(out)
 
     def _apply(self, t, dtype):
         return self.fn(t)

@@ -49,9 +49,17 @@ def test_hugging_face_norms_pass_their_presets(name):
     assert_passes(check(zoo.randomize(cls(64, eps=1e-6)), expect=preset, shape=SHAPE))
 
 
+def test_batchnorm_eval_passes_its_preset():
+    bn = zoo.randomize(torch.nn.BatchNorm2d(4))
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    assert_passes(check(bn.eval(), expect="torch_batchnorm_eval", shape=IMAGE))
+
+
 def test_batchnorm_train_and_eval_rules():
     bn = zoo.randomize(torch.nn.BatchNorm2d(4))
-    r = check(bn, expect=NormSpec.preset("torch_batchnorm", stats_dtype="input"), shape=IMAGE)
+    r = check(bn, expect="torch_batchnorm", shape=IMAGE)
     assert_passes(r)
     names = {f.name: f for f in r.findings if f.section == "modes"}
     assert names["running statistics update"].status == "pass"
@@ -70,7 +78,7 @@ def test_batchnorm_with_biased_running_variance_fails_the_update_rule():
                 return torch.nn.functional.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             return super().forward(x)
 
-    r = check(BiasedRunningBN(4), expect=NormSpec.preset("torch_batchnorm", stats_dtype="input"), shape=IMAGE,
+    r = check(BiasedRunningBN(4), expect="torch_batchnorm", shape=IMAGE,
               quick=True, explain_failures=False)
     assert "modes/running statistics update" in failed(r)
 
@@ -196,7 +204,7 @@ def test_hidden_size_grid_for_functions():
 
 
 def test_instancenorm_passes():
-    assert_passes(check(torch.nn.InstanceNorm2d(4), expect=NormSpec.preset("torch_instancenorm", stats_dtype="input"),
+    assert_passes(check(torch.nn.InstanceNorm2d(4), expect="torch_instancenorm",
                         shape=IMAGE))
 
 
@@ -213,8 +221,7 @@ def _onnx_layernorm():
 
 def test_onnxruntime_layernorm_passes_with_its_rounding_order():
     # onnxruntime's CPU kernel multiplies by the scale in fp32 before the cast back
-    assert_passes(check(_onnx_layernorm(), expect=NormSpec.preset("onnx_layernorm", affine_order="scale_then_cast"),
-                        shape=SHAPE))
+    assert_passes(check(_onnx_layernorm(), expect="onnxruntime_layernorm", shape=SHAPE))
 
 
 def test_onnxruntime_deviates_from_the_onnx_function_body_only_in_rounding_order():

@@ -85,21 +85,19 @@ def _trained_batchnorm():
     return bn
 
 
-# torch's CPU batch_norm keeps the statistics of a bfloat16 module in bfloat16: the probe measures that.
-BN_CPU = {"stats_dtype": "input"}
 
 
 def test_torch_batchnorm_train():
     bn = _trained_batchnorm()
     r = infer(bn, shape=IMAGE)
-    assert_contract(r, NormSpec.preset("torch_batchnorm", **BN_CPU), 4)
+    assert_contract(r, NormSpec.preset("torch_batchnorm"), 4)
     assert bn.training  # untouched
 
 
 def test_torch_batchnorm_eval_recovers_running_statistics():
     bn = _trained_batchnorm().eval()
     r = infer(bn, shape=IMAGE)
-    assert_contract(r, NormSpec.preset("torch_batchnorm_eval", **BN_CPU), 4)
+    assert_contract(r, NormSpec.preset("torch_batchnorm_eval"), 4)
     np.testing.assert_allclose(r.params["running_mean"], bn.running_mean.double().numpy(), rtol=1e-6)
     np.testing.assert_allclose(r.params["running_var"], bn.running_var.double().numpy(), rtol=1e-6)
     assert r.validation["eval"]["max_relative_error"] < 1e-6
@@ -107,7 +105,7 @@ def test_torch_batchnorm_eval_recovers_running_statistics():
 
 def test_torch_instancenorm():
     r = infer(torch.nn.InstanceNorm2d(4), shape=IMAGE)
-    assert_contract(r, NormSpec.preset("torch_instancenorm", **BN_CPU), 4)
+    assert_contract(r, NormSpec.preset("torch_instancenorm"), 4)
 
 
 @pytest.mark.parametrize("name, preset, overrides", [
@@ -169,9 +167,6 @@ def _onnx_model(op, opset, bias=True, dims=("b", "s", 64)):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), onnx
 
 
-# onnxruntime's CPU kernels multiply by the scale in fp32 before the cast back (the ONNX function body
-# casts first): the probe reports what the runtime does.
-ORT_CPU = {"affine_order": "scale_then_cast"}
 
 
 def test_onnx_layernormalization_17(tmp_path):
@@ -179,14 +174,14 @@ def test_onnx_layernormalization_17(tmp_path):
     path = tmp_path / "ln.onnx"
     onnx.save(model, str(path))
     r = infer(str(path), shape=SHAPE)
-    assert_contract(r, NormSpec.preset("onnx_layernorm", **ORT_CPU), 3)
+    assert_contract(r, NormSpec.preset("onnxruntime_layernorm"), 3)
     assert "float16" in r.dtypes
 
 
 def test_onnx_rmsnormalization_23():
     model, _ = _onnx_model("RMSNormalization", 23, bias=False)
     r = infer(model, shape=SHAPE)
-    assert_contract(r, NormSpec.preset("onnx_rmsnorm", **ORT_CPU), 3)
+    assert_contract(r, NormSpec.preset("onnxruntime_rmsnorm"), 3)
 
 
 def test_onnx_model_is_not_modified():

@@ -256,7 +256,8 @@ def test_batchnorm_spec_follows_mode():
     assert module.spec == NormSpec.preset("torch_batchnorm_eval")
     module.train()
     assert module.spec.batch_stats == "batch"
-    assert module.spec == NormSpec.preset("torch_batchnorm")
+    assert module.spec == NormSpec.preset("torch_batchnorm", stats_dtype="float32")
+    assert BatchNorm(4, stats_dtype="input").spec == NormSpec.preset("torch_batchnorm")
     # specs without batch statistics are returned as given, in any mode
     spec = NormSpec.preset("llama_rmsnorm")
     ln = Norm(spec, 8).eval()

@@ -43,6 +43,8 @@ EXPECTED_KIND = {
     "keras_layernorm": "layernorm",
     "onnx_layernorm": "layernorm",
     "onnx_rmsnorm": "rmsnorm",
+    "onnxruntime_layernorm": "layernorm",
+    "onnxruntime_rmsnorm": "rmsnorm",
 }
 
 

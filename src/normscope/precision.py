@@ -78,11 +78,13 @@ class Precision:
         a = np.asarray(a)
         if self.name == "float64":
             return a.astype(np.float64)
-        a32 = a.astype(np.float32)
+        with np.errstate(over="ignore"):
+            a32 = a.astype(np.float32)
         if self.name == "float32":
             return a32
         narrow = ml_dtypes.bfloat16 if self.name == "bfloat16" else np.float16
-        return a32.astype(narrow).astype(np.float32)
+        with np.errstate(over="ignore"):  # beyond the dtype's range is ±inf, as the hardware rounds
+            return a32.astype(narrow).astype(np.float32)
 
     op = round  # an elementwise result computed in the work type, rounded to the dtype
 

@@ -43,26 +43,28 @@ def torch_groupnorm(groups: int = 2, eps: float = 1e-5, spatial_dims: int = 2, a
                     beta=affine, param_axes=[1] if affine else [])
 
 
-def _batchnorm(batch_stats: str, eps: float, spatial_dims: int, affine: bool) -> NormSpec:
+def _batchnorm(batch_stats: str, eps: float, spatial_dims: int, affine: bool, stats_dtype: str) -> NormSpec:
     axes = [0, *range(2, 2 + spatial_dims)]
     return NormSpec(center=True, axes=axes, eps=eps, gamma=affine, beta=affine,
-                    param_axes=[1] if affine else [], batch_stats=batch_stats)
+                    param_axes=[1] if affine else [], batch_stats=batch_stats, stats_dtype=stats_dtype)
 
 
+# torch's CPU batch_norm kernels keep the batch statistics of a bfloat16/float16 module in that dtype
+# (measured with `normscope infer`); other devices may compute them in float32: override stats_dtype there.
 def torch_batchnorm(eps: float = 1e-5, spatial_dims: int = 2, affine: bool = True):
-    """torch.nn.BatchNorm{1,2,3}d in training: batch statistics over N and the spatial axes."""
-    return _batchnorm("batch", eps, spatial_dims, affine)
+    """torch.nn.BatchNorm{1,2,3}d in training on CPU: batch statistics over N and space, held in the input dtype."""
+    return _batchnorm("batch", eps, spatial_dims, affine, "input")
 
 
 def torch_batchnorm_eval(eps: float = 1e-5, spatial_dims: int = 2, affine: bool = True):
-    """torch.nn.BatchNorm{1,2,3}d in evaluation: running statistics."""
-    return _batchnorm("running", eps, spatial_dims, affine)
+    """torch.nn.BatchNorm{1,2,3}d in evaluation: running statistics, applied in fp32."""
+    return _batchnorm("running", eps, spatial_dims, affine, "float32")
 
 
 def torch_instancenorm(eps: float = 1e-5, spatial_dims: int = 2, affine: bool = False):
-    """torch.nn.InstanceNorm{1,2,3}d (affine=False by default, no running statistics)."""
+    """torch.nn.InstanceNorm{1,2,3}d on CPU (affine=False by default; statistics held in the input dtype)."""
     return NormSpec(center=True, axes=list(range(2, 2 + spatial_dims)), eps=eps, gamma=affine,
-                    beta=affine, param_axes=[1] if affine else [])
+                    beta=affine, param_axes=[1] if affine else [], stats_dtype="input")
 
 
 def llama_rmsnorm(eps: float = 1e-6):
@@ -122,6 +124,16 @@ def onnx_rmsnorm(eps: float = 1e-5):
                     stats_dtype="float32", affine_order="cast_then_scale")
 
 
+def onnxruntime_layernorm(eps: float = 1e-5):
+    """onnxruntime's CPU LayerNormalization: as ONNX's, but × scale + B in fp32 before the one cast."""
+    return onnx_layernorm(eps).replace(affine_order="scale_then_cast")
+
+
+def onnxruntime_rmsnorm(eps: float = 1e-5):
+    """onnxruntime's CPU RMSNormalization: as ONNX's, but × scale in fp32 before the one cast."""
+    return onnx_rmsnorm(eps).replace(affine_order="scale_then_cast")
+
+
 PRESETS: dict[str, Callable[..., NormSpec]] = {
     "torch_layernorm": torch_layernorm,
     "torch_rmsnorm": torch_rmsnorm,
@@ -139,6 +151,8 @@ PRESETS: dict[str, Callable[..., NormSpec]] = {
     "keras_layernorm": keras_layernorm,
     "onnx_layernorm": onnx_layernorm,
     "onnx_rmsnorm": onnx_rmsnorm,
+    "onnxruntime_layernorm": onnxruntime_layernorm,
+    "onnxruntime_rmsnorm": onnxruntime_rmsnorm,
 }
 
 

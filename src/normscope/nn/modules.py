@@ -228,9 +228,13 @@ class GroupNorm(Norm):
 
 
 class BatchNorm(Norm):
-    """BatchNorm over (N, C, *spatial) with running statistics, torch.nn.BatchNorm{1,2,3}d's contract."""
+    """BatchNorm over (N, C, *spatial) with running statistics, torch.nn.BatchNorm{1,2,3}d's contract.
+
+    Statistics are fp32 in both modes (torch's CPU kernels keep training statistics in bf16/fp16 instead;
+    pass ``stats_dtype="input"`` to reproduce that).
+    """
 
     def __init__(self, channels: int, eps: float = 1e-5, momentum: float | None = 0.1, *,
-                 spatial_dims: int = 2, affine: bool = True):
-        spec = _spec("torch_batchnorm", eps=eps, spatial_dims=spatial_dims, affine=affine)
+                 spatial_dims: int = 2, affine: bool = True, stats_dtype: str = "float32"):
+        spec = _spec("torch_batchnorm", eps=eps, spatial_dims=spatial_dims, affine=affine, stats_dtype=stats_dtype)
         super().__init__(spec, channels, momentum=momentum)

@@ -468,6 +468,11 @@ def infer(
         params.update(running)
         eval_spec = spec.replace(batch_stats="running")
         with t.mode(False):
+            if not current_training:  # evaluation may apply its statistics at another precision than training
+                train_ev = {k: ev[k] for k in ("stats_dtype", "affine_order") if k in ev}
+                eval_spec = _precision(pr, eval_spec, params, ev, "as recovered, evaluation mode")
+                for k, e in train_ev.items():
+                    ev[k].measured["training_mode"] = {"chosen": getattr(spec, k), "evidence": e.measured}
             validation["eval"] = _validate(pr, eval_spec, params, g, running, eps_dtype)
         ev["batch_stats"] = Evidence(
             "outputs in train and eval mode differ; train mode reduces over the batch, eval is per-channel affine",
@@ -668,6 +673,7 @@ def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec
             # parameters stored in the input dtype (torch .to(dtype)) or kept in fp32 (flax): the closer
             for pdt in (None, "float32"):
                 yr = reference.forward(x, cand, dtype=d, gamma=params.get("gamma"), beta=params.get("beta"),
+                                       running_mean=params.get("running_mean"), running_var=params.get("running_var"),
                                        param_dtype=pdt)
                 with np.errstate(all="ignore"):
                     err = float(np.nanmean(np.abs(y - yr) / ulp))

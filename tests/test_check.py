@@ -239,3 +239,29 @@ def test_flax_layernorm_passes_its_one_pass_contract():
     params = m.init(jax.random.PRNGKey(0), jnp.ones(SHAPE))
     params = jax.tree_util.tree_map(lambda a: a + jax.random.uniform(jax.random.PRNGKey(1), a.shape), params)
     assert_passes(check(lambda x: m.apply(params, x), expect="flax_layernorm", shape=SHAPE, framework="jax"))
+
+
+@pytest.mark.parametrize("target, finding", [
+    (zoo.DoubledWeightLayerNorm(), "affine/γ is the target's parameter"),
+    (zoo.HalfWithoutEpsLayerNorm(), "extreme/constant vector at float16"),
+    (zoo.NoGradLayerNorm(), "reference/backward float32"),
+    (zoo.ContiguousOnlyLayerNorm(), "reference/non-contiguous input float32"),
+], ids=["doubled-weight", "half-without-eps", "no-grad", "contiguous-only"])
+def test_wrong_modules_fail_the_right_finding(target, finding):
+    r = check(target, expect="torch_layernorm", shape=SHAPE, explain_failures=False)
+    assert finding in failed(r), r.text()
+
+
+def test_odd_hidden_size_passes():
+    assert_passes(check(zoo.randomize(torch.nn.LayerNorm(7)), expect="torch_layernorm", shape=(2, 8, 7)))
+
+
+def test_promoted_output_dtype_is_reported_not_failed():
+    class Promoting(torch.nn.LayerNorm):
+        def forward(self, x):  # computes and returns float32 for half-precision inputs
+            return torch.nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                                                  self.bias.float(), self.eps)
+
+    r = check(Promoting(64), expect="torch_layernorm", shape=SHAPE, explain_failures=False)
+    skipped = {f.name: f for f in r.findings if f.status == "skip"}
+    assert skipped["output dtype at bfloat16"].measured == "float32"

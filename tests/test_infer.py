@@ -363,3 +363,25 @@ def test_missing_extra_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # import jax now raises ImportError
     with pytest.raises(normscope.MissingExtraError, match=r"pip install 'normscope\[jax\]'"):
         infer(zoo.seed_layer_norm, shape=SHAPE, framework="jax")
+
+
+@pytest.mark.parametrize("hidden", [3, 7, 65])
+def test_odd_hidden_sizes(hidden):
+    r = infer(zoo.randomize(torch.nn.LayerNorm(hidden)), shape=(2, 8, hidden))
+    assert_contract(r, NormSpec.preset("torch_layernorm"), 3)
+
+
+def test_float32_inside_a_float64_interface_is_still_two_pass():
+    r = infer(zoo.Float32InsideLayerNorm(), shape=SHAPE)
+    assert r.spec.variance_algorithm == "two_pass"
+    assert r.evidence["variance_algorithm"].measured["effective_precision"] > 1e-9
+
+
+def test_size_one_axes_are_flagged():
+    r = infer(torch.nn.BatchNorm2d(4), shape=(1, 4, 3, 3))
+    assert r.evidence["axes"].confidence == "weak" and "size 1" in r.evidence["axes"].note
+
+
+def test_half_only_dtypes_are_a_clear_error():
+    with pytest.raises(TargetError, match="float32 or float64"):
+        infer(torch.nn.LayerNorm(64), shape=SHAPE, dtypes="float16")

@@ -127,3 +127,50 @@ def causal_mean_center(x):
 
 def numpy_tanh(x):
     return np.tanh(x)
+
+
+class _LNBase(nn.Module):
+    def __init__(self, d=H, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.bias = nn.Parameter(torch.rand(d) - 0.5)
+        self.eps = eps
+
+
+class DoubledWeightLayerNorm(_LNBase):
+    """Uses 2·weight as γ: behaves like a LayerNorm, but not with its own parameter."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), 2 * self.weight, self.bias, self.eps)
+
+
+class HalfWithoutEpsLayerNorm(_LNBase):
+    """Drops ε for float16 inputs only: constant rows become NaN at half precision."""
+
+    def forward(self, x):
+        eps = 0.0 if x.dtype == torch.float16 else self.eps
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps)
+
+
+class NoGradLayerNorm(_LNBase):
+    """Right forward, no backward (computed under no_grad)."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class ContiguousOnlyLayerNorm(_LNBase):
+    """Wrong on strided views only."""
+
+    def forward(self, x):
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return y if x.is_contiguous() else y * 1.01
+
+
+class Float32InsideLayerNorm(_LNBase):
+    """A correct LayerNorm that computes in float32 whatever the input dtype (float64 included)."""
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(),
+                                              self.eps).to(x.dtype)

@@ -31,7 +31,7 @@ from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec, differences
 from ..targets import Target, as_target
 from ..targets.base import check_dtype_list, no_dtype_error
-from .experiments import plus_minus, varying_axes
+from .experiments import plus_minus, ulps, varying_axes
 from .groups import Groups
 
 SCHEMA = "normscope.check/1"
@@ -711,7 +711,7 @@ class _Battery:
                                                if n in values}}
                 try:
                     y = self.t(x, d)
-                    ulp = np.maximum(np.abs(y), 1e-30) * UNIT_ROUNDOFF[d] * 2
+                    ulp = ulps(y, d)
 
                     def dev(s, y=y, x=x, d=d, ulp=ulp):
                         with np.errstate(all="ignore"):
@@ -730,7 +730,8 @@ class _Battery:
                 finally:
                     self.params = saved
             nearest = min(others.values())
-            ok = mine <= nearest + 0.02
+            # nearer its own contract than any other, and within a couple of ulps of it on average
+            ok = mine <= nearest + 0.02 and mine <= 2.0
             self.add(f"rounding at {d}", "reference", "pass" if ok else "fail", mine, others, 0.02,
                      f"mean distance (ulps) to the contract's {d} rounding {mine:.3g}, to the nearest other "
                      f"contract's {nearest:.3g}" + ("" if values else " (the target's own γ/β)"))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..precision import UNIT_ROUNDOFF
 from .groups import Groups
 
 
@@ -57,3 +58,11 @@ def plus_minus(run: Callable[[np.ndarray], np.ndarray], g: Groups, rng: np.rando
 def varying_axes(v: np.ndarray, tol: float) -> list[int]:
     """The axes along which ``v`` is not constant (beyond ``tol``)."""
     return [a for a in range(v.ndim) if np.max(np.abs(v - v.mean(axis=a, keepdims=True))) > tol]
+
+
+def ulps(y: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype`` at each output, floored at 1% of the outputs' RMS (near 0 an ulp means nothing)."""
+    with np.errstate(all="ignore"):
+        finite = y[np.isfinite(y)]
+        floor = 0.01 * float(np.sqrt(np.mean(finite**2))) if finite.size else 1.0
+        return np.maximum(np.abs(y), max(floor, 1e-30)) * UNIT_ROUNDOFF[dtype] * 2

@@ -34,7 +34,7 @@ from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec
 from ..targets import Target, as_target
 from ..targets.base import check_dtype_list, no_dtype_error
-from .experiments import plus_minus, varying_axes
+from .experiments import plus_minus, ulps, varying_axes
 from .groups import Groups
 
 SCHEMA = "normscope.inference/1"
@@ -666,7 +666,7 @@ def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec
         offset = g.spread(np.where(np.arange(g.count) % 2 == 0, 0.0, 30.0)) * sigma
         x = Precision(d).round(pr.rng.normal(size=pr.shape) * sigma + offset).astype(np.float64)
         y = pr.run(x, d)
-        ulp = np.maximum(np.abs(y), 1e-30) * UNIT_ROUNDOFF[d] * 2
+        ulp = ulps(y, d)
         scores = {}
         for c in candidates:
             cand = spec.replace(stats_dtype=c[0], affine_order=c[1])

@@ -450,13 +450,7 @@ def infer(
 
         params = _parameter_values(pr, g, spec, aff)
 
-        if aff.fitted is not None:  # random parameters make the affine order observable
-            with t.perturbed_parameters(pr.rng) as values:
-                known = {field: np.asarray(values[fit.name], dtype=np.float64).reshape(
-                    reference.param_shape(shape, spec)) for field, fit in aff.fitted.items() if fit is not None}
-                spec = _precision(pr, spec, known, ev, "random, in a private copy")
-        else:
-            spec = _precision(pr, spec, params, ev, "as recovered")
+        spec = _precision_with_parameters(pr, spec, params, aff, "")
 
         pr.progress("validation on fresh inputs")
         validation = _validate(pr, spec, params, g, None, eps_dtype)
@@ -470,7 +464,7 @@ def infer(
         with t.mode(False):
             if not current_training:  # evaluation may apply its statistics at another precision than training
                 train_ev = {k: ev[k] for k in ("stats_dtype", "affine_order") if k in ev}
-                eval_spec = _precision(pr, eval_spec, params, ev, "as recovered, evaluation mode")
+                eval_spec = _precision_with_parameters(pr, eval_spec, params, aff, ", evaluation mode")
                 for k, e in train_ev.items():
                     ev[k].measured["training_mode"] = {"chosen": getattr(spec, k), "evidence": e.measured}
             validation["eval"] = _validate(pr, eval_spec, params, g, running, eps_dtype)
@@ -650,6 +644,17 @@ def _parameter_values(pr: _Prober, g: Groups, spec: NormSpec, aff: _Affine) -> d
     return params
 
 
+def _precision_with_parameters(pr: _Prober, spec: NormSpec, params, aff: _Affine, mode: str) -> NormSpec:
+    """Step 7, with distinct random γ/β in a private copy where possible (identity γ/β hide the cast order)."""
+    if aff.fitted is None:
+        return _precision(pr, spec, params, pr.evidence, "as recovered" + mode)
+    with pr.t.perturbed_parameters(pr.rng) as values:
+        known = {field: np.asarray(values[fit.name], dtype=np.float64).reshape(
+            reference.param_shape(pr.shape, spec)) for field, fit in aff.fitted.items() if fit is not None}
+        known.update({k: v for k, v in params.items() if k.startswith("running_")})
+        return _precision(pr, spec, known, pr.evidence, "random, in a private copy" + mode)
+
+
 def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec:
     low = [d for d in ("bfloat16", "float16") if d in pr.accepted]
     if not low:
@@ -694,8 +699,12 @@ def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec
     ev["stats_dtype"] = Evidence(
         f"{'/'.join(low)} outputs vs the reference emulating each candidate (mean error in ulps; γ/β {source})",
         {"mean_error_ulps": measured, "decided_at": decider, "chosen": best[0]}, quality, note)
-    if (spec.gamma or spec.beta) and best[0] == "float32":
-        order_other = scores[(best[0], "scale_then_cast" if best[1] == "cast_then_scale" else "cast_then_scale")]
+    order_other = scores[(best[0], "scale_then_cast" if best[1] == "cast_then_scale" else "cast_then_scale")]
+    if (spec.gamma or spec.beta) and best[0] == "float32" and order_other == scores[best]:
+        ev["affine_order"] = Evidence("× γ before or after the cast back", {"error_ulps": scores[best]},
+                                      "not probed", "γ ≡ 1 and β ≡ 0 here: the order is not observable")
+        order = "scale_then_cast"
+    elif (spec.gamma or spec.beta) and best[0] == "float32":
         conf = "decisive" if order_other > 1.5 * max(scores[best], 0.02) and scores[best] < 1.0 else "weak"
         ev["affine_order"] = Evidence(
             f"same experiment at {decider}: × γ before or after the cast back",

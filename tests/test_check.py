@@ -265,3 +265,41 @@ def test_promoted_output_dtype_is_reported_not_failed():
     r = check(Promoting(64), expect="torch_layernorm", shape=SHAPE, explain_failures=False)
     skipped = {f.name: f for f in r.findings if f.status == "skip"}
     assert skipped["output dtype at bfloat16"].measured == "float32"
+
+
+def test_two_element_groups_pass_backward():
+    # dx is exactly 0 for groups of two: every term cancels, and rounding of the terms is all that is left
+    gn = torch.nn.GroupNorm(2, 4)
+    assert_passes(check(gn, expect=NormSpec.preset("torch_groupnorm", groups=2, spatial_dims=0), shape=(8, 4)))
+
+
+def test_large_hidden_size_with_values_whose_squares_overflow_float32():
+    r = check(torch.nn.LayerNorm(1024), expect="torch_layernorm", shape=(2, 4, 1024), quick=True)
+    assert r.ok, r.text()
+    big = next(f for f in r.findings if f.name == "large values 1e+18")
+    assert big.status == "skip"  # float32 statistics themselves overflow there: the contract says so
+
+
+@pytest.mark.parametrize("fn", [lambda x: x * 0, lambda x: torch.zeros_like(x) + 0.5], ids=["zeros", "constant"])
+def test_an_output_that_ignores_the_input_fails(fn):
+    r = check(fn, expect="torch_layernorm", shape=SHAPE, framework="torch", explain_failures=False)
+    assert "affine/the output follows the input" in failed(r)
+
+
+def test_tuple_outputs_and_in_place_inputs_are_handled():
+    def as_tuple(x):
+        return torch.nn.functional.layer_norm(x, (64,)), None
+
+    def in_place(x):
+        return torch.nn.functional.layer_norm(x.mul_(1.0), (64,))
+
+    for fn in (as_tuple, in_place):
+        assert check(fn, expect=NormSpec.preset("torch_layernorm", affine=False), shape=SHAPE, framework="torch",
+                     quick=True).ok
+
+
+def test_single_element_groups_are_a_clear_error():
+    from normscope import InputError
+
+    with pytest.raises(InputError, match="one element"):
+        check(torch.nn.LayerNorm(1), expect="torch_layernorm", shape=(2, 8, 1))

@@ -142,3 +142,32 @@ def test_check_json_and_eps_override():
 def test_check_unknown_preset_exit_2():
     r = run("check", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "lama_rmsnorm")
     assert r.returncode == 2 and "llama_rmsnorm" in r.stderr
+
+
+@pytest.mark.parametrize("target", [":", ":LayerNorm", "../x:y"])
+def test_malformed_targets_exit_2(target):
+    r = run("infer", target, "--shape", "2,8,64")
+    assert r.returncode == 2 and "package.module:attr" in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--seed", "-1"), "seed must be ≥ 0"),
+    (("--dtypes", ","), "no dtype given"),
+])
+def test_bad_options_exit_2(args, words):
+    r = run("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64", *args)
+    assert r.returncode == 2 and words in r.stderr
+
+
+def test_explain_negative_exponent_and_extremes():
+    assert run("explain", "1", "-2e3").returncode == 0
+    r = run("explain", "1e308", "1e307")
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    r = run("explain", "1", "1", "1")
+    assert r.returncode == 2 and "--eps" in r.stderr
+
+
+def test_check_junit_path_is_validated_first(tmp_path):
+    r = run("check", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "torch_layernorm",
+            "--junit", str(tmp_path / "missing" / "out.xml"))
+    assert r.returncode == 2 and "--junit" in r.stderr

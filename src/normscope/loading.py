@@ -32,16 +32,22 @@ def load_target(spec: str, args_json: str | None = None, kwargs_json: str | None
     args = parse_json(args_json, list, "--args")
     kwargs = parse_json(kwargs_json, dict, "--kwargs")
     if spec.endswith(".onnx"):
-        if not Path(spec).is_file():
+        if not Path(spec).exists():
             raise TargetError(f"no such ONNX file: {spec}")
+        if not Path(spec).is_file():
+            raise TargetError(f"{spec} is not a file")
         return spec
     if ":" not in spec:
         raise TargetError(
             f"TARGET {spec!r} must be package.module:attr (e.g. torch.nn:LayerNorm) or a path ending in .onnx")
     module_name, attr = spec.split(":", 1)
+    if not module_name or not attr or module_name.startswith(".") or "/" in module_name:
+        raise TargetError(
+            f"TARGET {spec!r} must be package.module:attr with an importable module name (e.g. torch.nn:LayerNorm); "
+            "put a file's folder on PYTHONPATH and name it by module")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except (ImportError, TypeError, ValueError) as exc:
         raise TargetError(f"cannot import {module_name!r}: {exc}; is it installed in this environment?") from None
     obj = module
     for part in attr.split("."):

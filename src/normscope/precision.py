@@ -93,7 +93,12 @@ class Precision:
         return np.asarray(value, dtype=self.work)
 
     def mean(self, a: np.ndarray, axes: tuple[int, ...], count: float) -> np.ndarray:
-        """Sum accumulated in float64 over ``axes`` (kept), divided by ``count``, rounded once."""
+        """Sum accumulated exactly over ``axes`` (kept), divided by ``count``, rounded once.
+
+        The accumulator lives in this dtype, so a total beyond its range overflows to ±inf (for float32
+        statistics, e.g. the sum of squares of a thousand values near 1e18), as it would in a kernel.
+        """
         total = np.asarray(a, dtype=np.float64).sum(axis=axes, keepdims=True)
+        total = np.where(np.abs(total) > MAX_FINITE[self.name], np.copysign(np.inf, total), total)
         with np.errstate(divide="ignore", invalid="ignore"):
             return self.round(total / count)

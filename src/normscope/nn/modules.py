@@ -111,8 +111,12 @@ class Norm(nn.Module):
         n_var = n - 1 if spec.variance == "unbiased" else n
         xg = x.to(c).reshape(grouped)
 
-        def mean(t: torch.Tensor, count: int) -> torch.Tensor:  # float64 accumulation, one rounding
-            return (t.double().sum(dim=reduce, keepdim=True) / count).to(c)
+        c_max = torch.finfo(c).max
+
+        def mean(t: torch.Tensor, count: int) -> torch.Tensor:  # exact accumulation, one rounding
+            total = t.double().sum(dim=reduce, keepdim=True)
+            total = torch.where(total.abs() > c_max, total.sign() * math.inf, total)  # the accumulator's range
+            return (total / count).to(c)
 
         if spec.batch_stats == "running":
             rm, rv = self._running_view(ndim, axes, shape, grouped)

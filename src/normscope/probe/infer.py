@@ -690,8 +690,13 @@ def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec
     best = min(scores, key=scores.get)
     measured = {f"{d}: {c[0]} statistics, {c[1].replace('_', ' ')}": v
                 for d, sc in per_dtype.items() for c, v in sc.items()}
-    other_stats = min(v for (st, _), v in scores.items() if st != best[0])
-    quality = "decisive" if other_stats > 2 * max(scores[best], 0.05) and scores[best] < 1.0 else "weak"
+    def separates(sc) -> bool:  # this dtype's best for the chosen statistics beats the other by 2×
+        mine = min(v for (st, _), v in sc.items() if st == best[0])
+        other = min(v for (st, _), v in sc.items() if st != best[0])
+        return other > 2 * max(mine, 0.05)
+
+    # decisive when the best-matching dtype separates the two, or another dtype does so clearly
+    quality = "decisive" if scores[best] < 1.0 and any(separates(sc) for sc in per_dtype.values()) else "weak"
     note = ""
     if scores[best] >= 1.0:
         note = (f"no candidate reproduces the {decider} output (best {scores[best]:.2g} ulps mean): the target "

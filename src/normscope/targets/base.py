@@ -141,12 +141,18 @@ def no_dtype_error(target: Target, tried) -> TargetError:
     same = all(r.split(" failed on ")[-1].split(": ", 1)[-1] == first.split(" failed on ")[-1].split(": ", 1)[-1]
                for r in reasons)
     detail = first if same else "; ".join(f"{d}: {r}" for d, r in zip(tried, reasons, strict=True))
-    return TargetError(f"{target.description} ran on none of {', '.join(tried)}: {detail} (check --shape)")
+    hint = "" if "check --shape" in detail else " (check --shape)"
+    return TargetError(f"{target.description} ran on none of {', '.join(tried)}: {detail}{hint}")
 
 
 def check_dtype_list(dtypes) -> tuple[str, ...] | None:
     if dtypes is None:
         return None
     if isinstance(dtypes, str):
-        dtypes = [d for d in dtypes.split(",") if d]
-    return tuple(dtype_name(d) for d in dtypes)
+        dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
+    out = tuple(dtype_name(d) for d in dtypes)
+    if not out:
+        from ..errors import InputError
+
+        raise InputError("no dtype given; e.g. --dtypes float32,bfloat16")
+    return out

@@ -76,14 +76,22 @@ class TorchFunctionTarget(Target):
         self.calls += 1
         return self._run(x, dtype_name(dtype), contiguous=False)
 
-    def gradients(self, x, dy, dtype="float64"):
+    def _backward(self, call, x, dy, dtype: str):
+        """x.grad of sum(dy · call(x)); the call gets a copy of the leaf, so it may write to its input."""
         torch = _torch()
         self.calls += 1
-        t = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
+        leaf = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
         with torch.enable_grad():
-            y = self.fn(t)
+            y = call(leaf.clone())
+            if isinstance(y, tuple | list):
+                y = y[0]
             y.backward(torch.from_numpy(np.asarray(dy, dtype=np.float64)).to(y.dtype))
-        return _to_numpy(t.grad), {}
+        if leaf.grad is None:
+            raise TargetError("no gradient reached the input (is the output detached from it?)")
+        return _to_numpy(leaf.grad)
+
+    def gradients(self, x, dy, dtype="float64"):
+        return self._backward(self.fn, x, dy, dtype), {}
 
 
 class TorchModuleTarget(TorchFunctionTarget):
@@ -193,15 +201,10 @@ class TorchModuleTarget(TorchFunctionTarget):
             self._copies.clear()
 
     def gradients(self, x, dy, dtype="float64"):
-        torch = _torch()
-        self.calls += 1
         m = self._copy(dtype)
         for p in m.parameters():
             p.grad = None
             p.requires_grad_(True)
-        t = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
-        with torch.enable_grad():
-            y = self._call_module(m, t)
-            y.backward(torch.from_numpy(np.asarray(dy, dtype=np.float64)).to(y.dtype))
+        dx = self._backward(lambda t: self._call_module(m, t), x, dy, dtype)
         grads = {n: p.grad.double().numpy().copy() for n, p in m.named_parameters() if p.grad is not None}
-        return _to_numpy(t.grad), grads
+        return dx, grads

@@ -67,22 +67,25 @@ def torch_instancenorm(eps: float = 1e-5, spatial_dims: int = 2, affine: bool = 
                     beta=affine, param_axes=[1] if affine else [], stats_dtype="input")
 
 
+def _rms_over_hidden(eps: float, affine_order: str, gamma_offset: float = 0.0) -> NormSpec:
+    """RMSNorm over the last axis with γ only and fp32 statistics: the shape most frameworks share."""
+    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
+                    gamma_offset=gamma_offset, stats_dtype="float32", affine_order=affine_order)
+
+
 def llama_rmsnorm(eps: float = 1e-6):
     """Hugging Face LlamaRMSNorm: fp32 statistics, x̂ cast to the input dtype, then × γ."""
-    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
-                    stats_dtype="float32", affine_order="cast_then_scale")
+    return _rms_over_hidden(eps, "cast_then_scale")
 
 
 def gemma_rmsnorm(eps: float = 1e-6):
     """Hugging Face GemmaRMSNorm: weight w acts as (1 + w), × in fp32, then cast."""
-    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
-                    gamma_offset=1.0, stats_dtype="float32", affine_order="scale_then_cast")
+    return _rms_over_hidden(eps, "scale_then_cast", gamma_offset=1.0)
 
 
 def t5_layernorm(eps: float = 1e-6):
     """Hugging Face T5LayerNorm: an RMSNorm without bias, fp32 statistics, cast then × γ."""
-    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
-                    stats_dtype="float32", affine_order="cast_then_scale")
+    return _rms_over_hidden(eps, "cast_then_scale")
 
 
 def bert_layernorm(eps: float = 1e-12):
@@ -103,8 +106,7 @@ def flax_layernorm(eps: float = 1e-6):
 
 def flax_rmsnorm(eps: float = 1e-6):
     """flax.linen.RMSNorm: mean of squares in fp32, × γ in fp32 then cast."""
-    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
-                    stats_dtype="float32", affine_order="scale_then_cast")
+    return _rms_over_hidden(eps, "scale_then_cast")
 
 
 def keras_layernorm(eps: float = 1e-3):
@@ -120,8 +122,7 @@ def onnx_layernorm(eps: float = 1e-5):
 
 def onnx_rmsnorm(eps: float = 1e-5):
     """ONNX RMSNormalization-23 (axis=-1, stash_type=1: fp32 statistics; x̂ cast, then × scale)."""
-    return NormSpec(center=False, axes=[-1], eps=eps, gamma=True, beta=False, param_axes=[-1],
-                    stats_dtype="float32", affine_order="cast_then_scale")
+    return _rms_over_hidden(eps, "cast_then_scale")
 
 
 def onnxruntime_layernorm(eps: float = 1e-5):

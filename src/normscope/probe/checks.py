@@ -654,23 +654,15 @@ class _Battery:
             d for d in ("bfloat16",) if d in self.accepted)]))
         skipped_sizes = []
         for shape in self.shapes():
-            try:
-                sub = _Battery.__new__(_Battery)
-                sub.__dict__.update(self.__dict__)
-                sub.shape, sub.findings = shape, self.findings
-                sub.groups = Groups.build(shape, self.spec.resolve_axes(self.ndim), self.spec.groups,
-                                          self.spec.resolve_group_axis(self.ndim))
-            except NormscopeError:
-                continue
             for d in dtypes:
                 x = self.rng.normal(size=shape) * 2 + 0.5
                 try:
-                    sub.compare(f"forward {shape} {d}", "reference", x, d, f"random input of shape {shape}")
-                except TargetError as exc:
-                    if shape != self.shape:
-                        skipped_sizes.append(shape)
-                        break
-                    raise exc
+                    self.compare(f"forward {shape} {d}", "reference", x, d, f"random input of shape {shape}")
+                except NormscopeError:  # the target (or the contract's grouping) does not take this shape
+                    if shape == self.shape:
+                        raise
+                    skipped_sizes.append(shape)
+                    break
                 self.progress(f"forward {shape} {d}")
         if skipped_sizes:
             self.add("other shapes", "reference", "skip", [list(s) for s in dict.fromkeys(skipped_sizes)],

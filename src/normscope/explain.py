@@ -143,7 +143,7 @@ def _eps_gain(eps: float, variance: float = 1e-12) -> dict[str, Any]:
     spread = float(np.std(x - x.mean()))
 
     def gain(spec: NormSpec) -> float:
-        return float(np.std(reference.forward(x, spec.replace(gamma=False, beta=False, param_axes=[]))) / spread)
+        return float(np.std(reference.forward(x, spec.without_affine())) / spread)
 
     base = NormSpec(center=True, axes=[-1], eps=0.0, eps_placement="none")
     return {

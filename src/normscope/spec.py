@@ -245,6 +245,10 @@ class NormSpec:
             changes["param_axes"] = ()  # no affine left: nothing is indexed
         return dataclasses.replace(self, **changes)
 
+    def without_affine(self) -> NormSpec:
+        """The same normalization with no γ, β or γ offset: what produces x̂."""
+        return self.replace(gamma=False, beta=False, param_axes=(), gamma_offset=0.0)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema": SCHEMA}
         for f in dataclasses.fields(self):

@@ -155,6 +155,19 @@ def _short(v) -> str:
     return str(v)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Conditioning:
+    """compute: the statistics' dtype; k: the summation factor 2·log2(group size) + 8; stats: float64
+    intermediates without affine; gain: max|x| in the group / denominator; gamma: |γ_eff| per element."""
+
+    compute: str
+    groups: Groups
+    k: float
+    stats: reference.Statistics
+    gain: np.ndarray
+    gamma: np.ndarray | float
+
+
 def _expand(values, shape, spec: NormSpec) -> np.ndarray:
     axes = spec.resolve_param_axes(len(shape))
     full = [1] * len(shape)
@@ -227,8 +240,7 @@ class _Battery:
         try:
             spec.resolve_axes(self.ndim)
             spec.resolve_param_axes(self.ndim)
-            self.groups = Groups.build(self.shape, spec.resolve_axes(self.ndim), spec.groups,
-                                       spec.resolve_group_axis(self.ndim))
+            self.groups = Groups.of(spec, self.shape)
         except NormscopeError as exc:
             raise InputError(f"the expected contract does not fit shape {self.shape}: {exc}") from None
         if self.groups.size < 2 and spec.center:
@@ -265,6 +277,18 @@ class _Battery:
     def atol(self, dtype, scale):
         return ATOL_UNITS[dtype] * UNIT_ROUNDOFF[dtype] * max(1.0, scale)
 
+    def conditioning(self, x, dtype, spec) -> _Conditioning:
+        """How rounding at ``dtype`` is amplified for input ``x`` under ``spec``."""
+        compute = "float32" if spec.stats_dtype == "float32" and dtype in ("float16", "bfloat16") else dtype
+        g = Groups.of(spec, x.shape)
+        with np.errstate(all="ignore"):
+            st = reference.statistics(x, spec.without_affine(), running_mean=self.params.get("running_mean"),
+                                      running_var=self.params.get("running_var"))
+            gain = g.spread(g.max(np.abs(x))) / st.denom
+        w = self.params.get("gamma") if spec.gamma else None
+        gamma = np.abs(_expand(w, x.shape, spec) + spec.gamma_offset) if w is not None else 1.0
+        return _Conditioning(compute, g, 2 * math.log2(max(g.size, 2)) + 8, st, gain, gamma)
+
     def error_bound(self, x, dtype, exact, spec=None) -> np.ndarray:
         """Per-element error a faithful implementation may add beyond its output rounding.
 
@@ -275,22 +299,10 @@ class _Battery:
         cancellation, k·u(c)·(max|x| / denominator)²·|γ·x̂|/2.
         """
         spec = spec or self.spec
-        c = dtype
-        if spec.stats_dtype == "float32" and dtype in ("float16", "bfloat16"):
-            c = "float32"
-        uc, ud = UNIT_ROUNDOFF[c], UNIT_ROUNDOFF[dtype]
-        g = Groups.build(x.shape, spec.resolve_axes(x.ndim), spec.groups, spec.resolve_group_axis(x.ndim))
-        k = 2 * math.log2(max(g.size, 2)) + 8
-        gmax = np.zeros(g.count)
-        np.maximum.at(gmax, g.labels.ravel(), np.abs(x).ravel())
-        with np.errstate(all="ignore"):
-            st = reference.statistics(x, spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0),
-                                      running_mean=self.params.get("running_mean"),
-                                      running_var=self.params.get("running_var"))
-            gain = g.spread(gmax) / st.denom
-        lay_g = self.params.get("gamma") if spec.gamma else None
+        cond = self.conditioning(x, dtype, spec)
+        uc, ud, k, st, gain, gam = UNIT_ROUNDOFF[cond.compute], UNIT_ROUNDOFF[dtype], cond.k, cond.stats, \
+            cond.gain, cond.gamma
         lay_b = self.params.get("beta") if spec.beta else None
-        gam = np.abs(_expand(lay_g, x.shape, spec) + spec.gamma_offset) if lay_g is not None else 1.0
         bet = np.abs(_expand(lay_b, x.shape, spec)) if lay_b is not None else 0.0
         # rounding of x̂, γ·x̂ and the sum at the output dtype: a few units of |γ·x̂| + |β|, not of |y|
         with np.errstate(all="ignore"):
@@ -402,7 +414,7 @@ class _Battery:
 
     def _affine_full(self) -> tuple[np.ndarray, np.ndarray]:
         """γ (effective) and β at every position from ±a·u: γ = (y₊−y₋)/2x̂ with x̂ from the reference."""
-        base = self.spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0)
+        base = self.spec.without_affine()
         stats = {k: self.params.get(k) for k in ("running_mean", "running_var")} if base.batch_stats == "running" \
             else {}
         pm = plus_minus(lambda x: self.t(x, self.dtype), self.groups, self.rng, 1e3,
@@ -491,7 +503,7 @@ class _Battery:
         variances = {1e-12}
         if spec.eps > 0 and knee > 1e-36:
             variances |= {knee, knee * 0.01}
-        base = spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0, batch_stats=None)
+        base = spec.without_affine().replace(batch_stats=None)
         for dt in dtypes:
             at = "" if dt == d else f" at {dt}"
             const = g.spread(self.rng.uniform(-3, 3, size=g.count)) * np.ones(self.shape)
@@ -810,22 +822,13 @@ class _Battery:
         |dy| over the batch positions: k·u(dtype) of those sums.
         """
         spec = self.spec
-        c = "float32" if spec.stats_dtype == "float32" and dtype in ("float16", "bfloat16") else dtype
-        g = Groups.build(x.shape, spec.resolve_axes(x.ndim), spec.groups, spec.resolve_group_axis(x.ndim))
-        k = 2 * math.log2(max(g.size, 2)) + 8
+        cond = self.conditioning(x, dtype, spec)
+        g, k, st, gam = cond.groups, cond.k, cond.stats, cond.gamma
         with np.errstate(all="ignore"):
-            st = reference.statistics(x, spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0),
-                                      running_mean=self.params.get("running_mean"),
-                                      running_var=self.params.get("running_var"))
-            dymax = np.zeros(g.count)
-            np.maximum.at(dymax, g.labels.ravel(), np.abs(dy).ravel())
-            gam = (np.abs(_expand(self.params["gamma"], x.shape, spec) + spec.gamma_offset)
-                   if spec.gamma and "gamma" in self.params else 1.0)
-            xmax = np.zeros(g.count)
-            np.maximum.at(xmax, g.labels.ravel(), np.abs(x).ravel())
-            gain = 1 + g.spread(xmax) / st.denom  # formulas in x rather than x̂ carry |x|/D, as the forward does
-            out = {"dx": (k * UNIT_ROUNDOFF[c] + 4 * UNIT_ROUNDOFF[dtype]) * 2 * gam * g.spread(dymax) / st.denom
-                   * gain}
+            dymax = g.max(np.abs(dy))
+            gain = 1 + cond.gain  # formulas in x rather than x̂ carry |x|/D, as the forward does
+            out = {"dx": (k * UNIT_ROUNDOFF[cond.compute] + 4 * UNIT_ROUNDOFF[dtype]) * 2 * gam * g.spread(dymax)
+                   / st.denom * gain}
             reduce_axes = tuple(a for a in range(x.ndim) if a not in spec.resolve_param_axes(x.ndim))
             n = int(np.prod([x.shape[a] for a in reduce_axes])) if reduce_axes else 1
             kd = (2 * math.log2(max(n, 2)) + 8) * UNIT_ROUNDOFF[dtype]

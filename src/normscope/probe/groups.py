@@ -43,6 +43,18 @@ class Groups:
         size = int(np.prod(shape)) // count
         return cls(shape, tuple(axes), groups, group_axis, labels, count, size)
 
+    @classmethod
+    def of(cls, spec, shape) -> Groups:
+        """The groups a NormSpec reduces over, for an input of ``shape``."""
+        ndim = len(shape)
+        return cls.build(shape, spec.resolve_axes(ndim), spec.groups, spec.resolve_group_axis(ndim))
+
+    def max(self, v: np.ndarray) -> np.ndarray:
+        """Per-group maxima (length ``count``)."""
+        out = np.full(self.count, -np.inf)
+        np.maximum.at(out, self.labels.ravel(), np.asarray(v, dtype=np.float64).ravel())
+        return out
+
     def sum(self, v: np.ndarray) -> np.ndarray:
         """Per-group sums (length ``count``)."""
         return np.bincount(self.labels.ravel(), weights=np.asarray(v, dtype=np.float64).ravel(),

@@ -630,7 +630,7 @@ def _epsilon(pr: _Prober, g: Groups, aff: _Affine) -> tuple[str, float, str]:
 
 def _parameter_values(pr: _Prober, g: Groups, spec: NormSpec, aff: _Affine) -> dict[str, np.ndarray]:
     """γ = γ̂ / r(V) with r(V) from the reference for the inferred spec, and β = β̂, at the param shape."""
-    base = spec.replace(gamma=False, beta=False, param_axes=[], gamma_offset=0.0)
+    base = spec.without_affine()
     u = g.pattern(pr.rng)
     xhat = reference.forward(BIG * u, base)
     r_v = g.spread(g.sum(xhat * u) / g.sum(u * u))
@@ -663,7 +663,7 @@ def _precision(pr: _Prober, spec: NormSpec, params, ev, source: str) -> NormSpec
         ev["affine_order"] = Evidence("needs bfloat16/float16 inputs", {}, "not probed", note)
         return spec
     pr.progress("precision: low-precision outputs against the reference's emulations")
-    g = Groups.build(pr.shape, spec.resolve_axes(pr.ndim), spec.groups, spec.resolve_group_axis(pr.ndim))
+    g = Groups.of(spec, pr.shape)
     candidates = [(s, o) for s in ("float32", "input") for o in ("cast_then_scale", "scale_then_cast")]
     per_dtype: dict[str, dict] = {}
     for d in low:

@@ -140,10 +140,10 @@ def _compare_site(sa: ContractSite, sb: ContractSite, add) -> int:
         n += 1
         if sa.groups != sb.groups:
             add(name, "groups", sa.groups, sb.groups, "mismatch", f"{sa.groups} groups in A, {sb.groups} in B")
-    for field, sym in (("gamma", "γ"), ("beta", "β")):
+    for field, sym, neutral in (("gamma", "γ", "identity_gamma"), ("beta", "β", "zero_beta")):
         if _both(sa, sb, field):
             n += 1
-            if getattr(sa, field) != getattr(sb, field):
+            if getattr(sa, field) != getattr(sb, field) and not (getattr(sa, neutral) or getattr(sb, neutral)):
                 va, vb = getattr(sa, field), getattr(sb, field)
                 add(name, field, va, vb, "mismatch",
                     f"{'a learned ' + sym if va else 'no ' + sym} in A, {'a learned ' + sym if vb else 'no ' + sym} in B")
@@ -153,6 +153,8 @@ def _compare_site(sa: ContractSite, sb: ContractSite, add) -> int:
 
 def _compare_gamma(sa: ContractSite, sb: ContractSite, add) -> int:
     """γ as it acts (offset + stored weight); an offset difference alone is undecidable without weights."""
+    if sa.gamma is False or sb.gamma is False:
+        return 0  # presence was compared above
     ea, eb = sa.effective_gamma, sb.effective_gamma
     if ea is not None and eb is not None:
         worst = max(abs(ea[k] - eb[k]) for k in ("mean", "min", "max"))

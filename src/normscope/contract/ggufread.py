@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, MissingExtraError
-from .model import ContractSite, ModelContract
+from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
 
 RMS_KEY = "{arch}.attention.layer_norm_rms_epsilon"
@@ -233,11 +233,13 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
             axes=(-1,), size=dims[0] if dims else None, gamma=True, beta=bias is not None, gamma_offset=0.0,
             param_shape=tuple(reversed(dims)),
         )
+        if bias is not None and (b := _values(bias, gguf)) is not None:
+            site.beta_stats = value_stats(b)
         values = _values(weight, gguf)
         if values is None:
             site.notes.append(f"γ stored as {weight.tensor_type.name}: statistics not read")
-        elif values.size:
-            site.gamma_stats = {"mean": float(values.mean()), "min": float(values.min()), "max": float(values.max())}
+        else:
+            site.gamma_stats = value_stats(values)
         sites.append(site)
     if not sites:
         notes.append("no norm tensors found")

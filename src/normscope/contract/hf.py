@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, MissingExtraError
-from .model import ContractSite, ModelContract
+from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
 
 EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
@@ -195,13 +195,17 @@ def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
             continue
         f, key = tensors[params["weight"]]
         with safe_open(str(f), framework="pt") as handle:
-            w = handle.get_tensor(key).double()
-        site.gamma_stats = {"mean": float(w.mean()), "min": float(w.min()), "max": float(w.max())}
+            w = handle.get_tensor(key).double().numpy()
+        site.gamma_stats = value_stats(w)
         site.source = module_path(key)
         if tuple(w.shape) != site.param_shape:
             site.notes.append(f"γ has shape {list(w.shape)}, the config implies {list(site.param_shape or ())}")
             site.param_shape = tuple(w.shape)
         site.beta = "bias" in params
+        if site.beta:
+            f, key = tensors[params["bias"]]
+            with safe_open(str(f), framework="pt") as handle:
+                site.beta_stats = value_stats(handle.get_tensor(key).double().numpy())
     if missing:
         contract.notes.append(f"no weight found for {len(missing)} norm site(s): {', '.join(missing[:4])}"
                               + (" …" if len(missing) > 4 else ""))

@@ -12,15 +12,17 @@ import dataclasses
 import json
 from typing import Any
 
+import numpy as np
+
 from ..errors import InputError
 from ..jsonable import jsonable
-from .names import SLOT_ROLES, canonicalize, placement_of
+from .names import canonicalize, placement_of
 
 SCHEMA = "normscope.contract/1"
 
 FAMILIES = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
 SITE_FIELDS = ("family", "center", "eps", "eps_placement", "axes", "size", "gamma", "beta", "gamma_offset",
-               "gamma_stats", "param_shape", "groups")
+               "gamma_stats", "beta_stats", "param_shape", "groups")
 
 
 @dataclasses.dataclass
@@ -41,6 +43,7 @@ class ContractSite:
     beta: bool | None = None
     gamma_offset: float | None = None
     gamma_stats: dict[str, float] | None = None
+    beta_stats: dict[str, float] | None = None
     param_shape: tuple[int, ...] | None = None
     groups: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -63,6 +66,18 @@ class ContractSite:
     def known(self) -> tuple[str, ...]:
         """The contract fields this artifact states for the site."""
         return tuple(f for f in SITE_FIELDS if getattr(self, f) is not None)
+
+    @property
+    def identity_gamma(self) -> bool:
+        """γ is stated and acts as exactly 1 everywhere (as good as no γ)."""
+        e = self.effective_gamma
+        return e is not None and e["min"] == e["max"] == 1.0
+
+    @property
+    def zero_beta(self) -> bool:
+        """β is stated and is exactly 0 everywhere (as good as no β)."""
+        b = self.beta_stats
+        return b is not None and b["min"] == b["max"] == 0.0
 
     @property
     def effective_gamma(self) -> dict[str, float] | None:
@@ -199,6 +214,14 @@ class ModelContract:
                    n_layers=_n_layers(sites))
 
 
+def value_stats(values: Any) -> dict[str, float] | None:
+    """mean/min/max of a parameter's values (None when there are none)."""
+    v = np.asarray(values, dtype=np.float64)
+    if v.size == 0:
+        return None
+    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
+
+
 def _scan_path(name: str) -> str:
     """The module part of a scan site name: ``blocks.0:layer_norm#0`` → ``blocks.0``."""
     return name.split(":", 1)[0]
@@ -207,7 +230,3 @@ def _scan_path(name: str) -> str:
 def _n_layers(sites: list[ContractSite]) -> int | None:
     layers = [s.layer for s in sites if s.layer is not None]
     return max(layers) + 1 if layers else None
-
-
-def role_of_slot(slot: str) -> str | None:
-    return SLOT_ROLES.get(slot)

@@ -77,6 +77,7 @@ _TOP = {
 }
 
 _CONTAINER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|blk)\.(\d+)\.(.+)$")
+_BLOCK_ITSELF = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|blk)\.(\d+)$")
 _PARAM_SUFFIX = re.compile(r"\.(weight|bias|scale|w|b|g|gamma|beta)$")
 
 
@@ -115,6 +116,9 @@ def canonicalize(paths: Iterable[str], roles: Mapping[str, str | None] | None = 
     for p in paths:
         given = roles.get(p)
         layer, rest = split_block(p)
+        if layer is None and (m := _BLOCK_ITSELF.search(p)):  # a functional norm in a block's own forward
+            out[p] = (f"layers.{m.group(1)}", int(m.group(1)), given)
+            continue
         if layer is None:
             slot = _TOP.get(p)
             if slot is None:

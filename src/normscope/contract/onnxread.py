@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, MissingExtraError
-from .model import ContractSite, ModelContract
+from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path
 
 MAX_ONNX_BYTES = 2**31  # protobuf's own limit for one message
@@ -166,13 +166,6 @@ def _scope(node) -> str:
     return module_path(name) or node.op_type
 
 
-def _stats(v: np.ndarray | None) -> dict[str, float] | None:
-    if v is None or v.size == 0:
-        return None
-    v = v.astype(np.float64)
-    return {"mean": float(v.mean()), "min": float(v.min()), "max": float(v.max())}
-
-
 def _negative(axes: tuple[int, ...] | None, rank: int | None) -> tuple[int, ...] | None:
     if axes is None:
         return None
@@ -228,10 +221,11 @@ def _fused(g: _Graph, node) -> ContractSite:
         if op == "GroupNormalization":
             groups = int(g.attr(node, "num_groups"))
     w = g.const(scale) if scale else None
+    b = g.const(bias) if bias else None
     site = ContractSite(
         name="", source=node.name or op, family=family, eps=float(eps), eps_placement="inside_sqrt", axes=axes,
         size=_size(g, x, axes) if axes else None, gamma=bool(scale), beta=bool(bias),
-        gamma_offset=0.0 if scale else None, gamma_stats=_stats(w),
+        gamma_offset=0.0 if scale else None, gamma_stats=value_stats(w), beta_stats=value_stats(b),
         param_shape=tuple(w.shape) if w is not None else None, groups=groups, notes=notes,
     )
     if op in ("RMSNormalization", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"):
@@ -355,13 +349,13 @@ def _affine(g: _Graph, y: str, site: ContractSite) -> None:
                         break
         if w is not None:
             site.gamma, site.gamma_offset = True, offset
-            site.gamma_stats, site.param_shape = _stats(w), tuple(w.shape)
+            site.gamma_stats, site.param_shape = value_stats(w), tuple(w.shape)
             y = mul.output[0]
             nxt = g.consumers.get(y, [])
     if len(nxt) == 1 and nxt[0].op_type == "Add":
         b_name = g.other(nxt[0], y)
         b = g.const(b_name) if b_name else None
         if b is not None and b.size > 1:
-            site.beta = True
+            site.beta, site.beta_stats = True, value_stats(b)
     if not site.gamma:
         site.gamma_offset = None

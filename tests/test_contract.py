@@ -400,7 +400,8 @@ def test_onnx_fused_node_types(tmp_path):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, tmp_path / "fused.onnx")
     got = {s.name: s for s in contract(tmp_path / "fused.onnx").sites}
-    assert (got["gn"].family, got["gn"].groups, got["gn"].eps, got["gn"].axes) == ("groupnorm", 2, pytest.approx(1e-3), (1, 2))
+    gn = got["gn"]
+    assert (gn.family, gn.groups, gn.eps, gn.axes) == ("groupnorm", 2, pytest.approx(1e-3), (1, 2))
     assert "per group" in got["gn"].notes[0]
     assert (got["inorm"].family, got["inorm"].axes, got["inorm"].gamma_stats["max"]) == ("instancenorm", (2,), 3.0)
     assert (got["bn"].family, got["bn"].axes, got["bn"].eps) == ("batchnorm", (0, 2), pytest.approx(2e-5))

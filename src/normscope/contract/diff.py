@@ -161,10 +161,9 @@ def _compare_gamma(sa: ContractSite, sb: ContractSite, add) -> int:
         tol = GAMMA_ATOL * max(1.0, *(abs(v) for v in (*ea.values(), *eb.values())))
         if worst > tol:
             shift = ea["mean"] - eb["mean"]
-            hint = " — a lost or doubled γ offset (Gemma's 1 + w)?" if abs(abs(shift) - 1) < 0.05 else ""
+            hint = "; a lost or doubled γ offset (Gemma's 1 + w)?" if abs(abs(shift) - 1) < 0.05 else ""
             add(sa.name, "gamma", _gamma_text(sa), _gamma_text(sb), "mismatch",
-                f"effective γ mean {ea['mean']:.4g} (min {ea['min']:.4g}, max {ea['max']:.4g}) in A, "
-                f"{eb['mean']:.4g} (min {eb['min']:.4g}, max {eb['max']:.4g}) in B{hint}")
+                f"effective γ (offset + w) differs by up to {worst:.3g}{hint}")
         return 1
     if _both(sa, sb, "gamma_offset") and sa.gamma_offset != sb.gamma_offset:
         missing = " and ".join(x for x, s in (("A", sa), ("B", sb)) if s.gamma_stats is None)

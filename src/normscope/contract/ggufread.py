@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import InputError, MissingExtraError
 from .model import ContractSite, ModelContract, value_stats
-from .names import canonicalize, module_path, split_block
+from .names import canonicalize, module_path, site_order, split_block
 
 RMS_KEY = "{arch}.attention.layer_norm_rms_epsilon"
 LN_KEY = "{arch}.attention.layer_norm_epsilon"
@@ -241,6 +241,7 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
         else:
             site.gamma_stats = value_stats(values)
         sites.append(site)
+    sites.sort(key=lambda s: site_order(s.name))
     if not sites:
         notes.append("no norm tensors found")
     return ModelContract(source=str(path), kind="gguf", sites=sites, architecture=arch,

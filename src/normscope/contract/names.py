@@ -144,6 +144,19 @@ def canonicalize(paths: Iterable[str], roles: Mapping[str, str | None] | None = 
     return out
 
 
+_ORDER = ("embed_norm", "attn_norm", "q_norm", "k_norm", "attn_branch_norm", "attn_post_norm", "ffn_norm",
+          "ffn_branch_norm", "ffn_post_norm", "final_norm")
+
+
+def site_order(name: str) -> tuple:
+    """A sort key putting sites in the order a forward pass meets them (embedding, blocks, final)."""
+    layer, rest = split_block(name)
+    slot = _ORDER.index(rest) if rest in _ORDER else len(_ORDER)
+    if layer is None:
+        return (0 if rest == "embed_norm" else 2, 0, slot, name)
+    return (1, layer, slot, name)
+
+
 def slot_of(name: str) -> str:
     """The slot of a canonical name (``layers.3.attn_norm`` → ``attn_norm``)."""
     layer, rest = split_block(name)

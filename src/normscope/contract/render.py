@@ -99,9 +99,15 @@ def _cell(v: Any) -> str:
         return "—"
     if isinstance(v, float):
         return f"{v:g}"
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {fmt(x) if isinstance(x, float) else x}" for k, x in v.items())
+    if isinstance(v, dict) and "offset" in v:  # γ: stored statistics and the offset they act with
+        off = v["offset"] or 0.0
+        stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])} … {fmt(v['max'])})" if "mean" in v else "w"
+        return f"{fmt(off)} + {stored}" if off else stored
     return escape(str(v))
+
+
+def _sites(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{len(names)} sites: {names[0]} … {names[-1]}"
 
 
 def render_diff(diff: ContractDiff, console: Console) -> None:
@@ -110,9 +116,17 @@ def render_diff(diff: ContractDiff, console: Console) -> None:
         t = Table(title="differences", title_justify="left")
         for col in ("site", "field", "A", "B", "verdict", "detail"):
             t.add_column(col)
-        for i in diff.items:
+        rows: list[tuple[list[str], Any]] = []  # identical differences at several sites share one row
+        fields = list(dict.fromkeys(i.field for i in diff.items))
+        for i in sorted(diff.items, key=lambda i: fields.index(i.field)):
+            if rows and (rows[-1][1].field, rows[-1][1].a, rows[-1][1].b, rows[-1][1].message) == \
+                    (i.field, i.a, i.b, i.message):
+                rows[-1][0].append(i.site)
+            else:
+                rows.append(([i.site], i))
+        for sites, i in rows:
             verdict = "[red]mismatch[/]" if i.status == "mismatch" else "[yellow]unverified[/]"
-            t.add_row(escape(i.site), i.field, _cell(i.a), _cell(i.b), verdict, escape(i.message))
+            t.add_row(escape(_sites(sites)), i.field, _cell(i.a), _cell(i.b), verdict, escape(i.message))
         console.print(t)
     summary = (f"{len(diff.matched)} sites in both, {diff.compared_fields} fields compared: "
                f"{len(diff.mismatches)} mismatches, {len(diff.unverified)} unverified")

@@ -20,6 +20,9 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
+# torch's TorchScript ONNX exporter (dynamo=False, as the exports here need) warns that it is deprecated
+pytestmark = pytest.mark.filterwarnings("ignore:.*(TorchScript|will be removed).*:DeprecationWarning")
+
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64)
 

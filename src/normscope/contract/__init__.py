@@ -1,0 +1,48 @@
+"""Static contracts: every norm site a model artifact states, and every mismatch between two artifacts.
+
+``contract(path)`` reads an HF ``config.json`` or model directory, a GGUF file, an ONNX graph or a saved
+contract JSON without executing anything; ``compare(a, b)`` lists every difference site by site.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InputError
+from .diff import ContractDiff, DiffItem, compare
+from .ggufread import read_gguf
+from .hf import read_hf, read_json_object
+from .model import SCHEMA, ContractSite, ModelContract
+from .onnxread import read_onnx
+
+__all__ = ["SCHEMA", "ContractDiff", "ContractSite", "DiffItem", "ModelContract", "compare", "contract",
+           "read_gguf", "read_hf", "read_onnx"]
+
+
+def contract(path: str | Path) -> ModelContract:
+    """The static contract of a model artifact, chosen by its content and name.
+
+    A directory or ``.json`` is an HF config (a saved ``normscope.contract/1`` JSON is read back as is); a
+    file starting with ``GGUF`` is a GGUF model; ``.onnx`` is an ONNX graph.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file or directory")
+    if p.is_dir():
+        return read_hf(p)
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(64)
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read ({exc.strerror})") from None
+    if head[:4] == b"GGUF" or p.suffix.lower() == ".gguf":
+        return read_gguf(p)
+    if p.suffix.lower() == ".onnx":
+        return read_onnx(p)
+    if p.suffix.lower() == ".json" or head.lstrip()[:1] in (b"{", b"["):
+        data = read_json_object(p)
+        if data.get("schema") == SCHEMA:
+            return ModelContract.from_dict(data)
+        return read_hf(p)
+    raise InputError(f"{p}: not a model artifact normscope reads (an HF config.json or model directory, a .gguf "
+                     "file, an .onnx graph or a normscope contract JSON)")

@@ -1,0 +1,52 @@
+"""``normscope contract FILE [FILE2]``: the static contract of a model artifact, or every mismatch between two.
+
+Exit codes: 0 the contract was read (one file) or no mismatch was found (two files; unverified items are
+listed but do not fail), 1 the two artifacts mismatch, 2 bad input (one clear line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "contract",
+        help="the static norm contract of a checkpoint (HF config/dir, GGUF, ONNX) or every mismatch between two",
+        description="Read every norm site's contract from a model artifact without running it; given two, list "
+                    "every mismatch site by site. Exit 0 read / no mismatch, 1 mismatch, 2 bad input.",
+    )
+    p.add_argument("file", metavar="FILE", help="an HF config.json or model directory, a .gguf, an .onnx, or a "
+                                                "saved contract JSON")
+    p.add_argument("file2", metavar="FILE2", nargs="?", help="a second artifact to compare with the first")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (schema normscope.contract/1, or normscope.contract-diff/1 for two files)")
+    p.set_defaults(run=run)
+
+
+def run(args, console: Console) -> int:
+    from . import compare, contract
+    from .render import render_contract, render_diff
+
+    a = contract(args.file)
+    if args.file2 is None:
+        if args.json:
+            print(a.to_json())
+        else:
+            render_contract(a, console)
+        return EXIT_OK
+    b = contract(args.file2)
+    diff = compare(a, b)
+    if args.json:
+        data = diff.to_dict()
+        data["contracts"] = [a.to_dict(), b.to_dict()]
+        print(json.dumps(data, indent=2))
+    else:
+        render_contract(a, console)
+        render_contract(b, console)
+        render_diff(diff, console)
+    return EXIT_OK if diff.ok else EXIT_MISMATCH

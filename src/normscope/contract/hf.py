@@ -1,0 +1,220 @@
+"""The static contract of a Hugging Face model: its ``config.json`` and, where present, its safetensors.
+
+The architecture (``model_type``) decides which norms each block has, their family and γ offset — the
+modelling code of each architecture states them; the config states ε and the sizes. γ statistics come from
+``*.safetensors`` files beside the config, opened memory-mapped and read one norm weight at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError, MissingExtraError
+from .model import ContractSite, ModelContract, value_stats
+from .names import canonicalize, module_path, split_block
+
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+MAX_CONFIG_BYTES = 16 * 2**20
+MAX_LAYERS = 100_000
+MAX_WIDTH = 2**24
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    family: str
+    eps_key: str
+    blocks: str  # module path of the block list, e.g. "model.layers"
+    block_norms: tuple[str, ...]
+    top: tuple[str, ...]
+    beta: bool
+    gamma_offset: float = 0.0
+    qk: tuple[str, str] | None = None
+    qk_over: str = "head"  # "head": head_dim; "proj": the whole projection; "per_head": γ per head
+    qk_flag: str | None = None  # config key that switches the qk norms on
+
+
+_LLAMA = Arch("rmsnorm", "rms_norm_eps", "model.layers", ("input_layernorm", "post_attention_layernorm"),
+              ("model.norm",), beta=False)
+_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+ARCHITECTURES: dict[str, Arch] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
+    "qwen3": dataclasses.replace(_LLAMA, qk=("self_attn.q_norm", "self_attn.k_norm")),
+    "gemma": dataclasses.replace(_LLAMA, gamma_offset=1.0),
+    "gemma2": dataclasses.replace(_LLAMA, block_norms=_SANDWICH, gamma_offset=1.0),
+    "gemma3_text": dataclasses.replace(_LLAMA, block_norms=_SANDWICH, gamma_offset=1.0,
+                                       qk=("self_attn.q_norm", "self_attn.k_norm")),
+    "olmo2": dataclasses.replace(_LLAMA, block_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+                                 qk=("self_attn.q_norm", "self_attn.k_norm"), qk_over="proj"),
+    "gpt2": Arch("layernorm", "layer_norm_epsilon", "transformer.h", ("ln_1", "ln_2"), ("transformer.ln_f",),
+                 beta=True),
+    "bert": Arch("layernorm", "layer_norm_eps", "encoder.layer", ("attention.output.LayerNorm", "output.LayerNorm"),
+                 ("embeddings.LayerNorm",), beta=True),
+    "phi": Arch("layernorm", "layer_norm_eps", "model.layers", ("input_layernorm",), ("model.final_layernorm",),
+                beta=True, qk=("self_attn.q_layernorm", "self_attn.k_layernorm"), qk_flag="qk_layernorm"),
+    "cohere": Arch("layernorm", "layer_norm_eps", "model.layers", ("input_layernorm",), ("model.norm",), beta=False,
+                   qk=("self_attn.q_norm", "self_attn.k_norm"), qk_over="per_head", qk_flag="use_qk_norm"),
+}
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object, read with a size limit."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    if size > MAX_CONFIG_BYTES:
+        raise InputError(f"{path}: {size} bytes is too large for a config.json (limit {MAX_CONFIG_BYTES})")
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: not a text file (a config.json is UTF-8 JSON)") from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise InputError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a config.json must hold a JSON object; got a {type(data).__name__}")
+    return data
+
+
+def _int(config: dict, keys: tuple[str, ...], path: Path, limit: int, default: int | None = None) -> int:
+    for key in keys:
+        if key in config:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise InputError(f"{path}: {key} must be a positive integer ≤ {limit}; got {value!r}")
+            return value
+    if default is not None:
+        return default
+    raise InputError(f"{path}: the config has none of {', '.join(keys)}")
+
+
+def read_hf(path: str | Path) -> ModelContract:
+    """The contract of an HF ``config.json`` or model directory (with γ statistics from safetensors)."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config_path.is_file():
+        raise InputError(f"{path}: a model directory needs a config.json")
+    config = read_json_object(config_path)
+    if isinstance(config.get("text_config"), dict):  # multimodal wrappers (Gemma 3) carry the text model's config
+        config = config["text_config"]
+        config.setdefault("model_type", "gemma3_text")
+    model_type = config.get("model_type")
+    if model_type == "gemma3":
+        model_type = "gemma3_text"
+    arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        named = f"model_type {model_type!r}" if model_type is not None else "no model_type"
+        raise InputError(f"{config_path}: {named}; known architectures: {', '.join(sorted(ARCHITECTURES))}")
+
+    present = [k for k in EPS_KEYS if k in config]
+    if arch.eps_key not in config:
+        other = f" (it has {', '.join(present)}, which {model_type} does not read)" if present else ""
+        raise InputError(f"{config_path}: no {arch.eps_key}, the ε of {model_type}'s norms{other}; transformers "
+                         "would silently use its default — add the value the model was trained with")
+    eps = config[arch.eps_key]
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0 or eps == float("inf"):
+        raise InputError(f"{config_path}: {arch.eps_key} must be a finite number ≥ 0; got {eps!r}")
+
+    n_layers = _int(config, ("num_hidden_layers", "n_layer"), config_path, MAX_LAYERS)
+    hidden = _int(config, ("hidden_size", "n_embd"), config_path, MAX_WIDTH)
+    heads = _int(config, ("num_attention_heads", "n_head"), config_path, MAX_WIDTH)
+    head_dim = config.get("head_dim") or hidden // heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 0 < head_dim <= MAX_WIDTH:
+        raise InputError(f"{config_path}: head_dim must be a positive integer; got {head_dim!r}")
+    kv_heads = _int(config, ("num_key_value_heads",), config_path, MAX_WIDTH, default=heads)
+
+    paths: list[tuple[str, int, tuple[int, ...]]] = []  # module path, normalized size, γ shape
+    for i in range(n_layers):
+        for sub in arch.block_norms:
+            paths.append((f"{arch.blocks}.{i}.{sub}", hidden, (hidden,)))
+        if arch.qk and (arch.qk_flag is None or config.get(arch.qk_flag)):
+            for sub, n in zip(arch.qk, (heads, kv_heads), strict=True):
+                if arch.qk_over == "proj":
+                    shape = (n * head_dim,)
+                elif arch.qk_over == "per_head":
+                    shape = (n, head_dim)
+                else:
+                    shape = (head_dim,)
+                paths.append((f"{arch.blocks}.{i}.{sub}", shape[-1], shape))
+    for top in arch.top:
+        paths.append((top, hidden, (hidden,)))
+    names = canonicalize([p for p, _, _ in paths])
+    sites = []
+    for p, size, shape in paths:
+        name, layer, role = names[p]
+        sites.append(ContractSite(
+            name=name, source=p, layer=layer, role=role, family=arch.family, eps=float(eps),
+            eps_placement="inside_sqrt", axes=(-1,), size=size, gamma=True, beta=arch.beta,
+            gamma_offset=arch.gamma_offset, param_shape=shape,
+        ))
+    out = ModelContract(source=str(path), kind="hf-config", sites=sites, architecture=model_type, eps=float(eps),
+                        eps_key=arch.eps_key, n_layers=n_layers)
+    other = [k for k in present if k != arch.eps_key and config[k] != eps]
+    if other:
+        out.notes.append(f"the config also states {', '.join(f'{k}={config[k]}' for k in other)}, which "
+                         f"{model_type} does not read")
+    weights = sorted(config_path.parent.glob("*.safetensors"))
+    if weights:
+        _add_gamma_statistics(out, weights)
+        out.kind = "hf-model"
+    return out
+
+
+def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
+    try:
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise MissingExtraError("safetensors", "hf") from exc
+    tensors: dict[str, tuple[Path, str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = (f, key)
+        except Exception as exc:  # the Rust reader raises its own error types on malformed headers
+            raise InputError(f"{f}: not a readable safetensors file ({exc})") from None
+    paths = sorted({module_path(k) for k in tensors})
+    names = canonicalize(paths)
+    by_name: dict[str, dict[str, str]] = {}
+    for key in tensors:
+        mp = module_path(key)
+        param = key[len(mp) + 1:] if key.startswith(mp + ".") else ""
+        by_name.setdefault(names[mp][0], {})[param] = key
+    missing = []
+    for site in contract.sites:
+        params = by_name.pop(site.name, None)
+        if not params or "weight" not in params:
+            missing.append(site.name)
+            continue
+        f, key = tensors[params["weight"]]
+        with safe_open(str(f), framework="pt") as handle:
+            w = handle.get_tensor(key).double().numpy()
+        site.gamma_stats = value_stats(w)
+        site.source = module_path(key)
+        if tuple(w.shape) != site.param_shape:
+            site.notes.append(f"γ has shape {list(w.shape)}, the config implies {list(site.param_shape or ())}")
+            site.param_shape = tuple(w.shape)
+        site.beta = "bias" in params
+        if site.beta:
+            f, key = tensors[params["bias"]]
+            with safe_open(str(f), framework="pt") as handle:
+                site.beta_stats = value_stats(handle.get_tensor(key).double().numpy())
+    if missing:
+        contract.notes.append(f"no weight found for {len(missing)} norm site(s): {', '.join(missing[:4])}"
+                              + (" …" if len(missing) > 4 else ""))
+    stray = sorted(n for n in by_name if _looks_like_norm(n))
+    if stray:
+        contract.notes.append(f"norm-like weights outside the architecture's sites: {', '.join(stray[:4])}"
+                              + (" …" if len(stray) > 4 else ""))
+
+
+def _looks_like_norm(name: str) -> bool:
+    last = split_block(name)[1].rsplit(".", 1)[-1].lower()
+    return "norm" in last or last.startswith("ln")

@@ -1,0 +1,192 @@
+"""Canonical norm-site names shared by every artifact.
+
+The same norm is ``model.layers.3.input_layernorm`` in a Hugging Face checkpoint, ``blk.3.attn_norm`` in a
+GGUF file and ``/model/layers.3/input_layernorm/...`` in an ONNX export. All of them become
+``layers.3.attn_norm``: ``layers.{i}.{slot}`` inside a block, ``final_norm`` / ``embed_norm`` outside.
+
+Slots and the role each implies:
+
+- ``attn_norm`` / ``ffn_norm`` (``pre``): on the residual stream, feeding attention / the MLP;
+- ``attn_branch_norm`` / ``ffn_branch_norm`` (``branch``): on a sublayer's output before the residual add
+  (Gemma 2/3 ``post_*``, OLMo-2 ``post_*``, GGUF ``post_attention_norm`` / ``post_ffw_norm``);
+- ``attn_post_norm`` / ``ffn_post_norm`` (``post``): on the residual sum (BERT's ``LayerNorm``s, GGUF
+  ``attn_output_norm`` / ``layer_output_norm``);
+- ``q_norm`` / ``k_norm`` (``qk``); ``final_norm`` (``final``); ``embed_norm`` (``embedding``).
+
+Hugging Face's ``post_attention_layernorm`` is the MLP's *pre* norm in Llama but a *branch* norm in
+Gemma 2/3 and OLMo-2: a role, when known (a scan measures it), decides; otherwise the block's other norms
+do (a ``pre_feedforward_layernorm`` beside it, or no ``input_layernorm``, makes it a branch norm).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+SLOT_ROLES = {
+    "attn_norm": "pre",
+    "ffn_norm": "pre",
+    "attn_branch_norm": "branch",
+    "ffn_branch_norm": "branch",
+    "attn_post_norm": "post",
+    "ffn_post_norm": "post",
+    "q_norm": "qk",
+    "k_norm": "qk",
+    "final_norm": "final",
+    "embed_norm": "embedding",
+}
+
+# a path inside a block → slot (exact match of the part after ``layers.{i}.``)
+_BLOCK = {
+    # Hugging Face
+    "input_layernorm": "attn_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "ffn_branch_norm",
+    "ln_1": "attn_norm",
+    "ln_2": "ffn_norm",
+    "attention.output.LayerNorm": "attn_post_norm",
+    "output.LayerNorm": "ffn_post_norm",
+    "attention_norm": "attn_norm",
+    "norm1": "attn_norm",
+    "norm2": "ffn_norm",
+    # GGUF (llama.cpp names tensors by role)
+    "post_attention_norm": "attn_branch_norm",
+    "post_ffw_norm": "ffn_branch_norm",
+    "attn_output_norm": "attn_post_norm",
+    "layer_output_norm": "ffn_post_norm",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+}
+_BLOCK.update({slot: slot for slot in SLOT_ROLES if slot not in ("final_norm", "embed_norm")})
+_AMBIGUOUS = "post_attention_layernorm"
+# the last component of a path inside a block → slot (attention submodules are named many ways)
+_LAST = {"q_norm": "q_norm", "k_norm": "k_norm", "q_layernorm": "q_norm", "k_layernorm": "k_norm",
+         "query_norm": "q_norm", "key_norm": "k_norm"}
+# top-level paths (exact, or the end of a dotted path)
+_TOP = {
+    "norm": "final_norm",
+    "ln_f": "final_norm",
+    "final_layernorm": "final_norm",
+    "norm_f": "final_norm",
+    "output_norm": "final_norm",
+    "final_norm": "final_norm",
+    "embeddings.LayerNorm": "embed_norm",
+    "token_embd_norm": "embed_norm",
+    "embed_norm": "embed_norm",
+    "emb_ln": "embed_norm",
+}
+
+_CONTAINER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|blk)\.(\d+)\.(.+)$")
+_BLOCK_ITSELF = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block|blk)\.(\d+)$")
+_PARAM_SUFFIX = re.compile(r"\.(weight|bias|scale|w|b|g|gamma|beta)$")
+
+
+def module_path(name: str) -> str:
+    """A module path from a tensor name (``...input_layernorm.weight``) or an ONNX node scope (``/a/b.0/c``)."""
+    name = name.strip()
+    if "/" in name:
+        parts = [p for p in name.split("/") if p]
+        name = ".".join(parts)
+    return _PARAM_SUFFIX.sub("", name)
+
+
+def split_block(path: str) -> tuple[int | None, str]:
+    """(block index, the rest of the path) — or (None, path) outside any numbered block."""
+    m = _CONTAINER.search(path)
+    if not m:
+        return None, path
+    return int(m.group(1)), m.group(2)
+
+
+def canonicalize(paths: Iterable[str], roles: Mapping[str, str | None] | None = None
+                 ) -> dict[str, tuple[str, int | None, str | None]]:
+    """Module path → (canonical name, layer, role implied by the name or given in ``roles``).
+
+    Paths the table does not know keep their block-relative name (``layers.2.my_norm``) or their full
+    path, with the role from ``roles`` or None.
+    """
+    paths = list(paths)
+    roles = roles or {}
+    by_block: dict[int, set[str]] = {}
+    for p in paths:
+        layer, rest = split_block(p)
+        if layer is not None:
+            by_block.setdefault(layer, set()).add(rest.rsplit(".", 1)[-1])
+    out: dict[str, tuple[str, int | None, str | None]] = {}
+    for p in paths:
+        given = roles.get(p)
+        layer, rest = split_block(p)
+        if layer is None and (m := _BLOCK_ITSELF.search(p)):  # a functional norm in a block's own forward
+            out[p] = (f"layers.{m.group(1)}", int(m.group(1)), given)
+            continue
+        if layer is None:
+            slot = _TOP.get(p)
+            if slot is None:
+                slot = next((s for key, s in _TOP.items() if p.endswith("." + key)), None)
+            if slot is None:
+                out[p] = (p, None, given)
+            else:
+                out[p] = (slot, None, given or SLOT_ROLES[slot])
+            continue
+        last = rest.rsplit(".", 1)[-1]
+        slot = _BLOCK.get(rest) or _LAST.get(last)
+        if slot is None and last == _AMBIGUOUS:
+            if given in ("pre", "branch"):
+                slot = "ffn_norm" if given == "pre" else "attn_branch_norm"
+            else:
+                siblings = by_block.get(layer, set())
+                branch = "pre_feedforward_layernorm" in siblings or "input_layernorm" not in siblings
+                slot = "attn_branch_norm" if branch else "ffn_norm"
+        if slot is None:
+            out[p] = (f"layers.{layer}.{rest}", layer, given)
+        else:
+            out[p] = (f"layers.{layer}.{slot}", layer, given or SLOT_ROLES[slot])
+    return out
+
+
+_ORDER = ("embed_norm", "attn_norm", "q_norm", "k_norm", "attn_branch_norm", "attn_post_norm", "ffn_norm",
+          "ffn_branch_norm", "ffn_post_norm", "final_norm")
+
+
+def site_order(name: str) -> tuple:
+    """A sort key putting sites in the order a forward pass meets them (embedding, blocks, final)."""
+    layer, rest = split_block(name)
+    slot = _ORDER.index(rest) if rest in _ORDER else len(_ORDER)
+    if layer is None:
+        return (0 if rest == "embed_norm" else 2, 0, slot, name)
+    return (1, layer, slot, name)
+
+
+def slot_of(name: str) -> str:
+    """The slot of a canonical name (``layers.3.attn_norm`` → ``attn_norm``)."""
+    layer, rest = split_block(name)
+    return rest if layer is not None else name
+
+
+def placement_of(names: Iterable[str]) -> str | None:
+    """The block design the canonical slots describe: pre, post, sandwich, reordered, parallel or mixed."""
+    designs = set()
+    blocks: dict[int, set[str]] = {}
+    for n in names:
+        layer, rest = split_block(n)
+        if layer is not None:
+            blocks.setdefault(layer, set()).add(rest)
+    for slots in blocks.values():
+        pre = slots & {"attn_norm", "ffn_norm"}
+        branch = slots & {"attn_branch_norm", "ffn_branch_norm"}
+        post = slots & {"attn_post_norm", "ffn_post_norm"}
+        if post and not pre and not branch:
+            designs.add("post")
+        elif branch and pre and not post:
+            designs.add("sandwich")
+        elif branch and not pre and not post:
+            designs.add("reordered")
+        elif pre == {"attn_norm"} and not branch and not post:
+            designs.add("parallel")
+        elif pre == {"attn_norm", "ffn_norm"} and not branch and not post:
+            designs.add("pre")
+        else:
+            designs.add("mixed")
+    if not designs:
+        return None
+    return designs.pop() if len(designs) == 1 else "mixed"

@@ -1,0 +1,548 @@
+"""Static contracts: HF configs and checkpoints, GGUF files, ONNX graphs, their comparison and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from normscope import NormSpec, cli
+from normscope.contract import ModelContract, compare, contract
+from normscope.contract.command import add_parser
+from normscope.errors import InputError
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+# torch's TorchScript ONNX exporter (dynamo=False, as the exports here need) warns that it is deprecated
+pytestmark = pytest.mark.filterwarnings("ignore:.*(TorchScript|will be removed).*:DeprecationWarning")
+
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=64)
+
+
+def _configs():
+    t = transformers
+    return {
+        "llama": t.LlamaConfig(**SMALL, rms_norm_eps=1e-5),
+        "mistral": t.MistralConfig(**SMALL),
+        "qwen2": t.Qwen2Config(**SMALL),
+        "qwen3": t.Qwen3Config(**SMALL, head_dim=8),
+        "gemma": t.GemmaConfig(**SMALL, head_dim=8),
+        "gemma2": t.Gemma2Config(**SMALL, head_dim=8),
+        "gemma3": t.Gemma3TextConfig(**SMALL, head_dim=8),
+        "olmo2": t.Olmo2Config(**SMALL),
+        "gpt2": t.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64),
+        "bert": t.BertConfig(**{k: v for k, v in SMALL.items() if k != "num_key_value_heads"}),
+        "phi": t.PhiConfig(**SMALL, qk_layernorm=True),
+        "cohere": t.CohereConfig(**SMALL, use_qk_norm=True),
+    }
+
+
+# architecture → (placement, family, ε, γ offset, β, {canonical slot in block 0: (role, normalized size)})
+EXPECTED = {
+    "llama": ("pre", "rmsnorm", 1e-5, 0.0, False, {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32)}),
+    "mistral": ("pre", "rmsnorm", 1e-6, 0.0, False, {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32)}),
+    "qwen2": ("pre", "rmsnorm", 1e-6, 0.0, False, {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32)}),
+    "qwen3": ("pre", "rmsnorm", 1e-6, 0.0, False,
+              {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32), "q_norm": ("qk", 8), "k_norm": ("qk", 8)}),
+    "gemma": ("pre", "rmsnorm", 1e-6, 1.0, False, {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32)}),
+    "gemma2": ("sandwich", "rmsnorm", 1e-6, 1.0, False,
+               {"attn_norm": ("pre", 32), "attn_branch_norm": ("branch", 32), "ffn_norm": ("pre", 32),
+                "ffn_branch_norm": ("branch", 32)}),
+    "gemma3": ("sandwich", "rmsnorm", 1e-6, 1.0, False,
+               {"attn_norm": ("pre", 32), "attn_branch_norm": ("branch", 32), "ffn_norm": ("pre", 32),
+                "ffn_branch_norm": ("branch", 32), "q_norm": ("qk", 8), "k_norm": ("qk", 8)}),
+    # OLMo-2's qk norms span the whole projection: 4 heads × 8 for q, 2 kv heads × 8 for k
+    "olmo2": ("reordered", "rmsnorm", 1e-5, 0.0, False,
+              {"attn_branch_norm": ("branch", 32), "ffn_branch_norm": ("branch", 32), "q_norm": ("qk", 32),
+               "k_norm": ("qk", 16)}),
+    "gpt2": ("pre", "layernorm", 1e-5, 0.0, True, {"attn_norm": ("pre", 32), "ffn_norm": ("pre", 32)}),
+    "bert": ("post", "layernorm", 1e-12, 0.0, True, {"attn_post_norm": ("post", 32), "ffn_post_norm": ("post", 32)}),
+    "phi": ("parallel", "layernorm", 1e-5, 0.0, True,
+            {"attn_norm": ("pre", 32), "q_norm": ("qk", 8), "k_norm": ("qk", 8)}),
+    "cohere": ("parallel", "layernorm", 1e-5, 0.0, False,
+               {"attn_norm": ("pre", 32), "q_norm": ("qk", 8), "k_norm": ("qk", 8)}),
+}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configs")
+    out = {}
+    for name, cfg in _configs().items():
+        cfg.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_hf_config_every_architecture(configs, arch):
+    placement, family, eps, offset, beta, block = EXPECTED[arch]
+    c = contract(configs[arch] / "config.json")
+    assert c.kind == "hf-config" and c.placement == placement and c.n_layers == 2
+    assert c.eps == pytest.approx(eps)
+    layer0 = {s.name.split(".", 2)[2]: s for s in c.sites if s.layer == 0}
+    assert {k: (s.role, s.size) for k, s in layer0.items()} == block
+    for s in c.sites:
+        assert (s.family, s.eps, s.eps_placement, s.gamma_offset, s.beta) == (family, pytest.approx(eps),
+                                                                              "inside_sqrt", offset, beta)
+        assert s.gamma_stats is None and "gamma_stats" not in s.known
+    tops = {s.name: s.role for s in c.sites if s.layer is None}
+    assert tops == ({"embed_norm": "embedding"} if arch == "bert" else {"final_norm": "final"})
+    assert len(c.sites) == 2 * len(block) + 1
+
+
+def test_hf_weights_give_gamma_statistics_and_the_cohere_per_head_shape(configs, tmp_path):
+    for arch, offset in (("gemma3", 1.0), ("cohere", 0.0)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_configs()[arch])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.linspace(-0.5, 0.25, p.numel()).reshape(p.shape))
+        model.save_pretrained(tmp_path / arch)
+        c = contract(tmp_path / arch)
+        assert c.kind == "hf-model" and not c.notes
+        for s in c.sites:
+            assert s.gamma_stats == pytest.approx({"mean": -0.125, "min": -0.5, "max": 0.25}, abs=1e-6)
+            assert s.effective_gamma["mean"] == pytest.approx(offset - 0.125, abs=1e-6)
+    q = contract(tmp_path / "cohere").site("layers.1.q_norm")
+    assert q.param_shape == (4, 8) and q.size == 8
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_BLOCK = {"input_layernorm": "attn_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm"}
+
+
+def to_gguf(model_dir: Path, path: Path, arch: str, eps: float, add_one: bool, drop: str | None = None) -> Path:
+    """Write a model's norm weights as a llama.cpp converter would (Gemma: γ stored as 1 + w)."""
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    sandwich = "pre_feedforward_layernorm" in " ".join(weights)
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_layer_norm_rms_eps(eps)
+    for key, value in sorted(weights.items()):
+        if "norm" not in key:
+            continue
+        mod = key.removesuffix(".weight")
+        if mod == "model.norm":
+            name = "output_norm"
+        else:
+            i, rest = mod.removeprefix("model.layers.").split(".", 1)
+            if rest == "post_attention_layernorm":
+                slot = "post_attention_norm" if sandwich else "ffn_norm"
+            else:
+                slot = _GGUF_BLOCK[rest]
+            name = f"blk.{i}.{slot}"
+        if name == drop:
+            continue
+        w.add_tensor(name + ".weight", (value + 1 if add_one else value).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A Llama-like and a Gemma3-like checkpoint with random norm weights, and GGUF files converted from them."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch in ("llama", "gemma3"):
+        torch.manual_seed(1)
+        model = transformers.AutoModelForCausalLM.from_config(_configs()[arch])
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.1 if arch == "gemma3" else 1.0, 0.05)
+        model.save_pretrained(root / arch)
+        out[arch] = root / arch
+    out["llama.gguf"] = to_gguf(root / "llama", root / "llama.gguf", "llama", 1e-5, add_one=False)
+    # llama.cpp's converter once wrote 1e-6 for every LLaMA: the ε of LLaMA-2 checkpoints (1e-5) was lost
+    out["llama-eps.gguf"] = to_gguf(root / "llama", root / "llama-eps.gguf", "llama", 1e-6, add_one=False)
+    out["llama-missing.gguf"] = to_gguf(root / "llama", root / "llama-missing.gguf", "llama", 1e-5, add_one=False,
+                                        drop="blk.1.ffn_norm")
+    out["gemma3.gguf"] = to_gguf(root / "gemma3", root / "gemma3.gguf", "gemma3", 1e-6, add_one=True)
+    out["gemma3-lost.gguf"] = to_gguf(root / "gemma3", root / "gemma3-lost.gguf", "gemma3", 1e-6, add_one=False)
+    return out
+
+
+def test_gguf_contract(checkpoints):
+    c = contract(checkpoints["gemma3.gguf"])
+    assert (c.kind, c.architecture, c.n_layers, c.placement) == ("gguf", "gemma3", 2, "sandwich")
+    assert c.eps_key == "gemma3.attention.layer_norm_rms_epsilon" and c.eps == pytest.approx(1e-6)
+    assert len(c.sites) == 13
+    hf = contract(checkpoints["gemma3"])
+    for s in c.sites:
+        assert s.family == "rmsnorm" and s.gamma_offset == 0.0 and s.beta is False
+        # stored 1 + w: the GGUF's γ mean is the HF weight's mean plus one
+        assert s.gamma_stats["mean"] == pytest.approx(hf.site(s.name).gamma_stats["mean"] + 1, abs=1e-6)
+    assert c.site("layers.0.q_norm").size == 8 and c.site("layers.0.q_norm").role == "qk"
+
+
+def test_matching_checkpoints_have_no_mismatch(checkpoints):
+    for hf, gg in (("llama", "llama.gguf"), ("gemma3", "gemma3.gguf")):
+        d = compare(contract(checkpoints[hf]), contract(checkpoints[gg]))
+        assert d.ok and not d.items, [i.message for i in d.items]
+        assert len(d.matched) == (5 if hf == "llama" else 13)
+        assert d.compared_fields > 6 * len(d.matched)
+
+
+def test_wrong_eps_in_gguf_is_a_mismatch_at_every_site(checkpoints):
+    d = compare(contract(checkpoints["llama"]), contract(checkpoints["llama-eps.gguf"]))
+    assert not d.ok
+    assert {(i.site, i.field) for i in d.items} == {(n, "eps") for n in d.matched}
+    item = d.items[0]
+    assert item.a == pytest.approx(1e-5) and item.b == pytest.approx(1e-6)
+    assert "ε=1e-05 in A, ε=1e-06 in B" in item.message
+    assert d.to_dict()["schema"] == "normscope.contract-diff/1" and d.to_dict()["mismatches"] == 5
+
+
+def test_lost_gemma_offset_is_a_gamma_mismatch(checkpoints):
+    hf = contract(checkpoints["gemma3"])
+    d = compare(hf, contract(checkpoints["gemma3-lost.gguf"]))
+    assert {i.field for i in d.items} == {"gamma"} and len(d.mismatches) == 13
+    assert all("γ offset" in i.message for i in d.items)
+    # the effective γ is 1 + w in HF, w in the broken GGUF: means differ by exactly one
+    for i in d.items:
+        assert i.a["offset"] + i.a["mean"] - (i.b["offset"] + i.b["mean"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_offset_without_weights_on_one_side_is_unverified(checkpoints, configs):
+    d = compare(contract(configs["gemma3"]), contract(checkpoints["gemma3-lost.gguf"]))
+    assert d.ok and len(d.unverified) == 13 and not d.mismatches
+    assert {i.field for i in d.items} == {"gamma_offset"}
+    assert "cannot be told" in d.items[0].message
+
+
+def test_missing_site_and_family_mismatch(checkpoints, configs):
+    d = compare(contract(checkpoints["llama"]), contract(checkpoints["llama-missing.gguf"]))
+    # block 1 lost its MLP norm: the site is missing and the block design no longer reads as pre-norm
+    assert [(i.site, i.field, i.b) for i in d.items] == [("model", "placement", "mixed"),
+                                                         ("layers.1.ffn_norm", "site", None)]
+    assert "in A but not in B" in d.items[1].message
+    d = compare(contract(configs["gpt2"]), contract(checkpoints["llama.gguf"]))
+    fields = {i.field for i in d.items}
+    assert fields == {"family", "beta"}  # LayerNorm with β vs RMSNorm without, both ε = 1e-5
+    assert len(d.mismatches) == 2 * 5 and "layernorm in A, rmsnorm in B" in d.items[0].message
+
+
+def test_from_scan_matches_the_static_contracts(checkpoints):
+    hf = contract(checkpoints["gemma3"])
+    w = {s.name: s.gamma_stats for s in hf.sites}
+    spec = NormSpec.preset("gemma_rmsnorm", eps=1e-6)
+    paths = {"attn_norm": "input_layernorm", "attn_branch_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "ffn_branch_norm": "post_feedforward_layernorm",
+             "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+    sites = []
+    for s in hf.sites:
+        if s.layer is None:
+            path, shape = "model.norm", (2, 5, 32)
+        else:
+            path = f"model.layers.{s.layer}.{paths[s.name.split('.', 2)[2]]}"
+            shape = (2, 4, 5, 8) if "_norm" in s.name and s.name.endswith(("q_norm", "k_norm")) else (2, 5, 32)
+        sites.append(SimpleNamespace(name=path, layer=s.layer, role=s.role, spec=spec, shape=shape, gamma=w[s.name]))
+    scan = SimpleNamespace(sites=sites, config_eps=1e-6)
+    live = ModelContract.from_scan(scan, source="live gemma3")
+    assert [s.name for s in live.sites] == [s.name for s in hf.sites] and live.placement == "sandwich"
+    assert compare(live, hf).ok and not compare(live, hf).items
+    assert compare(live, contract(checkpoints["gemma3.gguf"])).ok
+    lost = compare(live, contract(checkpoints["gemma3-lost.gguf"]))
+    assert len(lost.mismatches) == 13 and {i.field for i in lost.items} == {"gamma"}
+    # a measured ε that differs is a mismatch too
+    wrong = ModelContract.from_scan(SimpleNamespace(sites=[
+        SimpleNamespace(name=s.name, layer=s.layer, role=s.role, spec=spec.replace(eps=1e-5), shape=s.shape,
+                        gamma=s.gamma) for s in sites]))
+    assert {i.field for i in compare(wrong, hf).mismatches} == {"eps"}
+
+
+def test_from_scan_resolves_names_by_role_and_keeps_functional_calls():
+    rms = NormSpec.preset("llama_rmsnorm")
+    sites = [
+        SimpleNamespace(name="model.layers.0.post_attention_layernorm", layer=0, role="branch", spec=rms,
+                        gamma=None),
+        SimpleNamespace(name="model.layers.0.post_attention_layernorm", layer=0, role="branch", spec=rms,
+                        gamma=None),
+        SimpleNamespace(name="model.layers.1.post_attention_layernorm", layer=1, role="pre", spec=rms, gamma=None),
+        SimpleNamespace(name="blocks.0:layer_norm#0", layer=0, role="other", spec=NormSpec(), gamma=None),
+    ]
+    c = ModelContract.from_scan(SimpleNamespace(sites=sites))
+    assert [s.name for s in c.sites] == ["layers.0.attn_branch_norm", "layers.0.attn_branch_norm#2",
+                                         "layers.1.ffn_norm", "layers.0:layer_norm#0"]
+    assert c.sites[3].family == "layernorm" and c.sites[3].role == "other"
+    again = ModelContract.from_dict(json.loads(c.to_json()))
+    assert again.to_dict() == c.to_dict() and c.to_dict()["schema"] == "normscope.contract/1"
+
+
+# ---------------------------------------------------------------- ONNX
+
+
+class _RMS(torch.nn.Module):  # Hugging Face style: x * rsqrt(mean(x²) + ε) * (offset + w)
+    def __init__(self, d, eps, offset=0.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * (self.offset + self.weight) if self.offset else x * self.weight
+
+
+class _SeedLN(torch.nn.Module):  # the seed text's layer_norm: (x − mean) / (std + ε)
+    def forward(self, x):
+        return (x - x.mean(-1, keepdim=True)) / (x.std(-1, keepdim=True, unbiased=False) + 1e-6)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.attn_norm = first
+        self.ffn_norm = _RMS(16, 1e-6)
+        self.post = _SeedLN()
+
+    def forward(self, x):
+        return self.post(self.ffn_norm(self.attn_norm(x)))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, first):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(first)])
+        self.norm = _RMS(16, 1e-5, offset=1.0)
+
+    def forward(self, x):
+        return self.norm(self.layers[0](x))
+
+
+def _export(module, path, opset=None):
+    # opset 17 also keeps ``1 + w`` as an Add (no constant folding): the offset is read from the graph
+    kw = {} if opset is None else {"opset_version": opset, "do_constant_folding": False}
+    torch.onnx.export(module.eval(), (torch.randn(2, 3, 16),), str(path), dynamo=False, **kw)
+    return path
+
+
+@pytest.mark.parametrize("opset", [None, 17])
+def test_onnx_fused_and_decomposed_norms(tmp_path, opset):
+    ln = torch.nn.LayerNorm(16, eps=1e-5)
+    with torch.no_grad():
+        ln.weight.copy_(torch.linspace(-1, 1, 16))
+    c = contract(_export(_Net(ln), tmp_path / "m.onnx", opset))
+    got = {s.name: s for s in c.sites}
+    assert set(got) == {"layers.0.attn_norm", "layers.0.ffn_norm", "layers.0.post", "final_norm"}
+    a = got["layers.0.attn_norm"]
+    assert (a.family, a.eps_placement, a.axes, a.size, a.beta) == ("layernorm", "inside_sqrt", (-1,), 16, True)
+    assert a.eps == pytest.approx(1e-5, rel=1e-6) and a.gamma_stats == pytest.approx({"mean": 0, "min": -1, "max": 1},
+                                                                                      abs=1e-6)
+    f = got["layers.0.ffn_norm"]
+    assert (f.family, f.eps_placement, f.axes, f.size, f.beta, f.gamma_offset) == ("rmsnorm", "inside_sqrt", (-1,),
+                                                                                   16, False, 0.0)
+    assert f.eps == pytest.approx(1e-6, rel=1e-6) and f.gamma_stats["mean"] == pytest.approx(1.0)
+    p = got["layers.0.post"]  # std + ε: ε outside the square root, no affine
+    assert (p.family, p.eps_placement, p.gamma, p.beta) == ("layernorm", "outside_sqrt", False, False)
+    assert p.eps == pytest.approx(1e-6, rel=1e-6)
+    n = got["final_norm"]
+    assert (n.role, n.eps) == ("final", pytest.approx(1e-5, rel=1e-6))
+    assert n.effective_gamma["mean"] == pytest.approx(2.0)  # 1 + w, w from 0.5 to 1.5
+    assert n.gamma_offset == (0.0 if opset is None else 1.0)  # folded into the initializer, or an Add
+
+
+def test_onnx_placement_and_family_mismatch(tmp_path):
+    seed = contract(_export(_Net(_SeedLN()), tmp_path / "seed.onnx"))
+    proper = contract(_export(_Net(torch.nn.LayerNorm(16, eps=1e-6, elementwise_affine=False)),
+                              tmp_path / "ln.onnx"))
+    d = compare(seed, proper)
+    assert [(i.site, i.field) for i in d.items] == [("layers.0.attn_norm", "eps_placement")]
+    assert "std+ε" in d.items[0].message and "sqrt(var+ε)" in d.items[0].message
+    rms = contract(_export(_Net(_RMS(16, 1e-6)), tmp_path / "rms.onnx"))
+    d = compare(seed, rms)
+    assert {i.field for i in d.items if i.site == "layers.0.attn_norm"} >= {"family", "eps_placement", "gamma"}
+
+
+def test_onnx_fused_node_types(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    def init(name, values):
+        return numpy_helper.from_array(np.asarray(values, np.float32), name)
+
+    nodes = [
+        helper.make_node("GroupNormalization", ["x", "g", "b"], ["y1"], name="/gn/GroupNormalization", epsilon=1e-3,
+                         num_groups=2),
+        helper.make_node("InstanceNormalization", ["x", "c", "d"], ["y2"], name="/inorm/InstanceNormalization",
+                         epsilon=1e-4),
+        helper.make_node("BatchNormalization", ["x", "c", "d", "d", "c"], ["y3"], name="/bn/BatchNormalization",
+                         epsilon=2e-5),
+        helper.make_node("SimplifiedLayerNormalization", ["x", "s"], ["y4"], name="/layers.0/attn_norm/SLN",
+                         axis=-1, epsilon=1e-6),
+        helper.make_node("SkipLayerNormalization", ["x", "x", "s", "s"], ["y5"], name="/layers.0/ffn_norm/Skip",
+                         domain="com.microsoft", epsilon=1e-5),
+        helper.make_node("LayerNormalization", ["x", "s"], ["y6"], name="/final/LN", axis=2, epsilon=1e-5),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 6])],
+        [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(1, 7)],
+        [init("g", [1, 2]), init("b", [0, 0]), init("c", [1, 1, 1, 3]), init("d", [0] * 4), init("s", [2] * 6)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, tmp_path / "fused.onnx")
+    got = {s.name: s for s in contract(tmp_path / "fused.onnx").sites}
+    gn = got["gn"]
+    assert (gn.family, gn.groups, gn.eps, gn.axes) == ("groupnorm", 2, pytest.approx(1e-3), (1, 2))
+    assert "per group" in got["gn"].notes[0]
+    assert (got["inorm"].family, got["inorm"].axes, got["inorm"].gamma_stats["max"]) == ("instancenorm", (2,), 3.0)
+    assert (got["bn"].family, got["bn"].axes, got["bn"].eps) == ("batchnorm", (0, 2), pytest.approx(2e-5))
+    sln = got["layers.0.attn_norm"]
+    assert (sln.family, sln.beta, sln.size, sln.role) == ("rmsnorm", False, 6, "pre")
+    assert got["layers.0.ffn_norm"].family == "layernorm" and "skip" in got["layers.0.ffn_norm"].notes[0]
+    assert got["final"].axes == (-1,) and got["final"].size == 6  # axis=2 of a rank-3 input
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _gguf_header(n_tensors: int, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+
+
+def _kv_string(key: str, value: str) -> bytes:
+    k, v = key.encode(), value.encode()
+    return struct.pack("<Q", len(k)) + k + struct.pack("<I", 8) + struct.pack("<Q", len(v)) + v
+
+
+HOSTILE = {
+    "lying tensor count": (_gguf_header(10**12, 0), "claims 1000000000000 tensors"),
+    "lying metadata count": (_gguf_header(0, 2**40), "metadata entries"),
+    "lying key length": (_gguf_header(0, 1) + struct.pack("<Q", 2**60) + b"x" * 16, "claims 1152921504606846976 bytes"),
+    # an array of 2**40 bytes: gguf's reader would loop over it element by element
+    "lying array length": (_gguf_header(0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<IIQ", 9, 0, 2**40),
+                           "claims 1099511627776 elements"),
+    "wrong magic": (b"GGUX" + b"\0" * 40, None),
+    "short": (b"GGUF\3\0\0\0", "shorter than a GGUF header"),
+    "bad version": (b"GGUF" + struct.pack("<IQQ", 99, 0, 0), "version 99"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_gguf_headers(tmp_path, case):
+    data, text = HOSTILE[case]
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises(InputError) as exc:
+        contract(path)
+    assert str(path) in str(exc.value)
+    assert (text or "magic") in str(exc.value)
+    assert path.read_bytes() == data
+
+
+def test_truncated_gguf_and_gguf_without_eps(tmp_path, checkpoints):
+    full = checkpoints["llama.gguf"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(full[:-100])
+    with pytest.raises(InputError, match="past the end of the file"):
+        contract(cut)
+    w = gguf.GGUFWriter(str(tmp_path / "noeps.gguf"), arch="llama")
+    w.add_block_count(1)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match="no llama.attention.layer_norm_rms_epsilon"):
+        contract(tmp_path / "noeps.gguf")
+
+
+def test_bad_configs_and_files(tmp_path):
+    cases = {
+        "noeps.json": ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2},
+                       "no rms_norm_eps"),
+        "wrongeps.json": ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
+                           "layer_norm_eps": 1e-5}, "it has layer_norm_eps, which llama does not read"),
+        "unknown.json": ({"model_type": "mamba", "norm_eps": 1e-5}, "model_type 'mamba'; known architectures"),
+        "list.json": ([1, 2, 3], "must hold a JSON object; got a list"),
+        "huge.json": ({"model_type": "llama", "rms_norm_eps": 1e-6, "num_hidden_layers": 10**12, "hidden_size": 8,
+                       "num_attention_heads": 2}, "num_hidden_layers must be a positive integer"),
+    }
+    for name, (data, text) in cases.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        with pytest.raises(InputError, match=text) as exc:
+            contract(tmp_path / name)
+        assert str(tmp_path / name) in str(exc.value)
+    (tmp_path / "broken.json").write_text("{ not json")
+    with pytest.raises(InputError, match="not valid JSON"):
+        contract(tmp_path / "broken.json")
+    (tmp_path / "fake.onnx").write_bytes(b"this is not an onnx file\n" * 10)
+    with pytest.raises(InputError, match="not an ONNX model"):
+        contract(tmp_path / "fake.onnx")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="needs a config.json"):
+        contract(tmp_path / "empty")
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01" * 10)
+    with pytest.raises(InputError, match="not a model artifact"):
+        contract(tmp_path / "weights.bin")
+    with pytest.raises(InputError, match="no such file"):
+        contract(tmp_path / "absent.gguf")
+
+
+def test_reading_modifies_nothing(checkpoints):
+    files = [checkpoints["gemma3.gguf"], checkpoints["gemma3"] / "config.json",
+             checkpoints["gemma3"] / "model.safetensors"]
+    before = [(_sha(f), f.stat().st_mtime_ns) for f in files]
+    contract(checkpoints["gemma3.gguf"])
+    contract(checkpoints["gemma3"])
+    assert [(_sha(f), f.stat().st_mtime_ns) for f in files] == before
+
+
+# ---------------------------------------------------------------- command line
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, add_parser])
+    monkeypatch.setenv("COLUMNS", "240")
+
+    def run(*argv):
+        rc = cli.main(["contract", *map(str, argv)])
+        out = capsys.readouterr()
+        return rc, out.out, out.err
+
+    return run
+
+
+def test_cli_exit_codes_and_output(run_cli, checkpoints, configs, tmp_path):
+    rc, out, err = run_cli(checkpoints["gemma3.gguf"])
+    assert rc == 0 and "layers 0–1 attn_norm" in out and "sandwich" in out and "1.1" in out, out
+    rc, out, _ = run_cli(checkpoints["llama"], checkpoints["llama.gguf"])
+    assert rc == 0 and "no mismatch" in out
+    rc, out, _ = run_cli(checkpoints["llama"], checkpoints["llama-eps.gguf"], "--json")
+    data = json.loads(out)
+    assert rc == 1 and data["mismatches"] == 5 and data["contracts"][1]["schema"] == "normscope.contract/1"
+    rc, out, _ = run_cli(checkpoints["gemma3"], checkpoints["gemma3-lost.gguf"])
+    assert rc == 1 and "MISMATCH" in out and "γ offset" in out
+    rc, out, _ = run_cli(configs["gemma3"], checkpoints["gemma3-lost.gguf"])
+    assert rc == 0 and "unverified" in out
+    saved = tmp_path / "saved.json"
+    rc, out, _ = run_cli(configs["olmo2"], "--json")
+    saved.write_text(out)
+    rc, out, _ = run_cli(saved, configs["olmo2"])
+    assert rc == 0 and "no mismatch" in out
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(HOSTILE["lying tensor count"][0])
+    rc, out, err = run_cli(bad)
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err and str(bad) in err

@@ -385,3 +385,150 @@ def test_size_one_axes_are_flagged():
 def test_half_only_dtypes_are_a_clear_error():
     with pytest.raises(TargetError, match="float32 or float64"):
         infer(torch.nn.LayerNorm(64), shape=SHAPE, dtypes="float16")
+
+
+# --------------------------------------------------------------------------------------------- odd targets
+def test_system_exit_in_forward_is_a_target_error():
+    t = normscope.targets.torch(zoo.exits_layernorm)
+    with pytest.raises(TargetError, match=r"SystemExit\(3\).*sys\.exit"):
+        t(np.ones(SHAPE), "float32")
+    with pytest.raises(TargetError, match="SystemExit"):
+        infer(zoo.exits_layernorm, shape=SHAPE, framework="torch")
+
+
+def test_system_exit_in_forward_exits_2_with_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(normscope.__file__).resolve().parents[1]  # this checkout's normscope, whatever is installed
+    env = {"PYTHONPATH": f"{src}:{Path(__file__).resolve().parent}", "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "normscope", "infer", "zoo:exits_layernorm", "--shape", "2,8,64",
+                        "--framework", "torch"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "SystemExit(3)" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_keyboard_interrupt_in_forward_stays_a_keyboard_interrupt():
+    def interrupted(x):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        normscope.targets.torch(interrupted)(np.ones(SHAPE))
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 128, 512])
+def test_stats_dtype_is_never_a_confident_wrong_answer(hidden):
+    # An RMSNorm without the fp32 upcast: at bfloat16 both candidates sit within ~0.1 ulp of each other, at
+    # float16 they separate. The answer is "input", or "ambiguous" with both numbers; never fp32 as a verdict.
+    r = infer(zoo.randomize(zoo.InputDtypeStatsRMSNorm(hidden)), shape=(2, 16, hidden))
+    ev = r.evidence["stats_dtype"]
+    assert r.spec.stats_dtype == "input" or ev.confidence == "ambiguous", ev.measured
+    sep = ev.measured["separation"]
+    assert set(sep) == {"bfloat16", "float16"}
+    for d in sep.values():
+        assert d["float32"] >= 0 and d["input"] >= 0  # both numbers are shown
+    if ev.confidence == "ambiguous":
+        assert "fp32 statistics" in ev.note and "input-dtype" in ev.note
+    assert not sep["bfloat16"]["beyond_noise"] or sep["bfloat16"]["winner"] == "input"
+
+
+def test_stats_dtype_decisive_only_where_candidates_separate():
+    r = infer(zoo.randomize(zoo.InputDtypeStatsRMSNorm(512)), shape=(2, 16, 512))
+    ev = r.evidence["stats_dtype"]
+    assert r.spec.stats_dtype == "input" and ev.confidence == "decisive"
+    assert ev.measured["decided_at"] == "float16"  # where 0.2 vs 1.6 ulps, not bfloat16's 0.24 vs 0.27
+    sep = ev.measured["separation"]["float16"]
+    assert sep["ratio"] > 3 and sep["sign_z"] < -5
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 5, 5), (8, 4, 3, 3), (2, 4, 16, 16)])
+def test_batchnorm_training_statistics_dtype_does_not_flip_with_the_shape(shape):
+    r = infer(_trained_batchnorm(), shape=shape)
+    assert r.spec.stats_dtype == "input"
+    assert r.evidence["stats_dtype"].confidence == "decisive"
+
+
+def test_frozen_batchnorm_is_recognised_from_its_buffers():
+    m = zoo.FrozenBatchNorm2d()
+    r = infer(m, shape=IMAGE)
+    ev = r.evidence["stats_dtype"]
+    assert r.spec.stats_dtype == "input" or ev.confidence == "ambiguous"
+    assert_contract(r, NormSpec.preset("torch_batchnorm_eval", stats_dtype=r.spec.stats_dtype), 4)
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(r.params[name], getattr(m, name).double().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(r.params["gamma"], m.weight.double().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(r.params["beta"], m.bias.double().numpy(), atol=1e-9)
+    assert r.spec.eps == pytest.approx(1e-5, rel=1e-3)
+    assert r.evidence["axes"].measured["buffers"] == ["running_mean", "running_var"]
+    assert r.validation["max_relative_error"] < 1e-9
+
+
+def test_per_channel_affine_without_buffers_is_refused_with_what_decided():
+    class Renamed(zoo.FrozenBatchNorm2d):
+        def forward(self, x):
+            return x * self.weight.reshape(1, -1, 1, 1) + self.bias.reshape(1, -1, 1, 1)
+
+    m = Renamed()
+    del m.running_mean, m.running_var
+    with pytest.raises(NotANormalization, match="fixed affine map y = A·x \\+ B.*axis 1") as exc:
+        infer(m, shape=IMAGE)
+    assert "softmax" not in str(exc.value)
+
+
+def test_input_modified_in_place_is_inferred_and_reported():
+    r = infer(zoo.randomize(zoo.ZeroesInputLayerNorm()), shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm"), 3)
+    ev = r.evidence["modifies_input"]
+    assert ev.measured["calls_that_modified_input"] == r.calls
+    assert "modifies its input" in ev.note
+    assert "modifies_input" not in infer(torch.nn.LayerNorm(64), shape=SHAPE).evidence
+
+
+def test_caller_array_is_never_shared_with_the_target():
+    def zeroing(x):
+        y = torch.nn.functional.layer_norm(x, (64,))
+        x.zero_()
+        return y
+
+    t = normscope.targets.torch(zeroing)
+    x = np.arange(2 * 8 * 64, dtype=np.float64).reshape(SHAPE)
+    y = t(x)
+    assert x[0, 0, 5] == 5.0  # the caller's array is untouched
+    assert np.allclose(y, torch.nn.functional.layer_norm(torch.from_numpy(x), (64,)).numpy())
+
+
+def test_nondeterministic_target_is_probed_for_determinism_first():
+    m = zoo.randomize(zoo.NondeterministicLayerNorm())
+    r = infer(m, shape=SHAPE)
+    assert_contract(r, NormSpec.preset("torch_layernorm"), 3)  # not "BatchNorm … running statistics"
+    det = r.evidence["determinism"]
+    assert 0 < det.measured["max_relative_difference"] < 1e-5
+    assert "non-deterministic" in det.note
+    assert infer(torch.nn.LayerNorm(64), shape=SHAPE).evidence["determinism"].measured[
+        "max_relative_difference"] == 0
+
+
+def test_user_hooks_never_fire_on_private_copies():
+    from torch.nn.modules.module import register_module_forward_hook
+
+    m = zoo.randomize(torch.nn.LayerNorm(64))
+    fired = {"forward": 0, "pre": 0, "global": 0}
+    m.register_forward_hook(lambda *a: fired.__setitem__("forward", fired["forward"] + 1))
+    m.register_forward_pre_hook(lambda *a: fired.__setitem__("pre", fired["pre"] + 1))
+    handle = register_module_forward_hook(lambda *a: fired.__setitem__("global", fired["global"] + 1))
+    try:
+        r = infer(m, shape=SHAPE)
+        assert_contract(r, NormSpec.preset("torch_layernorm"), 3)
+        assert fired == {"forward": 0, "pre": 0, "global": 0}
+        m(torch.zeros(1, 64))  # the user's own calls still fire every hook
+        assert fired == {"forward": 1, "pre": 1, "global": 1}
+    finally:
+        handle.remove()
+    assert len(m._forward_hooks) == 1 and len(m._forward_pre_hooks) == 1
+
+
+def test_per_head_layernorm_is_a_layernorm():
+    r = infer(zoo.PerHeadLayerNorm(), shape=(2, 3, 4, 16))
+    assert r.spec.resolve_axes(4) == (3,) and r.spec.resolve_param_axes(4) == (2, 3)
+    assert r.spec.kind == "layernorm" and "InstanceNorm" not in r.spec.summary()

@@ -546,3 +546,19 @@ def test_degenerate_groupings_are_equivalent_given_the_shape():
     assert gn_c.equivalent(instance, 4, shape=(2, 4, 5, 5))
     assert differences(instance, gn_c, 4, shape=(2, 4, 5, 5)) == []
     assert not gn_c.equivalent(instance, 4, shape=(2, 8, 5, 5))
+
+
+def test_differences_name_the_group_axis_when_it_differs():
+    gn = NormSpec(axes=[1, 2, 3], groups=2, group_axis=1, param_axes=[1])
+    diffs = differences(gn.replace(group_axis=2), gn, 4)
+    assert diffs == ["statistics reduce over [1, 2, 3] in 2 groups along axis 2, expected [1, 2, 3] in 2 groups "
+                     "along axis 1"]
+
+
+def test_per_head_layernorm_is_not_called_instancenorm():
+    # statistics over head_dim of a (B, S, H, D) tensor, γ per head and channel (reported channel-style)
+    per_head = NormSpec(axes=[3], param_axes=[2, 3])
+    assert per_head.kind == "layernorm" and per_head.summary().startswith("LayerNorm over [3]")
+    assert NormSpec(axes=[2], gamma=False, beta=False).kind == "instancenorm"  # InstanceNorm1d over NCL
+    assert NormSpec(axes=[2, 3, 4], gamma=False, beta=False).kind == "instancenorm"
+    assert NormSpec(axes=[3, 4], gamma=False, beta=False).kind == "layernorm"

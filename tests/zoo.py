@@ -174,3 +174,62 @@ class Float32InsideLayerNorm(_LNBase):
     def forward(self, x):
         return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(),
                                               self.eps).to(x.dtype)
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """torchvision-style frozen BatchNorm: statistics and affine are buffers, used the same way in both modes."""
+
+    def __init__(self, n=4, eps=1e-5, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("weight", torch.rand(n, generator=g) + 0.5)
+        self.register_buffer("bias", torch.rand(n, generator=g) - 0.5)
+        self.register_buffer("running_mean", torch.randn(n, generator=g) * 2)
+        self.register_buffer("running_var", torch.rand(n, generator=g) * 4 + 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + self.eps).rsqrt()
+        bias = self.bias - self.running_mean * scale
+        return x * scale.reshape(1, -1, 1, 1) + bias.reshape(1, -1, 1, 1)
+
+
+class ZeroesInputLayerNorm(_LNBase):
+    """A correct LayerNorm that zeroes its input tensor after use (an in-place "free the activation" trick)."""
+
+    def forward(self, x):
+        y = torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        x.zero_()
+        return y
+
+
+class NondeterministicLayerNorm(_LNBase):
+    """A correct LayerNorm in float32 whose reductions run in a new order on every call (as GPU atomics do):
+    identical calls differ by about one float32 ulp."""
+
+    def forward(self, x):
+        h = x.float()
+        perm = torch.randperm(h.shape[-1])
+        hp = h[..., perm]
+        mu = hp.sum(-1, keepdim=True) / h.shape[-1]
+        var = ((hp - mu) ** 2).sum(-1, keepdim=True) / h.shape[-1]
+        y = (h - mu) * torch.rsqrt(var + self.eps) * self.weight.float() + self.bias.float()
+        return y.to(x.dtype)
+
+
+def exits_layernorm(x):
+    """A target whose code calls sys.exit() (a script's forward reached by accident)."""
+    raise SystemExit(3)
+
+
+class PerHeadLayerNorm(nn.Module):
+    """qk-norm style: LayerNorm over head_dim of a (B, S, H, D) tensor, with γ/β per head and channel."""
+
+    def __init__(self, heads=4, head_dim=16, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(heads, head_dim) + 0.5)
+        self.bias = nn.Parameter(torch.rand(heads, head_dim) - 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=self.eps) * self.weight + self.bias

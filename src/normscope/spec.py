@@ -195,7 +195,9 @@ class NormSpec:
         if not self.center:
             return "rmsnorm"
         positive = all(a >= 0 for a in self.axes)
-        if positive and min(self.axes) >= 2:
+        # instance statistics cover every axis after (N, C): 2, 3, … contiguously; [3] alone is a per-head
+        # LayerNorm over head_dim of (B, S, H, D), not an InstanceNorm
+        if positive and sorted(self.axes) == list(range(2, 2 + len(self.axes))):
             return "instancenorm"
         if self.param_axes and not set(self.param_axes) & set(self.axes) and positive:
             return "instancenorm"
@@ -377,12 +379,13 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
         )
         out[-1] += "; expected " + ("centred" if b.center else "no mean subtraction")
     if a.axes != b.axes or a.groups != b.groups or a.group_axis != b.group_axis:
+        name_axis = a.group_axis != b.group_axis  # the same axes and groups can differ only in the group axis
         text = f"statistics reduce over {list(found.axes)}"
         if a.groups is not None:
-            text += f" in {a.groups} groups"
+            text += f" in {a.groups} groups" + (f" along axis {found.group_axis}" if name_axis else "")
         text += f", expected {list(expected.axes)}"
         if b.groups is not None:
-            text += f" in {b.groups} groups"
+            text += f" in {b.groups} groups" + (f" along axis {expected.group_axis}" if name_axis else "")
         out.append(text)
     formulas = {
         "inside_sqrt": "ε inside √ (sqrt(var+ε))",

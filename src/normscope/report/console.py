@@ -132,7 +132,7 @@ FIELD_ORDER = ("center", "axes", "eps", "eps_placement", "variance", "variance_a
                "param_axes", "gamma_offset", "stats_dtype", "affine_order", "batch_stats")
 
 _CONFIDENCE_STYLE = {"decisive": "green", "from parameters": "green", "weak": "yellow", "assumed": "yellow",
-                     "not probed": "dim"}
+                     "ambiguous": "yellow", "not probed": "dim"}
 
 
 def compact(measured: Any, limit: int = 6) -> str:
@@ -169,9 +169,10 @@ def render_inference(inf, console: Console) -> None:
         "eps": f"{spec.eps:g}",
         "param_axes": f"{list(spec.param_axes)}",
     }
-    for field in FIELD_ORDER:
+    # findings about the target itself (determinism, an input modified in place) follow the contract's fields
+    for field in FIELD_ORDER + tuple(k for k in inf.evidence if k not in FIELD_ORDER):
         ev = inf.evidence.get(field)
-        value = values.get(field, str(getattr(spec, field)))
+        value = values.get(field, str(getattr(spec, field, "")))
         if ev is None:
             t.add_row(field, escape(value), "", "")
             continue

@@ -30,6 +30,7 @@ class Target:
         self.output_dtype: str | None = None  # the dtype the last call returned, as a dtype name
         self._accepts: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._reasons: dict[str, str] = {}
+        self.input_modifications = 0  # calls after which the target's own input array had changed
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
@@ -37,23 +38,38 @@ class Target:
     # ------------------------------------------------------------------ calling
     def __call__(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
         dtype = dtype_name(dtype)
-        x = np.asarray(x, dtype=np.float64)
+        x = np.array(x, dtype=np.float64)  # a private copy: what the target does to its input stays there
         self.calls += 1
-        try:
+        with self.running_code(f"a {dtype} input of shape {x.shape}"):
             out = self._run(x, dtype)
-        except TargetError:
-            raise
-        except Exception as exc:  # the implementation's own failure, reported with its words
-            raise TargetError(
-                f"{self.description} failed on a {dtype} input of shape {x.shape}: {type(exc).__name__}: {exc}"
-            ) from exc
-        out = np.asarray(out, dtype=np.float64)
+        out = np.array(out, dtype=np.float64)  # and a copy of the output: the target may reuse its buffer
         if out.shape != x.shape:
             raise TargetError(
                 f"{self.description} returned shape {out.shape} for an input of shape {x.shape}; "
                 "a normalization returns its input's shape (check --shape)"
             )
         return out
+
+    @contextlib.contextmanager
+    def running_code(self, what: str) -> Iterator[None]:
+        """Any exception from the target's code (SystemExit included) becomes a TargetError with its words.
+
+        KeyboardInterrupt passes through unchanged: the user stopped the run.
+        """
+        try:
+            yield
+        except (TargetError, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the implementation's own failure, whatever it raised
+            words = (f"SystemExit({exc.code!r}): the target's code called sys.exit()" if isinstance(exc, SystemExit)
+                     else f"{type(exc).__name__}: {exc}")
+            raise TargetError(f"{self.description} failed on {what}: {words}") from exc
+
+    def note_input(self, before: np.ndarray, after: np.ndarray) -> None:
+        """Record a call after which the array the target was given no longer holds its input."""
+        if not np.array_equal(np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64),
+                              equal_nan=True):
+            self.input_modifications += 1
 
     def _run(self, x: np.ndarray, dtype: str) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -118,6 +134,11 @@ class Target:
         touched: targets that support this work on a private copy.
         """
         yield None
+
+    @contextlib.contextmanager
+    def with_buffers(self, values: dict[str, np.ndarray]) -> Iterator[bool]:
+        """Inside the block, the private copy's named buffers hold ``values`` (yields False where impossible)."""
+        yield False
 
     def gradients(self, x: np.ndarray, dy: np.ndarray, dtype: str = "float64"):
         """(dx, {parameter name: gradient}) of sum(dy · f(x)), for differentiable targets."""

@@ -23,8 +23,11 @@ class NumpyTarget(Target):
         self.fn = fn
 
     def _run(self, x, dtype):
+        given = x.astype(_NUMPY_DTYPES[dtype])
+        before = given.copy()
         with np.errstate(all="ignore"):
-            out = self.fn(x.astype(_NUMPY_DTYPES[dtype]))
+            out = self.fn(given)
+        self.note_input(before, given)
         out = np.asarray(out)
         self.output_dtype = dtype_of(out)
         return out.astype(np.float64)

@@ -34,7 +34,46 @@ def _to_numpy(t) -> np.ndarray:
         t = t[0]
     if not isinstance(t, torch.Tensor):
         raise TargetError(f"expected the target to return a tensor; got {type(t).__name__}")
-    return t.detach().to(torch.float64).cpu().numpy()
+    return t.detach().to(torch.float64).cpu().numpy().copy()  # never a view of the target's own tensor
+
+
+def _without_user_hooks(module) -> None:
+    """Drop the hooks a user registered on (a copy of) a module, so they never fire on normscope's copies.
+
+    Hook objects that torch itself installs to compute a parameter (weight_norm, spectral_norm) are kept:
+    they are part of what the module computes.
+    """
+    for m in module.modules():
+        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            hooks = getattr(m, name, None)
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                if not type(hook).__module__.startswith("torch."):
+                    del hooks[key]
+                    for extra in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                                  "_forward_pre_hooks_with_kwargs"):
+                        getattr(m, extra, {}).pop(key, None)
+
+
+@contextlib.contextmanager
+def _global_hooks_suspended() -> Iterator[None]:
+    """Hooks registered for every module (``register_module_forward_hook`` …) stay silent on private copies."""
+    from torch.nn.modules import module as mm
+
+    stores = [getattr(mm, n) for n in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                       "_global_backward_hooks", "_global_backward_pre_hooks",
+                                       "_global_forward_hooks_always_called", "_global_forward_hooks_with_kwargs")
+              if isinstance(getattr(mm, n, None), dict)]
+    saved = [dict(d) for d in stores]
+    for d in stores:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, items in zip(stores, saved, strict=True):
+            d.clear()
+            d.update(items)
 
 
 class TorchFunctionTarget(Target):
@@ -61,8 +100,11 @@ class TorchFunctionTarget(Target):
 
     def _run(self, x, dtype, contiguous: bool = True):
         torch = _torch()
+        t = self._tensor(x, dtype, contiguous=contiguous)
+        before = t.detach().clone()
         with torch.no_grad():
-            out = self._apply(self._tensor(x, dtype, contiguous=contiguous), dtype)
+            out = self._apply(t, dtype)
+        self.note_input(before.double().numpy(), t.detach().double().numpy())
         self.output_dtype = dtype_of(out[0] if isinstance(out, tuple | list) and out else out)
         return _to_numpy(out)
 
@@ -72,20 +114,21 @@ class TorchFunctionTarget(Target):
     def call_noncontiguous(self, x, dtype="float64"):
         from ..precision import dtype_name
 
-        x = np.asarray(x, dtype=np.float64)
+        x = np.array(x, dtype=np.float64)
         self.calls += 1
-        return self._run(x, dtype_name(dtype), contiguous=False)
+        with self.running_code(f"a strided {dtype} input of shape {x.shape}"):
+            return self._run(x, dtype_name(dtype), contiguous=False)
 
     def _backward(self, call, x, dy, dtype: str):
         """x.grad of sum(dy · call(x)); the call gets a copy of the leaf, so it may write to its input."""
         torch = _torch()
         self.calls += 1
         leaf = self._tensor(np.asarray(x, dtype=np.float64), dtype, grad=True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.running_code(f"the backward of a {dtype} input of shape {leaf.shape}"):
             y = call(leaf.clone())
             if isinstance(y, tuple | list):
                 y = y[0]
-            y.backward(torch.from_numpy(np.asarray(dy, dtype=np.float64)).to(y.dtype))
+            y.backward(torch.from_numpy(np.array(dy, dtype=np.float64)).to(y.dtype))
         if leaf.grad is None:
             raise TargetError("no gradient reached the input (is the output detached from it?)")
         return _to_numpy(leaf.grad)
@@ -110,6 +153,7 @@ class TorchModuleTarget(TorchFunctionTarget):
                 f"could not copy {type(module).__name__} ({exc}); normscope probes a private copy so the "
                 "module you pass is never modified — wrap it in a function with framework='torch' instead"
             ) from exc
+        _without_user_hooks(master)
         self._master = master.to(torch.float64)
         self._training = bool(module.training)
         self._copies: dict[str, object] = {}
@@ -140,7 +184,8 @@ class TorchModuleTarget(TorchFunctionTarget):
         # Training-mode calls update running statistics; keep the copy's state fixed between probes.
         saved = [b.detach().clone() for b in m.buffers()] if self._training else None
         try:
-            return m(t)
+            with _global_hooks_suspended():
+                return m(t)
         finally:
             if saved is not None:
                 for b, s in zip(m.buffers(), saved, strict=True):
@@ -160,8 +205,8 @@ class TorchModuleTarget(TorchFunctionTarget):
         self.calls += 1
         try:
             m.train(True)
-            with torch.no_grad():
-                m(self._tensor(np.asarray(x, dtype=np.float64), "float64"))
+            with torch.no_grad(), _global_hooks_suspended(), self.running_code("a training step"):
+                m(self._tensor(np.array(x, dtype=np.float64), "float64"))
             return {n: b.detach().double().numpy().copy() for n, b in floating}
         finally:
             m.train(was)
@@ -198,6 +243,26 @@ class TorchModuleTarget(TorchFunctionTarget):
             with torch.no_grad():
                 for (_, p), s in zip(params, saved, strict=True):
                     p.copy_(s)
+            self._copies.clear()
+
+    @contextlib.contextmanager
+    def with_buffers(self, values):
+        torch = _torch()
+        named = dict(self._master.named_buffers())
+        if any(n not in named or tuple(named[n].shape) != np.shape(v) for n, v in values.items()):
+            yield False
+            return
+        saved = {n: named[n].detach().clone() for n in values}
+        with torch.no_grad():
+            for n, v in values.items():
+                named[n].copy_(torch.from_numpy(np.asarray(v, dtype=np.float64)))
+        self._copies.clear()
+        try:
+            yield True
+        finally:
+            with torch.no_grad():
+                for n, s in saved.items():
+                    named[n].copy_(s)
             self._copies.clear()
 
     def gradients(self, x, dy, dtype="float64"):

@@ -49,6 +49,7 @@ def test_layout_resolves_axes_and_counts(case):
     assert lay.kept_axes == tuple(a for a in range(ndim) if a not in lay.axes)
     assert lay.param_axes == tuple(sorted(a % ndim for a in spec.param_axes))
     assert lay.stats_axes == tuple(a for a in lay.kept_axes if a != 0)
+    assert sorted(lay.param_grad_axes + lay.param_axes) == list(range(ndim))
     assert lay.param_shape == param_shape(shape, spec) == tuple(shape[a] for a in lay.param_axes)
     assert lay.stats_shape == stats_shape(shape, spec)
     assert lay.stats_shape == (tuple(shape[a] for a in lay.stats_axes) if spec.batch_stats else ())

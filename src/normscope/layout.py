@@ -135,6 +135,11 @@ class Layout:
         return sizes(self.shape, self.param_axes)
 
     @property
+    def param_grad_axes(self) -> tuple[int, ...]:
+        """The axes a parameter's gradient sums over (dγ = Σ dy·x̂ over them): every axis but the parameter axes."""
+        return tuple(a for a in range(self.ndim) if a not in self.param_axes)
+
+    @property
     def stats_axes(self) -> tuple[int, ...]:
         """The axes running statistics are indexed by: the kept axes other than the batch axis 0."""
         return tuple(a for a in self.kept_axes if a != 0)

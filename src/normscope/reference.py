@@ -194,8 +194,7 @@ def backward(
     p = Precision("float64")
     _, dev, var, denom, xhat = _stats(x, spec, lay, p, running_mean, running_var)
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
-    reduce_params = tuple(a for a in range(x.ndim) if a not in lay.param_axes)
-    pshape = lay.param_shape
+    reduce_params, pshape = lay.param_grad_axes, lay.param_shape
 
     dbeta = dy.sum(axis=reduce_params).reshape(pshape) if spec.beta else None
     dgamma = (dy * lay.ungroup(xhat)).sum(axis=reduce_params).reshape(pshape) if spec.gamma else None

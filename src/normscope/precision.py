@@ -12,52 +12,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .errors import InputError
+# The dtype table (names, aliases, unit roundoff, ranges) lives in dtypes.py; these names stay importable here.
+from .dtypes import DTYPES, MAX_FINITE, UNIT_ROUNDOFF, dtype_name, wider
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-_ALIASES = {
-    "float64": "float64", "fp64": "float64", "f64": "float64", "double": "float64",
-    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
-    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-}
-
-# Machine epsilon (spacing at 1) of each dtype; used for tolerances and error models.
-UNIT_ROUNDOFF = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-}
-
-MAX_FINITE = {
-    "float64": float(np.finfo(np.float64).max),
-    "float32": float(np.finfo(np.float32).max),
-    "float16": 65504.0,
-    "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
-}
-
-
-def dtype_name(dtype: object) -> str:
-    """Normalise a dtype given as a string, NumPy dtype or torch dtype to one of DTYPES."""
-    if dtype is None:
-        return "float64"
-    text = str(dtype)
-    for prefix in ("torch.", "jnp.", "<class 'numpy.", "numpy."):
-        text = text.removeprefix(prefix)
-    text = text.rstrip("'>")
-    name = _ALIASES.get(text.lower())
-    if name is None:
-        raise InputError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    return name
-
-
-def wider(a: str, b: str) -> str:
-    order = ("bfloat16", "float16", "float32", "float64")
-    if {a, b} == {"bfloat16", "float16"}:
-        return "float32"
-    return max(a, b, key=order.index)
+__all__ = ["Precision", "DTYPES", "MAX_FINITE", "UNIT_ROUNDOFF", "dtype_name", "wider"]
 
 
 class Precision:

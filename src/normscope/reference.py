@@ -10,7 +10,9 @@ wrong order.
 Parameter shapes: γ and β have the sizes of the input along ``param_axes`` (``(H,)`` for LayerNorm over
 the hidden axis, ``(C,)`` for GroupNorm/BatchNorm over channels). Running statistics have the sizes of
 the input along the axes that are *not* reduced (``(C,)`` for BatchNorm). ``gamma=None`` means the
-identity scale (effective γ = 1), ``beta=None`` means β = 0.
+identity scale (effective γ = 1), ``beta=None`` means β = 0. These shapes, the grouping and the broadcast
+of parameters against the input come from :mod:`normscope.layout`; dtype names and the statistics
+(compute) dtype from :mod:`normscope.dtypes`.
 """
 
 from __future__ import annotations
@@ -20,82 +22,13 @@ import math
 
 import numpy as np
 
+from .dtypes import compute_dtype, dtype_name
 from .errors import InputError
-from .precision import Precision, dtype_name, wider
+from .layout import Layout, param_shape, stats_shape
+from .precision import Precision
 from .spec import NormSpec
 
 __all__ = ["forward", "backward", "statistics", "Statistics", "param_shape", "stats_shape"]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How an input of one shape is reduced: grouping, reduction axes, element count per statistic."""
-
-    shape: tuple[int, ...]
-    grouped_shape: tuple[int, ...]
-    reduce_axes: tuple[int, ...]  # in the grouped shape
-    count: int  # elements per statistic
-    param_axes: tuple[int, ...]
-    kept_axes: tuple[int, ...]  # axes of the original shape not reduced (running statistics live here)
-
-    def group(self, a: np.ndarray) -> np.ndarray:
-        return a.reshape(self.grouped_shape)
-
-    def ungroup(self, a: np.ndarray) -> np.ndarray:
-        return a.reshape(self.shape)
-
-    def expand(self, values: np.ndarray | None, axes: tuple[int, ...], what: str) -> np.ndarray | None:
-        """Reshape a parameter of the sizes along ``axes`` so it broadcasts against the input."""
-        if values is None:
-            return None
-        values = np.asarray(values, dtype=np.float64)
-        want = tuple(self.shape[a] for a in axes)
-        if values.shape != want:
-            if values.size != math.prod(want):
-                raise InputError(
-                    f"{what} has shape {values.shape}, but for an input of shape {self.shape} it must have "
-                    f"shape {want} (the input's sizes along axes {list(axes)})"
-                )
-            values = values.reshape(want)
-        full = [1] * len(self.shape)
-        for a, n in zip(axes, want, strict=True):
-            full[a] = n
-        return values.reshape(full)
-
-
-def _layout(shape: tuple[int, ...], spec: NormSpec) -> _Layout:
-    ndim = len(shape)
-    if ndim == 0:
-        raise InputError("cannot normalize a 0-d input; give an array with at least the reduced axes")
-    axes = spec.resolve_axes(ndim)
-    param_axes = spec.resolve_param_axes(ndim) if (spec.gamma or spec.beta) else ()
-    kept = tuple(a for a in range(ndim) if a not in axes)
-    if spec.groups is None:
-        count = math.prod(shape[a] for a in axes)
-        return _Layout(tuple(shape), tuple(shape), axes, count, param_axes, kept)
-    ga = spec.resolve_group_axis(ndim)
-    channels, groups = shape[ga], spec.groups
-    if channels % groups:
-        raise InputError(
-            f"axis {ga} has {channels} channels, which do not split into {groups} groups; "
-            "the channel count must be a multiple of groups"
-        )
-    grouped = (*shape[:ga], groups, channels // groups, *shape[ga + 1 :])
-    reduce = tuple(sorted(a if a < ga else a + 1 for a in axes))  # ga itself maps to the within-group axis
-    count = math.prod(grouped[a] for a in reduce)
-    return _Layout(tuple(shape), grouped, reduce, count, param_axes, kept)
-
-
-def param_shape(shape: tuple[int, ...], spec: NormSpec) -> tuple[int, ...]:
-    """The shape γ and β must have for an input of ``shape``."""
-    lay = _layout(tuple(shape), spec)
-    return tuple(shape[a] for a in lay.param_axes)
-
-
-def stats_shape(shape: tuple[int, ...], spec: NormSpec) -> tuple[int, ...]:
-    """The shape of running statistics (BatchNorm) for an input of ``shape``."""
-    lay = _layout(tuple(shape), spec)
-    return tuple(shape[a] for a in lay.kept_axes if a != 0) if spec.batch_stats else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,17 +53,16 @@ def _check_input(x: np.ndarray, name: str = "x") -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def _running(lay: _Layout, values, name: str, p: Precision) -> np.ndarray:
+def _running(lay: Layout, values, name: str, p: Precision) -> np.ndarray:
     if values is None:
         raise InputError(
             f"this spec uses running statistics (batch_stats='running'); pass {name}= with the sizes "
-            f"along the kept axes {[a for a in lay.kept_axes if a != 0]}"
+            f"along the kept axes {list(lay.stats_axes)}"
         )
-    axes = tuple(a for a in lay.kept_axes if a != 0)
-    return p.round(lay.group(np.broadcast_to(lay.expand(values, axes, name), lay.shape)))
+    return p.round(lay.group(np.broadcast_to(lay.expand(values, lay.stats_axes, name), lay.shape)))
 
 
-def _stats(x: np.ndarray, spec: NormSpec, lay: _Layout, p: Precision, running_mean, running_var):
+def _stats(x: np.ndarray, spec: NormSpec, lay: Layout, p: Precision, running_mean, running_var):
     """Mean, centred values, variance, denominator and x̂ in the grouped layout, rounded as ``p``."""
     xg = lay.group(x)
     n = lay.count
@@ -172,7 +104,7 @@ def _stats(x: np.ndarray, spec: NormSpec, lay: _Layout, p: Precision, running_me
 def statistics(x, spec: NormSpec, *, running_mean=None, running_var=None) -> Statistics:
     """The float64 intermediates (mean, variance, denominator, x̂), broadcast to the input's shape."""
     x = _check_input(x)
-    lay = _layout(x.shape, spec)
+    lay = Layout.of(spec, x.shape)
     mean, _, var, denom, xhat = _stats(x, spec, lay, Precision("float64"), running_mean, running_var)
     full = lay.grouped_shape
 
@@ -203,10 +135,10 @@ def forward(
     if not isinstance(spec, NormSpec):
         raise InputError(f"spec must be a NormSpec; got {type(spec).__name__} (try NormSpec.preset(...))")
     x = _check_input(x)
-    lay = _layout(x.shape, spec)
+    lay = Layout.of(spec, x.shape)
     d = Precision(dtype_name(dtype))
     stored = Precision(dtype_name(param_dtype)) if param_dtype is not None else d
-    c = Precision(wider("float32", d.name) if spec.stats_dtype == "float32" else d.name)
+    c = Precision(compute_dtype(spec, d.name))
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
     b = lay.expand(beta, lay.param_axes, "beta") if spec.beta else None
     if gamma is not None and not spec.gamma:
@@ -258,12 +190,11 @@ def backward(
     dy = _check_input(dy, "dy")
     if dy.shape != x.shape:
         raise InputError(f"dy has shape {dy.shape} but x has shape {x.shape}; they must match")
-    lay = _layout(x.shape, spec)
+    lay = Layout.of(spec, x.shape)
     p = Precision("float64")
     _, dev, var, denom, xhat = _stats(x, spec, lay, p, running_mean, running_var)
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
-    reduce_params = tuple(a for a in range(x.ndim) if a not in lay.param_axes)
-    pshape = tuple(x.shape[a] for a in lay.param_axes)
+    reduce_params, pshape = lay.param_grad_axes, lay.param_shape
 
     dbeta = dy.sum(axis=reduce_params).reshape(pshape) if spec.beta else None
     dgamma = (dy * lay.ungroup(xhat)).sum(axis=reduce_params).reshape(pshape) if spec.gamma else None

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..dtypes import MAX_FINITE, compute_dtype, dtype_name, torch_dtype
 from ..errors import InputError
+from ..layout import Layout
 from ..spec import NormSpec
-
-_STATS_WIDTH = {torch.bfloat16: 0, torch.float16: 0, torch.float32: 1, torch.float64: 2}
 
 
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
@@ -90,28 +90,16 @@ class Norm(nn.Module):
         spec = self.spec
         if not torch.is_floating_point(x):
             raise InputError(f"Norm expects a floating-point tensor; got {x.dtype}")
-        ndim = x.dim()
-        axes = spec.resolve_axes(ndim)
-        d = x.dtype
-        c = d
-        if spec.stats_dtype == "float32" and _STATS_WIDTH.get(d, 2) < 1:
-            c = torch.float32
-
         shape = tuple(x.shape)
-        grouped, reduce = shape, axes
-        if spec.groups is not None:
-            ga = spec.resolve_group_axis(ndim)
-            if shape[ga] % spec.groups:
-                raise InputError(
-                    f"axis {ga} has {shape[ga]} channels, which do not split into {spec.groups} groups"
-                )
-            grouped = (*shape[:ga], spec.groups, shape[ga] // spec.groups, *shape[ga + 1 :])
-            reduce = tuple(sorted(a if a < ga else a + 1 for a in axes))
-        n = math.prod(grouped[a] for a in reduce)
+        lay = Layout.of(spec, shape)
+        reduce, n = lay.reduce_axes, lay.count
         n_var = n - 1 if spec.variance == "unbiased" else n
-        xg = x.to(c).reshape(grouped)
+        d = x.dtype
+        c_name = compute_dtype(spec, dtype_name(d))
+        c = torch_dtype(c_name)
+        xg = lay.group(x.to(c))
 
-        c_max = torch.finfo(c).max
+        c_max = MAX_FINITE[c_name]
 
         def mean(t: torch.Tensor, count: int) -> torch.Tensor:  # exact accumulation, one rounding
             total = t.double().sum(dim=reduce, keepdim=True)
@@ -119,7 +107,7 @@ class Norm(nn.Module):
             return (total / count).to(c)
 
         if spec.batch_stats == "running":
-            rm, rv = self._running_view(ndim, axes, shape, grouped)
+            rm, rv = self._running_view(lay)
             mu = rm.to(c) if spec.center else None
             var = rv.to(c)
             dev = xg - mu if spec.center else xg
@@ -137,7 +125,7 @@ class Norm(nn.Module):
             var = torch.clamp_min(var, 0.0)
             dev = xg - mu
         if spec.batch_stats == "batch" and self.training:
-            self._update_running(xg, reduce, n, ndim, axes, shape)
+            self._update_running(xg, reduce, n)
 
         if spec.eps_placement == "inside_sqrt":
             denom = _sqrt(var + spec.eps)
@@ -147,10 +135,10 @@ class Norm(nn.Module):
             denom = torch.clamp_min(_sqrt(var), spec.eps)
         else:
             denom = _sqrt(var)
-        xhat = (dev / denom).reshape(shape)
+        xhat = lay.ungroup(dev / denom)
 
-        w = self._expand(self.weight, ndim, spec) if self.weight is not None else None
-        b = self._expand(self.bias, ndim, spec) if self.bias is not None else None
+        w = self._expand(self.weight, lay, "weight") if self.weight is not None else None
+        b = self._expand(self.bias, lay, "bias") if self.bias is not None else None
         if spec.affine_order == "cast_then_scale":
             y = xhat.to(d)
             if w is not None:
@@ -168,26 +156,24 @@ class Norm(nn.Module):
         return y.to(d)
 
     # ---------------------------------------------------------------------------------------- helpers
-    def _expand(self, p: torch.Tensor, ndim: int, spec: NormSpec) -> torch.Tensor:
-        axes = spec.resolve_param_axes(ndim)
-        full = [1] * ndim
-        for a, size in zip(axes, p.shape, strict=True):
-            full[a] = size
-        return p.reshape(full)
+    def _expand(self, p: torch.Tensor, lay: Layout, name: str) -> torch.Tensor:
+        """γ or β reshaped to broadcast against the input."""
+        if tuple(p.shape) != lay.param_shape:
+            raise InputError(
+                f"{name} has shape {tuple(p.shape)}, but an input of shape {lay.shape} needs {lay.param_shape} "
+                f"(its sizes along the parameter axes {list(lay.param_axes)}); build the module for that shape"
+            )
+        return p.reshape(lay.view_shape(lay.param_axes))
 
-    def _kept(self, ndim: int, axes: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(a for a in range(ndim) if a not in axes and a != 0)
-
-    def _running_view(self, ndim, axes, shape, grouped):
-        full = [1] * ndim
-        for a in self._kept(ndim, axes):
-            full[a] = shape[a]
-        rm = self.running_mean.reshape(full).expand(shape).reshape(grouped)
-        rv = self.running_var.reshape(full).expand(shape).reshape(grouped)
+    def _running_view(self, lay: Layout):
+        """Running mean and variance, broadcast to the input and in its grouped shape."""
+        full = lay.view_shape(lay.stats_axes)
+        rm = lay.group(self.running_mean.reshape(full).expand(lay.shape))
+        rv = lay.group(self.running_var.reshape(full).expand(lay.shape))
         return rm, rv
 
     @torch.no_grad()
-    def _update_running(self, xg, reduce, n, ndim, axes, shape):
+    def _update_running(self, xg, reduce, n):
         xd = xg.double()
         mu = xd.mean(dim=reduce)
         var = xd.var(dim=reduce, correction=1) if n > 1 else torch.zeros_like(mu)

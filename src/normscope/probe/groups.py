@@ -10,9 +10,18 @@ import dataclasses
 
 import numpy as np
 
+from ..layout import Layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
+    """The groups of one input shape as labels: position → group, ``count`` groups of ``size`` elements.
+
+    Groups of a spec (:meth:`of`) are the reductions of its :class:`~normscope.layout.Layout`: label ``k``
+    marks the elements of one reduced slice of the grouped shape, so ``size`` equals ``Layout.count``.
+    Labels number the kept axes first (in order) and the group index last.
+    """
+
     shape: tuple[int, ...]
     axes: tuple[int, ...]  # non-negative reduced axes
     groups: int | None
@@ -45,9 +54,10 @@ class Groups:
 
     @classmethod
     def of(cls, spec, shape) -> Groups:
-        """The groups a NormSpec reduces over, for an input of ``shape``."""
-        ndim = len(shape)
-        return cls.build(shape, spec.resolve_axes(ndim), spec.groups, spec.resolve_group_axis(ndim))
+        """The groups a NormSpec reduces over, for an input of ``shape`` (resolved by :class:`Layout`, so a
+        channel count that does not split into the groups is an InputError)."""
+        lay = Layout.of(spec, shape)
+        return cls.build(lay.shape, lay.axes, lay.groups, lay.group_axis)
 
     def max(self, v: np.ndarray) -> np.ndarray:
         """Per-group maxima (length ``count``)."""

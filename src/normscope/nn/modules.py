@@ -120,8 +120,9 @@ class Norm(nn.Module):
 
         if spec.batch_stats == "running":
             rm, rv = self._running_view(ndim, axes, shape, grouped)
-            mu = rm.to(c) if spec.center else None
-            var = rv.to(c)
+            # read as the input dtype sees them, as γ/β are (a module cast with .to(dtype) stores them there)
+            mu = rm.to(d).to(c) if spec.center else None
+            var = rv.to(d).to(c)
             dev = xg - mu if spec.center else xg
         elif not spec.center:
             dev, var = xg, mean(xg * xg, n_var)

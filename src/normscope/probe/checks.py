@@ -1068,7 +1068,8 @@ def check(
     calls_before = t.calls
     mode = {"batch": True, "running": False}.get(spec.batch_stats or "", t.training)
     b = _Battery(t, spec, shape, check_dtype_list(dtypes), quick, seed, progress)
-    sections = [("determinism", b.determinism), ("parameters", b.resolve_params), ("hand case", b.hand_case), ("invariances", b.invariances),
+    sections = [("determinism", b.determinism), ("parameters", b.resolve_params),
+                ("hand case", b.hand_case), ("invariances", b.invariances),
                 ("degenerate and extreme inputs", b.extremes), ("dependency", b.dependency),
                 ("affine broadcast", b.affine), ("forward vs reference", b.forward_grid),
                 ("backward vs reference", b.backward_grid)]

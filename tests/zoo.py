@@ -194,6 +194,15 @@ class RaisesAtHalfLayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
+class BFloat16OnlyLayerNorm(nn.LayerNorm):
+    """Runs at bfloat16 only: γ/β can only be matched at bfloat16's resolution."""
+
+    def forward(self, x):
+        if x.dtype != torch.bfloat16:
+            raise TypeError("bfloat16 only")
+        return super().forward(x)
+
+
 class MomentumBatchNorm(nn.BatchNorm2d):
     """A BatchNorm2d whose running statistics move by ``factor`` although it states momentum 0.1."""
 
@@ -333,6 +342,8 @@ CHECK_CASES = {
                             {"dtypes": ("bfloat16",)}, set(), set()),
     "rmsnorm-bf16-fp16": (lambda: randomize(nn.RMSNorm(H)), "torch_rmsnorm", SHAPE,
                           {"dtypes": ("bfloat16", "float16")}, set(), set()),
+    "bf16-only-target": (lambda: randomize(BFloat16OnlyLayerNorm(H)), "torch_layernorm", SHAPE, {}, set(),
+                         {"dtypes/runs at float32", "dtypes/runs at float16"}),
     "llama-bf16-fp16": (_llama_rmsnorm, "llama_rmsnorm", SHAPE, {"dtypes": ("bfloat16", "float16")}, set(), set()),
     # running statistics are read in the dtype the module stores them in
     "batchnorm-trained-eval": (trained_batchnorm, "torch_batchnorm_eval", IMAGE, {}, set(), set()),

@@ -573,7 +573,8 @@ class _Battery:
 
     # -------------------------------------------------------------- determinism
     def noise_floor(self, scale: float) -> float:
-        """What two calls on the same input may differ by: twice the measured call-to-call noise."""
+        """What two calls on the same input may differ by at outputs up to ``scale``: twice the measured
+        call-to-call noise (relative to each output) at that scale."""
         return 2 * self.call_noise * max(1.0, scale)
 
     def determinism(self):
@@ -584,9 +585,12 @@ class _Battery:
         with np.errstate(all="ignore"):
             spread = float(np.nanmax([np.nanmax(np.abs(r - runs[0])) for r in runs[1:]]))
             scale = max(1.0, float(np.nanmax(np.abs(runs[0]))))
-        if not np.isfinite(spread):
-            spread = 0.0  # non-finite outputs are judged by the forward findings
-        self.call_noise = spread / scale
+            # rounding noise scales with each output: measure it relative to the element (floored near 0)
+            size = np.maximum(np.abs(runs[0]), 1e-2 * float(np.sqrt(np.nanmean(runs[0] ** 2))))
+            relative = float(np.nanmax([np.nanmax(np.abs(r - runs[0]) / size) for r in runs[1:]]))
+        if not (np.isfinite(spread) and np.isfinite(relative)):
+            spread = relative = 0.0  # non-finite outputs are judged by the forward findings
+        self.call_noise = relative
         if spread == 0:
             self.add("same output on repeated calls", "determinism", "pass", 0.0, 0.0, 0.0,
                      f"three calls on one input at {d} returned identical outputs")

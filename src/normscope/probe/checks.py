@@ -586,7 +586,7 @@ class _Battery:
             spread = float(np.nanmax([np.nanmax(np.abs(r - runs[0])) for r in runs[1:]]))
             scale = max(1.0, float(np.nanmax(np.abs(runs[0]))))
             # rounding noise scales with each output: measure it relative to the element (floored near 0)
-            size = np.maximum(np.abs(runs[0]), 1e-2 * float(np.sqrt(np.nanmean(runs[0] ** 2))))
+            size = np.maximum(np.abs(runs[0]), max(1e-2 * float(np.sqrt(np.nanmean(runs[0] ** 2))), 1e-300))
             relative = float(np.nanmax([np.nanmax(np.abs(r - runs[0]) / size) for r in runs[1:]]))
         if not (np.isfinite(spread) and np.isfinite(relative)):
             spread = relative = 0.0  # non-finite outputs are judged by the forward findings

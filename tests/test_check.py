@@ -303,3 +303,37 @@ def test_single_element_groups_are_a_clear_error():
 
     with pytest.raises(InputError, match="one element"):
         check(torch.nn.LayerNorm(1), expect="torch_layernorm", shape=(2, 8, 1))
+
+
+# ---------------------------------------------------------------------------------------------- the registry
+def _expect(expect):
+    return NormSpec.preset(expect[0], **expect[1]) if isinstance(expect, tuple) else expect
+
+
+@pytest.mark.parametrize("case", sorted(zoo.CHECK_CASES))
+def test_zoo_registry_verdicts(case):
+    make, expect, shape, kw, must_fail, must_skip = zoo.CHECK_CASES[case]
+    r = check(make(), expect=_expect(expect), shape=shape, quick=True, explain_failures=False, **kw)
+    assert failed(r) == must_fail, r.text()
+    skipped = {f"{f.section}/{f.name}" for f in r.findings if f.status == "skip"}
+    assert must_skip <= skipped, skipped
+    for f in r.findings:  # the table never contradicts itself: a pass's measured number is within its tolerance
+        if isinstance(f.measured, float) and isinstance(f.tolerance, float) and f.status == "pass":
+            assert f.measured <= f.tolerance, (f.name, f.measured, f.tolerance)
+    asked = kw.get("dtypes")
+    tried = (asked.split(",") if isinstance(asked, str) else list(asked)) if asked else [
+        "float32", "float16", "bfloat16"]
+    assert list(r.dtypes) == tried  # the header lists every dtype tried; findings say which could not run
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])  # seed 7 once failed: the old rule compared two noise-sized distances
+def test_variance_algorithm_rule_separates_beyond_noise(seed):
+    one_pass = NormSpec.preset("torch_layernorm", affine=False, variance_algorithm="one_pass", stats_dtype="input")
+    kw = dict(shape=SHAPE, dtypes=("float32",), quick=True, seed=seed, explain_failures=False)
+    r = check(zoo.one_pass_layernorm, expect=one_pass, framework="torch", **kw)
+    f = next(f for f in r.findings if f.name == "one-pass variance at offset")
+    assert f.status == "pass" and f.measured < 0.01, f.why  # thousands of two-pass bounds away
+    r = check(lambda x: torch.nn.functional.layer_norm(x, (64,)), expect=one_pass, framework="torch", **kw)
+    assert "extreme/one-pass variance at offset" in failed(r)
+    r = check(zoo.one_pass_layernorm, expect=one_pass.replace(variance_algorithm="two_pass"), framework="torch", **kw)
+    assert "extreme/two-pass variance at offset" in failed(r)

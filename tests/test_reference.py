@@ -457,3 +457,46 @@ def test_other_input_errors():
         R.forward(np.float64(1.0), NormSpec())
     with pytest.raises(InputError, match="real numeric"):
         R.forward(np.array(["a", "b"]), NormSpec())
+
+
+def test_half_precision_sums_accumulate_in_float32():
+    """A float16 sum beyond 65504 is no overflow: kernels accumulate in float32 and round the mean once."""
+    from normscope.precision import Precision
+
+    x = np.full((1, 64), 90.0)
+    assert float(Precision("float16").mean(x * x, (1,), 64).ravel()[0]) == 8100.0
+    assert math.isinf(float(Precision("float16").mean(np.full((1, 4), 7e4), (1,), 4).ravel()[0]))  # the mean
+    spec = NormSpec.preset("llama_rmsnorm", stats_dtype="input")
+    y = R.forward(np.full((2, 64), 90.0) + np.arange(64), spec, gamma=np.ones(64), dtype="float16")
+    assert np.all(np.isfinite(y)) and np.all(np.abs(y) < 2)
+
+
+def test_running_statistics_are_read_from_where_they_are_stored():
+    """A module cast with .to(float16) keeps running statistics in float16, and its kernel reads them there."""
+    spec = NormSpec.preset("torch_batchnorm_eval")
+    x = np.linspace(-1, 5, 2 * 4 * 3).reshape(2, 4, 3)
+    rm, rv = np.array([2.0001, 1.9, 2.3, 1.7]), np.array([9.0003, 8.7, 9.4, 8.1])
+    stored = {k: np.asarray(v, dtype=np.float16).astype(np.float64) for k, v in (("rm", rm), ("rv", rv))}
+    kw = dict(dtype="float16")
+    spec1 = spec.replace(axes=[0, 2])
+    a = R.forward(x, spec1, running_mean=rm, running_var=rv, **kw)
+    b = R.forward(x, spec1, running_mean=stored["rm"], running_var=stored["rv"], **kw)
+    assert np.array_equal(a, b)
+    c = R.forward(x, spec1, running_mean=rm, running_var=rv, param_dtype="float32", **kw)
+    assert not np.array_equal(a, c)  # the float32-stored statistics are read at full precision
+
+
+@pytest.mark.parametrize("formula", ["rsqrt", "folded"])
+def test_formula_variants_are_faithful_and_distinct(formula, rng):
+    spec = NormSpec.preset("torch_layernorm", stats_dtype="input")
+    x = rng.normal(size=(4, 256)) * 3 + 1
+    g, b = rng.uniform(0.5, 1.5, 256), rng.uniform(-1, 1, 256)
+    exact = R.forward(x, spec, gamma=g, beta=b)
+    base = R.forward(x, spec, gamma=g, beta=b, dtype="bfloat16")
+    other = R.forward(x, spec, gamma=g, beta=b, dtype="bfloat16", formula=formula)
+    assert not np.array_equal(base, other)
+    assert np.max(np.abs(other - exact)) < 4 * np.max(np.abs(base - exact))
+    assert np.array_equal(R.forward(x, spec, gamma=g, beta=b, formula=formula), exact) or np.allclose(
+        R.forward(x, spec, gamma=g, beta=b, formula=formula), exact, rtol=1e-13, atol=1e-13)
+    with pytest.raises(InputError, match="formula"):
+        R.forward(x, spec, formula="fma")

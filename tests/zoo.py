@@ -233,3 +233,201 @@ class PerHeadLayerNorm(nn.Module):
 
     def forward(self, x):
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=self.eps) * self.weight + self.bias
+
+# Written the way other people write them: each is correct for its contract unless its docstring says otherwise.
+class NanAtHalfLayerNorm(nn.LayerNorm):
+    """Right at float32; returns NaN at float16/bfloat16 (a broken half-precision path)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y if x.dtype in (torch.float32, torch.float64) else y * float("nan")
+
+
+class RaisesAtHalfLayerNorm(nn.LayerNorm):
+    """Right at float32; refuses half precision with an error that names the dtype."""
+
+    def forward(self, x):
+        if x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype {x.dtype} is not supported")
+        return super().forward(x)
+
+
+class BFloat16OnlyLayerNorm(nn.LayerNorm):
+    """Runs at bfloat16 only: γ/β can only be matched at bfloat16's resolution."""
+
+    def forward(self, x):
+        if x.dtype != torch.bfloat16:
+            raise TypeError("bfloat16 only")
+        return super().forward(x)
+
+
+class MomentumBatchNorm(nn.BatchNorm2d):
+    """A BatchNorm2d whose running statistics move by ``factor`` although it states momentum 0.1."""
+
+    def __init__(self, channels=4, factor=0.0):
+        super().__init__(channels)
+        self.factor = factor
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(1 - self.factor).add_(self.factor * x.mean((0, 2, 3)))
+                self.running_var.mul_(1 - self.factor).add_(self.factor * x.var((0, 2, 3)))
+            return nn.functional.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        return super().forward(x)
+
+
+def trained_batchnorm(channels=4, steps=20, seed=0) -> nn.BatchNorm2d:
+    """BatchNorm2d after ``steps`` training steps on N(2, 3²) data, in evaluation mode."""
+    g = torch.Generator().manual_seed(seed)
+    bn = nn.BatchNorm2d(channels)
+    for _ in range(steps):
+        bn(torch.randn(8, channels, 5, 5, generator=g) * 3 + 2)
+    return bn.eval()
+
+
+class RsqrtLayerNorm(nn.Module):
+    """An eager LayerNorm in the input dtype that multiplies by rsqrt (no fp32 upcast)."""
+
+    def __init__(self, d=H, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.bias = nn.Parameter(torch.rand(d) - 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        xc = x - mu
+        var = (xc * xc).mean(-1, keepdim=True)
+        return xc * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+class FoldedAffineLayerNorm(nn.Module):
+    """fp32 statistics with the affine folded into one multiply-add, y = x·a + b, then one cast."""
+
+    def __init__(self, d=H, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(d) + 0.5)
+        self.bias = nn.Parameter(torch.rand(d) - 0.5)
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        mu = h.mean(-1, keepdim=True)
+        var = (h - mu).pow(2).mean(-1, keepdim=True)
+        a = self.weight.float() * torch.rsqrt(var + self.eps)
+        b = self.bias.float() - mu * a
+        return (h * a + b).to(x.dtype)
+
+
+class FoldedInputDtypeLayerNorm(_LNBase):
+    """Eager code in the input dtype with the affine folded: a = γ·rsqrt(v + ε), b = β − μ·a, y = x·a + b."""
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        a = self.weight * torch.rsqrt(var + self.eps)
+        return x * a + (self.bias - mu * a)
+
+
+class PerGroupAffineGroupNorm(nn.Module):
+    """GroupNorm whose scale and bias are per group (shape (G,)), as older ONNX GroupNormalization had."""
+
+    def __init__(self, groups=2, channels=4, eps=1e-5):
+        super().__init__()
+        self.groups, self.channels, self.eps = groups, channels, eps
+        self.weight = nn.Parameter(torch.rand(groups) + 0.5)
+        self.bias = nn.Parameter(torch.rand(groups) - 0.5)
+
+    def forward(self, x):
+        rep = self.channels // self.groups
+        w = self.weight.repeat_interleave(rep)
+        b = self.bias.repeat_interleave(rep)
+        return nn.functional.group_norm(x, self.groups, w, b, self.eps)
+
+
+class RefusesNonFiniteLayerNorm(nn.LayerNorm):
+    """Validates its input and raises on NaN/Inf, as data-validation code does."""
+
+    def forward(self, x):
+        if not torch.isfinite(x).all():
+            raise ValueError("input contains NaN or Inf")
+        return super().forward(x)
+
+
+def scaled_layer_norm(x, gain=1.7):
+    """A LayerNorm with one scalar gain (param_axes=[]): what infer reports for a constant γ."""
+    return gain * nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
+
+
+class NoisyLayerNorm(nn.LayerNorm):
+    """A correct LayerNorm whose outputs move by about an ulp between calls (non-deterministic reductions)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        step = torch.randint(-1, 2, y.shape).to(y.dtype)
+        return y * (1 + step * torch.finfo(y.dtype).eps)
+
+
+def _llama_rmsnorm():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return randomize(LlamaRMSNorm(H, eps=1e-6))
+
+
+# Implementations that once got a wrong verdict from `check`, with the verdict they must get: the findings that
+# must fail (empty: the report must pass) and those that must be skips. tests/test_check.py runs each one.
+SHAPE = (2, 8, H)
+IMAGE = (2, 4, 5, 5)
+CHECK_CASES = {
+    # a dtype that cannot run is a finding: a failure when asked for or when the target fails on it
+    "nan-at-half": (lambda: NanAtHalfLayerNorm(H), "torch_layernorm", SHAPE, {},
+                    {"dtypes/runs at float16", "dtypes/runs at bfloat16"}, set()),
+    "nan-at-half-asked": (lambda: NanAtHalfLayerNorm(H), "torch_layernorm", SHAPE, {"dtypes": "float32,bfloat16"},
+                          {"dtypes/runs at bfloat16"}, set()),
+    "refuses-half": (lambda: RaisesAtHalfLayerNorm(H), "torch_layernorm", SHAPE, {},
+                     set(), {"dtypes/runs at float16", "dtypes/runs at bfloat16"}),
+    "refuses-half-asked": (lambda: RaisesAtHalfLayerNorm(H), "torch_layernorm", SHAPE,
+                           {"dtypes": ("float32", "bfloat16")}, {"dtypes/runs at bfloat16"}, set()),
+    # running statistics move by the module's own momentum, and move at all
+    "momentum-zero": (lambda: MomentumBatchNorm(4, 0.0), "torch_batchnorm", IMAGE, {},
+                      {"modes/running statistics update"}, set()),
+    "momentum-0.9": (lambda: MomentumBatchNorm(4, 0.9), "torch_batchnorm", IMAGE, {},
+                     {"modes/running statistics update"}, set()),
+    "momentum-0.1": (lambda: MomentumBatchNorm(4, 0.1), "torch_batchnorm", IMAGE, {}, set(), set()),
+    # γ/β are measured at a precise dtype even when only half precision is asked for
+    "layernorm-bf16-only": (lambda: randomize(nn.LayerNorm(H)), "torch_layernorm", SHAPE,
+                            {"dtypes": ("bfloat16",)}, set(), set()),
+    "rmsnorm-bf16-fp16": (lambda: randomize(nn.RMSNorm(H)), "torch_rmsnorm", SHAPE,
+                          {"dtypes": ("bfloat16", "float16")}, set(), set()),
+    "bf16-only-target": (lambda: randomize(BFloat16OnlyLayerNorm(H)), "torch_layernorm", SHAPE, {}, set(),
+                         {"dtypes/runs at float32", "dtypes/runs at float16"}),
+    "llama-bf16-fp16": (_llama_rmsnorm, "llama_rmsnorm", SHAPE, {"dtypes": ("bfloat16", "float16")}, set(), set()),
+    # running statistics are read in the dtype the module stores them in
+    "batchnorm-trained-eval": (trained_batchnorm, "torch_batchnorm_eval", IMAGE, {}, set(), set()),
+    # a single row: the strided view is normscope's to make
+    "single-row": (lambda: nn.LayerNorm(H), "torch_layernorm", (1, H), {}, set(), set()),
+    "single-row-4096": (lambda: nn.LayerNorm(4096), "torch_layernorm", (1, 4096), {}, set(), set()),
+    # half-precision statistics accumulate in float32
+    "input-dtype-statistics": (lambda: randomize(InputDtypeStatsRMSNorm()), ("llama_rmsnorm", {"stats_dtype": "input"}),
+                               SHAPE, {}, set(), set()),
+    # equivalent formulas: rsqrt, folded affine (and a folded affine is not cast-then-scale)
+    "rsqrt-input-dtype": (lambda: RsqrtLayerNorm(), ("torch_layernorm", {"stats_dtype": "input",
+                                                                         "affine_order": "cast_then_scale"}),
+                          SHAPE, {}, set(), set()),
+    "folded-affine": (lambda: FoldedAffineLayerNorm(), "onnxruntime_layernorm", SHAPE, {}, set(), set()),
+    "folded-affine-input-dtype": (lambda: FoldedInputDtypeLayerNorm(), ("torch_layernorm", {"stats_dtype": "input"}),
+                                  SHAPE, {}, set(), set()),
+    "folded-affine-vs-cast-then-scale": (lambda: FoldedAffineLayerNorm(), "onnx_layernorm", SHAPE, {},
+                                         {"reference/rounding at bfloat16", "reference/rounding at float16"}, set()),
+    # per-group parameters, input validation, a scalar gain, non-determinism
+    "per-group-affine": (lambda: PerGroupAffineGroupNorm(), ("torch_groupnorm", {"groups": 2}), IMAGE, {}, set(),
+                         set()),
+    "refuses-non-finite": (lambda: RefusesNonFiniteLayerNorm(H), "torch_layernorm", SHAPE, {}, set(),
+                           {"extreme/nan confined to its group", "extreme/inf confined to its group"}),
+    "scalar-gain": (lambda: scaled_layer_norm, ("torch_layernorm", {"affine": False, "gamma": True, "param_axes": [],
+                                                                     "affine_order": "cast_then_scale"}),
+                    SHAPE, {"framework": "torch"}, set(), set()),
+    "non-deterministic": (lambda: NoisyLayerNorm(H), "torch_layernorm", SHAPE, {}, set(),
+                          {"determinism/same output on repeated calls"}),
+}

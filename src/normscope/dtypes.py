@@ -56,6 +56,9 @@ MAX_FINITE = {
     "bfloat16": float(ml_dtypes.finfo(ml_dtypes.bfloat16).max),
 }
 
+#: The type a kernel accumulates a reduction of this dtype in (half-precision sums live in float32 registers).
+ACCUMULATOR = {"float64": "float64", "float32": "float32", "float16": "float32", "bfloat16": "float32"}
+
 #: ONNX ``TensorProto.DataType`` element types (FLOAT, FLOAT16, DOUBLE, BFLOAT16), fixed by the ONNX standard.
 ONNX_ELEM_TYPES = {"float32": 1, "float16": 10, "float64": 11, "bfloat16": 16}
 

@@ -2,7 +2,8 @@
 
 Real bfloat16/float16 kernels load their operands into float32 registers, compute, and round the result
 back; float32 and float64 kernels compute in their own type. Reductions (the sums behind a mean) are
-modelled as accumulated exactly and rounded once, which is what a careful kernel approaches. Values are
+modelled as accumulated exactly in the kernel's accumulator (float32 for bfloat16/float16/float32, float64
+for float64) and rounded once to the dtype, which is what a careful kernel approaches. Values are
 carried in a *work* array type (float64 for float64, float32 otherwise) whose values are always
 representable in the emulated dtype.
 """
@@ -13,9 +14,9 @@ import ml_dtypes
 import numpy as np
 
 # The dtype table (names, aliases, unit roundoff, ranges) lives in dtypes.py; these names stay importable here.
-from .dtypes import DTYPES, MAX_FINITE, UNIT_ROUNDOFF, dtype_name, wider
+from .dtypes import ACCUMULATOR, DTYPES, MAX_FINITE, UNIT_ROUNDOFF, dtype_name, wider
 
-__all__ = ["Precision", "DTYPES", "MAX_FINITE", "UNIT_ROUNDOFF", "dtype_name", "wider"]
+__all__ = ["Precision", "ACCUMULATOR", "DTYPES", "MAX_FINITE", "UNIT_ROUNDOFF", "dtype_name", "wider"]
 
 
 class Precision:
@@ -51,12 +52,15 @@ class Precision:
         return np.asarray(value, dtype=self.work)
 
     def mean(self, a: np.ndarray, axes: tuple[int, ...], count: float) -> np.ndarray:
-        """Sum accumulated exactly over ``axes`` (kept), divided by ``count``, rounded once.
+        """Sum accumulated exactly over ``axes`` (kept), divided by ``count``, rounded once to this dtype.
 
-        The accumulator lives in this dtype, so a total beyond its range overflows to ±inf (for float32
-        statistics, e.g. the sum of squares of a thousand values near 1e18), as it would in a kernel.
+        The accumulator is float32 for bfloat16/float16/float32 (kernels load half-precision values into
+        float32 registers and accumulate there) and float64 for float64, so a total beyond the accumulator's
+        range overflows to ±inf (for float32 statistics, e.g. the sum of squares of a thousand values near
+        1e18), as it would in a kernel; a half-precision total beyond 65504 does not, only a mean beyond it.
         """
         total = np.asarray(a, dtype=np.float64).sum(axis=axes, keepdims=True)
-        total = np.where(np.abs(total) > MAX_FINITE[self.name], np.copysign(np.inf, total), total)
+        limit = MAX_FINITE[ACCUMULATOR[self.name]]
+        total = np.where(np.abs(total) > limit, np.copysign(np.inf, total), total)
         with np.errstate(divide="ignore", invalid="ignore"):
             return self.round(total / count)

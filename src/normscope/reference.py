@@ -28,7 +28,10 @@ from .layout import Layout, param_shape, stats_shape
 from .precision import Precision
 from .spec import NormSpec
 
-__all__ = ["forward", "backward", "statistics", "Statistics", "param_shape", "stats_shape"]
+__all__ = ["FORMULAS", "forward", "backward", "statistics", "Statistics", "param_shape", "stats_shape"]
+
+# The ways a faithful kernel may write one contract (see ``forward``'s ``formula``).
+FORMULAS = ("divide", "rsqrt", "folded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,24 +56,31 @@ def _check_input(x: np.ndarray, name: str = "x") -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def _running(lay: Layout, values, name: str, p: Precision) -> np.ndarray:
+def _running(lay: Layout, values, name: str, p: Precision, stored: Precision | None = None) -> np.ndarray:
+    """Running statistics as the kernel reads them: stored in ``stored`` precision, loaded into ``p``."""
     if values is None:
         raise InputError(
             f"this spec uses running statistics (batch_stats='running'); pass {name}= with the sizes "
             f"along the kept axes {list(lay.stats_axes)}"
         )
-    return p.round(lay.group(np.broadcast_to(lay.expand(values, lay.stats_axes, name), lay.shape)))
+    values = lay.group(np.broadcast_to(lay.expand(values, lay.stats_axes, name), lay.shape))
+    return p.round((stored or p).round(values))
 
 
-def _stats(x: np.ndarray, spec: NormSpec, lay: Layout, p: Precision, running_mean, running_var):
-    """Mean, centred values, variance, denominator and x̂ in the grouped layout, rounded as ``p``."""
+def _stats(x: np.ndarray, spec: NormSpec, lay: Layout, p: Precision, running_mean, running_var,
+           stored: Precision | None = None):
+    """Mean, centred values, variance, denominator and x̂ in the grouped layout, rounded as ``p``.
+
+    ``stored``: the precision running statistics are kept in (a module cast with ``.to(dtype)`` keeps its
+    buffers in that dtype, and its kernel reads them from there).
+    """
     xg = lay.group(x)
     n = lay.count
     n_var = n - 1 if spec.variance == "unbiased" else n
     with np.errstate(all="ignore"):
         if spec.batch_stats == "running":
-            mean = _running(lay, running_mean, "running_mean", p) if spec.center else np.zeros_like(xg)
-            var = _running(lay, running_var, "running_var", p)
+            mean = _running(lay, running_mean, "running_mean", p, stored) if spec.center else np.zeros_like(xg)
+            var = _running(lay, running_var, "running_var", p, stored)
             dev = p.op(xg - mean) if spec.center else xg
         elif not spec.center:
             mean = np.zeros((1,) * xg.ndim, dtype=p.work)
@@ -124,14 +134,22 @@ def forward(
     running_var=None,
     dtype: str | None = None,
     param_dtype: str | None = None,
+    formula: str = "divide",
 ) -> np.ndarray:
     """y = spec(x) in float64, or as an implementation faithful to ``spec`` computes it at ``dtype``.
 
-    ``param_dtype`` is where γ/β are stored (default: the input dtype, as a module cast with ``.to(dtype)``;
-    ``"float32"`` for frameworks that keep parameters in fp32, such as flax). It matters only for
-    ``scale_then_cast``: with ``cast_then_scale`` the product is taken in the input dtype.
-    Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
+    ``param_dtype`` is where γ/β (and running statistics) are stored (default: the input dtype, as a module
+    cast with ``.to(dtype)``; ``"float32"`` for frameworks that keep parameters in fp32, such as flax). For
+    γ/β it matters only for ``scale_then_cast``: with ``cast_then_scale`` the product is taken in the input
+    dtype. Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
+
+    ``formula`` picks one of the ways a faithful kernel may write the same contract, which round
+    differently: ``"divide"`` (x̂ = (x − μ) / denominator), ``"rsqrt"`` (x̂ = (x − μ) · (1 / denominator)) or
+    ``"folded"`` (y = x·a + b with a = γ/denominator and b = β − μ·a in the compute dtype, then one cast; a
+    folded kernel has no separate x̂, so it is a form of ``scale_then_cast`` only).
     """
+    if formula not in FORMULAS:
+        raise InputError(f"formula must be one of {', '.join(FORMULAS)}; got {formula!r}")
     if not isinstance(spec, NormSpec):
         raise InputError(f"spec must be a NormSpec; got {type(spec).__name__} (try NormSpec.preset(...))")
     x = _check_input(x)
@@ -146,8 +164,20 @@ def forward(
     if beta is not None and not spec.beta:
         raise InputError("beta was given but the spec has beta=False")
 
-    x_in = d.round(x)
-    _, _, _, _, xhat = _stats(c.round(x_in), spec, lay, c, running_mean, running_var)
+    x_in = c.round(d.round(x))
+    mean, dev, _, denom, xhat = _stats(x_in, spec, lay, c, running_mean, running_var, stored)
+    with np.errstate(all="ignore"):
+        if formula != "divide":
+            inv = c.op(c.scalar(1.0) / denom)
+            xhat = c.op(dev * inv)
+        if formula == "folded":  # a = γ·inv, b = β − μ·a, y = x·a + b, all in c, then one cast
+            full = lay.grouped_shape
+            a = lay.ungroup(np.broadcast_to(inv, full))
+            if g is not None:
+                a = c.op(a * _scale(g, spec, c, stored))
+            shift = c.op(lay.ungroup(np.broadcast_to(mean, full)) * a) if spec.center else np.zeros_like(a)
+            b_c = c.round(stored.round(b)) if b is not None else c.scalar(0.0)
+            return np.asarray(d.round(c.op(c.op(x_in * a) + c.op(b_c - shift))), dtype=np.float64)
     xhat = lay.ungroup(xhat)
     with np.errstate(all="ignore"):
         if spec.affine_order == "cast_then_scale":

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..dtypes import MAX_FINITE, compute_dtype, dtype_name, torch_dtype
+from ..dtypes import ACCUMULATOR, MAX_FINITE, compute_dtype, dtype_name, torch_dtype
 from ..errors import InputError
 from ..layout import Layout
 from ..spec import NormSpec
@@ -99,7 +99,7 @@ class Norm(nn.Module):
         c = torch_dtype(c_name)
         xg = lay.group(x.to(c))
 
-        c_max = MAX_FINITE[c_name]
+        c_max = MAX_FINITE[ACCUMULATOR[c_name]]
 
         def mean(t: torch.Tensor, count: int) -> torch.Tensor:  # exact accumulation, one rounding
             total = t.double().sum(dim=reduce, keepdim=True)
@@ -108,8 +108,9 @@ class Norm(nn.Module):
 
         if spec.batch_stats == "running":
             rm, rv = self._running_view(lay)
-            mu = rm.to(c) if spec.center else None
-            var = rv.to(c)
+            # read as the input dtype sees them, as γ/β are (a module cast with .to(dtype) stores them there)
+            mu = rm.to(d).to(c) if spec.center else None
+            var = rv.to(d).to(c)
             dev = xg - mu if spec.center else xg
         elif not spec.center:
             dev, var = xg, mean(xg * xg, n_var)

@@ -118,6 +118,11 @@ class Target:
         """Run the target in training or evaluation mode inside the block (modules only)."""
         yield
 
+    @property
+    def momentum(self) -> float | None:
+        """The factor running statistics move by in one training step, where the target states it."""
+        return None
+
     def parameters(self) -> dict[str, np.ndarray]:
         """Parameters the implementation exposes (module parameters, ONNX initializers), as float64."""
         return {}

@@ -95,7 +95,13 @@ class TorchFunctionTarget(Target):
             return t.requires_grad_(grad)
         order = tuple(reversed(range(x.ndim)))  # store transposed, view back: same values, other strides
         t = torch.from_numpy(np.ascontiguousarray(x.transpose(order))).to(_torch_dtype(dtype)).permute(order)
-        assert not t.is_contiguous()
+        if t.is_contiguous():  # axes of size 1 make the transposed view contiguous: take every other element
+            axis = max((a for a in range(x.ndim) if x.shape[a] > 1), default=x.ndim - 1)
+            wide = list(x.shape)
+            wide[axis] *= 2
+            store = torch.zeros(wide, dtype=_torch_dtype(dtype))
+            t = store[tuple(slice(None, None, 2) if a == axis else slice(None) for a in range(x.ndim))]
+            t.copy_(torch.from_numpy(np.ascontiguousarray(x)))
         return t.requires_grad_(grad)
 
     def _run(self, x, dtype, contiguous: bool = True):
@@ -213,6 +219,17 @@ class TorchModuleTarget(TorchFunctionTarget):
             with torch.no_grad():
                 for n, b in m.named_buffers():
                     b.copy_(saved[n])
+
+    @property
+    def momentum(self) -> float | None:
+        """torch's running-statistics momentum; ``None`` (cumulative average) is 1/(batches tracked + 1)."""
+        m = getattr(self._master, "momentum", "absent")
+        if isinstance(m, int | float) and not isinstance(m, bool):
+            return float(m)
+        tracked = getattr(self._master, "num_batches_tracked", None)
+        if m is None and tracked is not None:
+            return 1.0 / (int(tracked) + 1)
+        return None
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {n: p.detach().double().numpy().copy() for n, p in self._master.named_parameters()}

@@ -64,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2
         from .inputs import shorten
 
-        message = re.sub(r"'[^']{80,}'", lambda m: shorten(m.group(0)[1:-1]), message)  # never echo 60 KB
+        message = re.sub(r"'[^']{80,}'", lambda m: shorten(m.group(0)[1:-1], as_text=True), message)  # never echo 60 KB
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
@@ -125,6 +125,8 @@ def _run_presets(args, console) -> int:
 
 
 def _add_target_args(p) -> None:
+    # let "--shape -1,64" reach the shape check (one clear error) instead of reading "-1,64" as an option
+    p._negative_number_matcher = re.compile(r"^-\d[\d,]*$")
     p.add_argument("target", metavar="TARGET",
                    help="package.module:attr (a module class, factory, instance or function) or a .onnx file; "
                         "the module is imported, so its top-level code runs")
@@ -244,7 +246,7 @@ def _add_check(sub) -> None:
                         "`infer --json` / `check --json` output (its spec is used)")
     p.add_argument("--eps", type=_number, help="override the expected ε (default: the contract's)")
     p.add_argument("--junit", metavar="PATH", help="also write JUnit XML, one testcase per finding "
-                                                   "(the path is checked before the battery runs)")
+                                                   "(default: none; the path is checked before anything runs)")
     p.add_argument("--quick", action="store_true", help="fewer grid points (default: the full battery)")
     p.add_argument("--verbose", action="store_true", help="list every finding, passes included "
                                                           "(default: passes folded into per-section counts)")
@@ -259,8 +261,14 @@ def _writable(path_text: str) -> None:
     path = Path(path_text)
     if path.is_dir() or not path.parent.is_dir():
         raise InputError(f"--junit {path_text}: not a file path in an existing folder")
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise InputError(f"--junit {path_text}: no permission to write there")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise InputError(f"--junit {path_text}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        os.remove(path)
 
 
 def _run_check(args, console) -> int:

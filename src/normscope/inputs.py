@@ -120,9 +120,10 @@ def human_bytes(n: int) -> str:
     return f"{n:.1f} TB"  # pragma: no cover
 
 
-def shorten(value, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, so an error line never echoes a huge input."""
-    text = repr(value)
+def shorten(value, limit: int = 60, as_text: bool = False) -> str:
+    """``repr(value)`` (``str`` with ``as_text``) cut to ``limit`` characters: an error line never echoes a
+    huge input."""
+    text = str(value) if as_text else repr(value)
     return text if len(text) <= limit else text[: limit - 1] + f"… ({len(text)} characters)"
 
 

@@ -97,7 +97,7 @@ def load_target(spec: str, args_json: str | None = None, kwargs_json: str | None
                           f"{exc.msg}") from None
     except Exception as exc:  # the module's own top-level code failed
         raise TargetError(f"importing {module_name!r} ran its top-level code, which raised "
-                          f"{type(exc).__name__}: {shorten(str(exc), 200)}") from None
+                          f"{type(exc).__name__}: {shorten(exc, 200, as_text=True)}") from None
     obj = module
     for part in attr.split("."):
         try:
@@ -111,7 +111,7 @@ def load_target(spec: str, args_json: str | None = None, kwargs_json: str | None
             obj = obj(*args, **kwargs)
         except Exception as exc:
             call = f"{spec}(*{shorten(args)}, **{shorten(kwargs)})"
-            raise TargetError(f"{call} failed: {type(exc).__name__}: {shorten(str(exc), 200)}") from None
+            raise TargetError(f"{call} failed: {type(exc).__name__}: {shorten(exc, 200, as_text=True)}") from None
     return obj
 
 

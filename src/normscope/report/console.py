@@ -167,30 +167,25 @@ def render_inference(inf, console: Console) -> None:
     console.print(f"[bold]{escape(inf.target)}[/] at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, "
                   f"accepts {', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s")
     console.print(f"[bold]contract:[/] {escape(spec.summary())}")
-    t = Table(show_lines=False)
-    t.add_column("field", style="bold")
-    t.add_column("value")
-    t.add_column("experiment and measured numbers", overflow="fold")
-    t.add_column("confidence")
     values = {
         "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
         "eps": f"{spec.eps:g}",
         "param_axes": f"{list(spec.param_axes)}",
     }
+    # one line per field (value, confidence), its experiment and numbers wrapped beneath: readable at any
+    # width and in CI logs, where a four-column table folds every cell into a narrow strip
+    width = max(len(f) for f in FIELD_ORDER)
     for field in FIELD_ORDER:
         ev = inf.evidence.get(field)
         value = values.get(field, str(getattr(spec, field)))
-        if ev is None:
-            t.add_row(field, escape(value), "", "")
-            continue
-        text = ev.experiment
-        if ev.measured:
-            text += " — " + compact(ev.measured)
-        if ev.note:
-            text += f" [italic]({escape(ev.note)})[/]"
-        style = _CONFIDENCE_STYLE.get(ev.confidence, "")
-        t.add_row(field, escape(value), text if ev.note else escape(text), f"[{style}]{ev.confidence}[/]")
-    console.print(t)
+        confidence = ""
+        if ev is not None:
+            style = _CONFIDENCE_STYLE.get(ev.confidence, "")
+            confidence = f"  [{style}]{ev.confidence}[/]" if style else f"  {escape(ev.confidence)}"
+        console.print(f"[bold]{field:<{width}}[/]  {escape(value)}{confidence}")
+        if ev is not None:
+            text = ev.experiment + (" — " + compact(ev.measured) if ev.measured else "")
+            indented(console, text + (f" ({ev.note})" if ev.note else ""), 4)
     for name, values_ in inf.params.items():
         arr = list(values_.ravel()) if hasattr(values_, "ravel") else list(values_)
         console.print(f"{name} {tuple(getattr(values_, 'shape', ()))}: {vec(arr[:8])}{' …' if len(arr) > 8 else ''}")
@@ -211,12 +206,12 @@ def render_check(report, console: Console, verbose: bool = False, refused: dict[
     a narrow terminal and in a CI log.
     """
     c = report.counts()
-    console.print(f"[bold]{escape(report.target)}[/] at shape {tuple(report.shape)}, dtypes "
-                  f"{', '.join(report.dtypes)}; {report.calls} calls, {report.seconds:.2f} s")
+    indented(console, f"{report.target} at shape {tuple(report.shape)}, dtypes {', '.join(report.dtypes)}; "
+                      f"{report.calls} calls, {report.seconds:.2f} s", 0)
     for dtype, why in (refused or {}).items():
         indented(console, f"not run at {dtype}: the target refused it: {why}", 2)
-    console.print(f"[bold]expected:[/] {escape(report.expected.summary())}")
-    console.print(f"[bold]parameters:[/] {escape(report.params_source)}")
+    indented(console, f"expected: {report.expected.summary()}", 0)
+    indented(console, f"parameters: {report.params_source}", 0)
     sections: dict[str, dict[str, int]] = {}
     for f in report.findings:
         sections.setdefault(f.section, {"pass": 0, "fail": 0, "skip": 0})[f.status] += 1
@@ -230,16 +225,15 @@ def render_check(report, console: Console, verbose: bool = False, refused: dict[
     if shown:
         console.print()
     for f in shown:
-        numbers = ", ".join(f"{label} {_cell(v)}" for label, v in
+        numbers = ", ".join(f"{label} {_plain(v)}" for label, v in
                             (("measured", f.measured), ("expected", f.expected), ("tolerance", f.tolerance))
                             if v is not None)
-        head = f"[{_STATUS_STYLE[f.status]}]{f.status.upper()}[/] {escape(f.section)} / {escape(f.name)}"
-        console.print(head + (f": {numbers}" if numbers else ""))
+        indented(console, f"{f.status.upper()} {f.section} / {f.name}" + (f": {numbers}" if numbers else ""), 0)
         if f.why:
             indented(console, f.why, 5)
-    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
     folded = "" if verbose or not c["pass"] else " (passes folded; --verbose lists every finding)"
-    console.print(f"{verdict}: {c['pass']} passed, {c['fail']} failed, {c['skip']} skipped{folded}")
+    indented(console, f"{'PASS' if report.ok else 'FAIL'}: {c['pass']} passed, {c['fail']} failed, "
+                      f"{c['skip']} skipped{folded}", 0)
     if report.differences:
         console.print("[bold]the target's inferred contract differs:[/]")
         for d in report.differences:
@@ -250,9 +244,5 @@ def render_check(report, console: Console, verbose: bool = False, refused: dict[
         console.print(f"[bold]inference could not explain the failure:[/] {escape(report.inference_error)}")
 
 
-def _cell(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return fmt(v)
-    return escape(compact(v, 4))
+def _plain(v) -> str:
+    return fmt(v) if isinstance(v, float) else compact(v, 4)

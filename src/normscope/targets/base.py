@@ -45,7 +45,7 @@ class Target:
         self.calls += 1
         try:
             out = run_with_deadline(self, x, dtype)
-        except TargetError:
+        except (TargetError, TargetTimeout):
             raise
         except Exception as exc:  # the implementation's own failure, reported with its words
             raise TargetError(

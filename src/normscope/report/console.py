@@ -164,9 +164,9 @@ def compact(measured: Any, limit: int = 6) -> str:
 
 def render_inference(inf, console: Console) -> None:
     spec = inf.spec
-    console.print(f"[bold]{escape(inf.target)}[/] at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, "
-                  f"accepts {', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s")
-    console.print(f"[bold]contract:[/] {escape(spec.summary())}")
+    indented(console, f"{inf.target} at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, accepts "
+                      f"{', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s", 0)
+    indented(console, f"contract: {spec.summary()}", 0)
     values = {
         "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
         "eps": f"{spec.eps:g}",

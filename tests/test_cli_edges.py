@@ -7,11 +7,13 @@ target is exit 4, Ctrl-C 130, a closed pipe 141. No traceback, no warning reache
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,7 +296,9 @@ def test_slow_targets_get_a_time_estimate_on_stderr(capsys, monkeypatch):
 def test_help_and_explain_do_not_load_the_probes_or_numpy():
     code = ("import sys, normscope.cli as c; c.build_parser(); "
             "print(sorted(m for m in ('numpy', 'torch', 'normscope.probe.checks', 'rich') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    src = str(Path(normscope.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": src}).stdout
     assert out.strip() == "[]"
 
 

@@ -235,8 +235,8 @@ def _add_check(sub) -> None:
     p = sub.add_parser(
         "check",
         help="run the acceptance battery of an implementation against an expected contract",
-        description="Run the acceptance battery. The text output lists each section with its counts, every "
-                    "failure and skip in full, and folds the passes (--verbose shows them).",
+        description="Run the acceptance battery. The text output lists each section with its counts,\n"
+                    "every failure and skip in full, and folds the passes (--verbose shows them).",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_target_args(p)
@@ -309,7 +309,7 @@ COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer, _add_check]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="normscope", description="Make normalization layers trustworthy: explain, state, "
-                                                   "infer and check the contract of a normalization layer.",
+                                                   "infer and check\nthe contract of a normalization layer.",
                      epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     from . import __version__
 

@@ -38,6 +38,9 @@ _KNOWN_NAME = re.compile(r"(RMS|Rms|Layer|Group|Batch|Instance)Norm(\dd)?$")
 # f(16x) vs f(64x): a normalization does not see the scale (ε is negligible at those scales)
 _SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
 _BIG_MODEL_BYTES = 1 << 30
+# float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
+# change their ε there (torch RMSNorm(eps=None)).
+DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 
 Progress = Callable[[str], None]
 
@@ -353,23 +356,79 @@ def _gamma_stats(spec, params) -> dict[str, float] | None:
     return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
 
 
+def _redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept)."""
+    m = copy.deepcopy(module)
+    rng = np.random.default_rng(0)
+    vectors = [p for p in m.parameters() if p.is_floating_point() and p.numel() >= 2]
+    if not vectors:
+        return None
+    with torch.no_grad():
+        for p in vectors:
+            v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
+            p.copy_(torch.from_numpy(v))
+    return m
+
+
+def _real_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
+    params = dict(result.params)
+    named = dict(module.named_parameters())
+    sources = {}
+    for field in ("gamma", "beta"):
+        ev = result.evidence.get(field)
+        name = ev.measured.get("parameter") if ev is not None else None
+        if field not in params:
+            continue
+        sources[field] = "recovered by probing"
+        if isinstance(name, str) and name in named:
+            w = named[name].detach().double().cpu().numpy()
+            if w.size == np.asarray(params[field]).size:
+                params[field] = w.reshape(np.asarray(params[field]).shape)
+                sources[field] = f"the module's parameter {name!r}"
+    return params, sources
+
+
 def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | None, dict[str, Any] | None]:
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
                 shape=shape, dtype=str(cand.x.dtype).replace("torch.", ""), order=cand.order)
+
+    def run(m):
+        return infer(m, shape=shape, dtypes=dtypes, seed=0, progress=lambda msg: progress(f"{cand.name}: {msg}"))
+
+    note = None
     try:
         module = cand.make()
-        result = infer(module, shape=shape, dtypes=dtypes, seed=0,
-                       progress=lambda msg: progress(f"{cand.name}: {msg}"))
+        try:
+            result = run(module)
+        except NotANormalization as first:
+            # Trained weights can hide the structure (γ ≈ 0 on some channels moves no output there): the
+            # contract does not depend on γ/β's values, so probe a copy with re-drawn vector parameters and
+            # hold the contract to the real ones on the real activation below.
+            other = _redrawn(module)
+            if other is None:
+                raise
+            try:
+                result = run(other)
+            except NotANormalization as second:
+                raise NotANormalization(f"{first} (and with re-drawn parameters: {second})") from None
+            note = (f"probed on a copy with re-drawn γ/β because the module's own parameters made the probe "
+                    f"fail ({first})")
     except NotANormalization as exc:
         return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}
     except NormscopeError as exc:
         return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None
-    activation = _activation_check(result.spec, result.params, cand.x, cand.y)
+    params, sources = _real_params(module, result)
+    activation = _activation_check(result.spec, params, cand.x, cand.y)
+    activation["parameters"] = sources
     evidence = {k: v.to_dict() for k, v in result.evidence.items()}
     evidence["validation"] = result.validation
-    return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, result.params), activation=activation,
+    if note:
+        evidence["parameters_probed"] = {"experiment": "re-drawn vector parameters", "measured": {},
+                                         "confidence": "decisive", "note": note}
+    return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
                 evidence=evidence, calls=result.calls, seconds=time.perf_counter() - started), None
 
 
@@ -403,7 +462,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"scan takes a torch.nn.Module; got a {type(model).__name__}")
     started = time.perf_counter()
-    dtypes = check_dtype_list(dtypes)
+    dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
     args, kwargs = _arguments(model, inputs)
     with _progress(progress) as say:
         with untouched(model):

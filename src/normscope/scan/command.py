@@ -130,6 +130,12 @@ def load_model(target: str, args_json=None, kwargs_json=None, layers: int = 2, v
         from ..loading import load_target
 
         obj = load_target(target, args_json, kwargs_json)
+        if callable(obj) and not isinstance(obj, torch.nn.Module) and not (args_json or kwargs_json):
+            try:  # a factory without arguments (load_target calls factories only when arguments are given)
+                obj = obj()
+            except Exception as exc:
+                raise TargetError(f"{target}() failed ({type(exc).__name__}: {exc}); TARGET must name a torch.nn.Module "
+                                  "or a factory returning one") from None
         if not isinstance(obj, torch.nn.Module):
             raise TargetError(f"{target} gave a {type(obj).__name__}; scan takes a torch.nn.Module")
         return obj, target

@@ -157,7 +157,7 @@ class Trace:
             self.paused = False
         return None
 
-    def post_hook(self, module, args, kwargs, output):
+    def post_hook(self, module, args, kwargs, output=None):
         if self.paused or id(module) not in self.paths or not self._stack:
             return None
         c = self.calls[self._stack[-1]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from rich.console import Console
@@ -26,8 +27,13 @@ def _gamma(sites) -> str:
 
 
 def _names(sites) -> str:
-    names = [s.name for s in sites]
-    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+    """The group's names with the layer index as ``*``: model.layers.*.input_layernorm."""
+    patterns: list[str] = []
+    for s in sites:
+        name = s.name if s.layer is None else re.sub(rf"\.{s.layer}(?=[.:#]|$)", ".*", s.name, count=1)
+        if name not in patterns:
+            patterns.append(name)
+    return "\n".join(patterns)
 
 
 def render_scan(result: ModelScan, console: Console) -> None:
@@ -40,12 +46,12 @@ def render_scan(result: ModelScan, console: Console) -> None:
                   f"{result.seconds:.2f} s, {result.stats.get('infer_calls', 0)} probe calls")
     t = Table(show_header=True, header_style="bold")
     t.add_column("sites", justify="right")
-    t.add_column("contract")
+    t.add_column("contract", min_width=28)
     t.add_column("role")
     t.add_column("layers")
     t.add_column("γ (stored)")
     t.add_column("real activation", justify="right")
-    t.add_column("names")
+    t.add_column("names", overflow="fold", min_width=24)
     for g in result.groups():
         sites = g["sites"]
         layers = [s.layer for s in sites if s.layer is not None]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from normscope import NormSpec, cli
-from normscope.contract import ModelContract, compare, contract
-from normscope.contract.command import add_parser
+from normscope.artifacts import ModelContract, compare, contract
+from normscope.artifacts.command import add_parser
 from normscope.errors import InputError
 
 gguf = pytest.importorskip("gguf")

@@ -32,6 +32,12 @@ _LAZY = {
     "check": ".probe.checks",
     "Inference": ".probe.infer",
     "infer": ".probe.infer",
+    "scan": ".sites",
+    "ModelScan": ".sites",
+    "Site": ".sites",
+    "contract": ".artifacts",
+    "ModelContract": ".artifacts",
+    "ContractDiff": ".artifacts",
 }
 _SUBMODULES = ("reference", "targets")
 
@@ -53,6 +59,12 @@ __all__ = [
     "check",
     "infer",
     "targets",
+    "scan",
+    "ModelScan",
+    "Site",
+    "contract",
+    "ModelContract",
+    "ContractDiff",
 ]
 
 
@@ -73,5 +85,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from . import reference, targets
+    from .artifacts import ContractDiff, ModelContract, contract
     from .probe.checks import Finding, Report, check
     from .probe.infer import Inference, infer
+    from .sites import ModelScan, Site, scan

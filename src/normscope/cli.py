@@ -23,7 +23,8 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_NORM, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 EXIT_CODES = """exit codes:
   0    success (check: every finding passed)
-  1    check: at least one finding failed (never used for anything else)
+  1    a check failed: a check finding, a contract mismatch between two
+       artifacts, a scan finding with --strict (never used for anything else)
   2    usage or input error: one line on stderr names the problem and the fix
   3    infer: the target is not a normalization
   4    the target hung: one call ran longer than --timeout
@@ -304,7 +305,19 @@ def _run_check(args, console) -> int:
     return EXIT_OK if report.ok else EXIT_FAIL
 
 
-COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer, _add_check]
+def _add_scan(sub) -> None:
+    from .sites.command import add_parser
+
+    add_parser(sub)
+
+
+def _add_contract(sub) -> None:
+    from .artifacts.command import add_parser
+
+    add_parser(sub)
+
+
+COMMANDS: list[Callable] = [_add_explain, _add_presets, _add_infer, _add_check, _add_scan, _add_contract]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+if TYPE_CHECKING:  # the command line registers this parser without loading rich
+    from rich.console import Console
 
 from ..errors import InputError, MissingExtraError, TargetError
 

@@ -387,7 +387,7 @@ def test_refused_dtypes_are_named(cli, modules):
     """)
     code, out, err = cli("check", "nobf16:f", "--framework", "numpy", "--shape", "2,16", "--expect",
                          "torch_layernorm:affine=false", "--quick")
-    assert "not run at float16: the target refused it" in out and "no float16 here" in out, out + err
+    assert "not checked at float16: the target refuses it" in out and "no float16 here" in out, out + err
 
 
 def test_numpy_and_torch_warnings_never_reach_the_user(cli, modules):

@@ -13,7 +13,6 @@ import pytest
 
 from normscope import NormSpec, cli
 from normscope.artifacts import ModelContract, compare, contract
-from normscope.artifacts.command import add_parser
 from normscope.errors import InputError
 
 gguf = pytest.importorskip("gguf")
@@ -514,7 +513,6 @@ def test_reading_modifies_nothing(checkpoints):
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, add_parser])
     monkeypatch.setenv("COLUMNS", "240")
 
     def run(*argv):

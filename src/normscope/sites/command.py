@@ -31,8 +31,8 @@ def add_parser(subparsers) -> Any:
     p.add_argument("target", metavar="TARGET",
                    help="package.module:factory, a local Hugging Face model directory, or a config.json "
                         "(random weights)")
-    p.add_argument("--args", help="JSON list of positional arguments for the factory, e.g. '[64]'")
-    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factory")
+    p.add_argument("--args", help="JSON list of positional arguments for the factory, e.g. '[64]' (default: none)")
+    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factory (default: none)")
     p.add_argument("--shape", help="input shape for a model that takes one float tensor, e.g. 2,8,64 "
                                    "(Hugging Face text models get a small input_ids batch by default)")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> Any:
                    help="config.json only: number of layers built (default 2; 0 keeps the config's)")
     p.add_argument("--vocab", type=int, default=512,
                    help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when the scan has findings")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the scan has findings (default: exit 0 whatever it finds)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.scan/1)")
     p.set_defaults(run=run)
     return p

@@ -79,16 +79,16 @@ def resolve(target: str | Source, forms: str = NORM_FORMS) -> Source:
     text = str(target)
     path = Path(text)
     lower = text.lower()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise InputError(f"{text} is a folder without a config.json: not a Hugging Face model directory")
-        return Source("hf-dir", text, path)
     if is_onnx_path(text):
         if not path.exists():
             raise TargetError(f"no such ONNX file: {text}")
         if not path.is_file():
             raise TargetError(f"{text} is not a file")
         return Source("onnx", text, path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{text} is a folder without a config.json: not a Hugging Face model directory")
+        return Source("hf-dir", text, path)
     if lower.endswith(".gguf"):
         _check_gguf(_existing_file(path, text, "GGUF"), text)
         return Source("gguf", text, path)

@@ -40,7 +40,7 @@ def test_fused_residual_norm_takes_two_inputs_and_returns_two_outputs():
     np.testing.assert_array_equal(out["residual_out"], X.astype(np.float32) + R.astype(np.float32))  # in float32
     assert np.abs(out["y"] - _layer_norm64(X + R)).max() < 1e-5
     assert t.calls == 1
-    with pytest.raises(TargetError, match=r"takes 2 inputs \(x, residual\); call target.run"):
+    with pytest.raises(InputError, match=r"takes 2 inputs \(x, residual\); infer and check probe one"):
         t(X)
     with pytest.raises(InputError, match="takes the inputs x, residual; got x"):
         t.run({"x": X}, "float32")
@@ -100,8 +100,10 @@ def test_onnx_model_with_two_inputs_and_two_outputs():
     assert out.dtypes == {"y": "float32", "sum": "float32"}
     np.testing.assert_allclose(out["sum"], (X.astype(np.float32) + R.astype(np.float32)), rtol=0, atol=0)
     assert np.abs(out["y"] - _layer_norm64(X + R)).max() < 1e-5
-    with pytest.raises(TargetError, match="takes 2 inputs"):
+    with pytest.raises(InputError, match="takes 2 inputs"):
         t(X)
+    with pytest.raises(InputError, match=r"takes 2 inputs \(x, skip\); infer and check probe one"):
+        normscope.infer(model, shape=(2, 4, 16))  # one clear error, not "ran on none of the dtypes"
 
 
 # ------------------------------------------------------------------------------------------ capabilities

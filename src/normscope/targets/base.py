@@ -140,9 +140,10 @@ class Target:
     # ------------------------------------------------------------------ calling
     def __call__(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
         """The single-input shortcut: the first output of the implementation on ``x`` at ``dtype``, as float64."""
-        if len(self.inputs) != 1:
-            raise TargetError(f"{self.description} takes {len(self.inputs)} inputs ({', '.join(self.inputs)}); "
-                              "call target.run({name: values, ...}, dtype) instead of target(x, dtype)")
+        if len(self.inputs) != 1:  # the caller's mistake, not the target's refusal: no probe may read it as one
+            raise InputError(f"{self.description} takes {len(self.inputs)} inputs ({', '.join(self.inputs)}); infer "
+                             "and check probe one (fold the others into constants or initializers); from Python, "
+                             "call target.run({name: values, ...}, dtype)")
         x = np.asarray(x, dtype=np.float64)  # run() takes the private copy
         out = self.run({self.inputs[0]: x}, dtype).value
         if out.shape != x.shape:

@@ -83,7 +83,7 @@ def _global_hooks_suspended() -> Iterator[None]:
 
 
 class TorchFunctionTarget(Target):
-    """A function taking one torch tensor and returning one tensor."""
+    """A function taking torch tensors (one per declared input, in order) and returning its outputs."""
 
     framework = "torch"
     capabilities = Capabilities(differentiable=True, noncontiguous=True)

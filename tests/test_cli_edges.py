@@ -276,7 +276,7 @@ def test_the_deadline_runs_the_target_in_the_callers_context_and_passes_errors_t
 
 
 def test_slow_targets_get_a_time_estimate_on_stderr(capsys, monkeypatch):
-    import normscope.cli as cli_module
+    import normscope.cli.common as cli_module
 
     class Slow:
         description, calls = "NumPy function slow", 0

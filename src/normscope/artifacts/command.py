@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the command line registers this parser without loading rich
+if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
     from rich.console import Console
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2

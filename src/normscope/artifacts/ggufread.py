@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, MissingExtraError
+from ..errors import InputError
+from ..extras import require
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, site_order, split_block
 
@@ -38,11 +39,7 @@ _STRING, _ARRAY = 8, 9
 
 
 def _gguf():
-    try:
-        import gguf
-    except ImportError as exc:
-        raise MissingExtraError("gguf", "gguf") from exc
-    return gguf
+    return require("gguf", "gguf")
 
 
 class _Walk:

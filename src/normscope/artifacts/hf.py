@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, MissingExtraError
+from ..errors import InputError
+from ..extras import require
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
 
@@ -168,10 +169,7 @@ def read_hf(path: str | Path) -> ModelContract:
 
 
 def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
-    try:
-        from safetensors import safe_open
-    except ImportError as exc:
-        raise MissingExtraError("safetensors", "hf") from exc
+    safe_open = require("safetensors", "hf").safe_open
     tensors: dict[str, tuple[Path, str]] = {}
     for f in files:
         try:

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, MissingExtraError
+from ..errors import InputError
+from ..extras import require
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path
 
@@ -37,11 +38,7 @@ _DEFAULT_EPS = {"BatchNormalization": 1e-5, "InstanceNormalization": 1e-5, "Grou
 
 
 def _onnx():
-    try:
-        import onnx
-    except ImportError as exc:
-        raise MissingExtraError("onnx", "onnx") from exc
-    return onnx
+    return require("onnx", "onnx")
 
 
 class _Graph:

@@ -201,7 +201,7 @@ def render_inference(inf, console: Console) -> None:
 _STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
 
 
-def render_check(report, console: Console, verbose: bool = False, refused: dict[str, str] | None = None) -> None:
+def render_check(report, console: Console, verbose: bool = False) -> None:
     """The check report: counts per section, every failure and skip in full, passes folded.
 
     ``verbose`` lists every finding. Plain lines that wrap at the console's width, so it reads the same in
@@ -210,8 +210,6 @@ def render_check(report, console: Console, verbose: bool = False, refused: dict[
     c = report.counts()
     indented(console, f"{report.target} at shape {tuple(report.shape)}, dtypes {', '.join(report.dtypes)}; "
                       f"{report.calls} calls, {report.seconds:.2f} s", 0)
-    for dtype, why in (refused or {}).items():
-        indented(console, f"not run at {dtype}: the target refused it: {why}", 2)
     indented(console, f"expected: {report.expected.summary()}", 0)
     indented(console, f"parameters: {report.params_source}", 0)
     sections: dict[str, dict[str, int]] = {}

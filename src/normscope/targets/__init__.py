@@ -10,43 +10,50 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..errors import TargetError
-from .base import Target
+from .base import Capabilities, Outputs, Target
 
 FRAMEWORKS = ("torch", "numpy", "jax", "onnx")
 
-__all__ = ["FRAMEWORKS", "Target", "as_target", "jax", "numpy", "onnx", "torch"]
+__all__ = ["FRAMEWORKS", "Capabilities", "Outputs", "Target", "as_target", "jax", "numpy", "onnx", "torch"]
 
 
-def torch(fn_or_module: Callable, description: str | None = None) -> Target:
-    """A torch module or a function of one tensor."""
+def torch(fn_or_module: Callable, description: str | None = None, *, inputs: Sequence[str] = ("x",),
+          outputs: Sequence[str] = ("y",), device=None) -> Target:
+    """A torch module or function; its tensors are built on ``device`` (default: a module's own, else the CPU).
+
+    ``inputs``/``outputs`` name its positional arguments and returned values, e.g. a fused residual-add + norm
+    ``inputs=("x", "residual"), outputs=("y", "residual_out")``; call such a target with ``target.run``.
+    """
     import torch as _t
 
     from .torch_target import TorchFunctionTarget, TorchModuleTarget
 
     if isinstance(fn_or_module, _t.nn.Module):
-        return TorchModuleTarget(fn_or_module, description)
-    return TorchFunctionTarget(fn_or_module, description)
+        return TorchModuleTarget(fn_or_module, description, inputs, outputs, device)
+    return TorchFunctionTarget(fn_or_module, description, inputs, outputs, device)
 
 
-def numpy(fn: Callable, description: str | None = None) -> Target:
-    """A function of one NumPy array."""
+def numpy(fn: Callable, description: str | None = None, *, inputs: Sequence[str] = ("x",),
+          outputs: Sequence[str] = ("y",)) -> Target:
+    """A function of NumPy arrays (one per name in ``inputs``)."""
     from .numpy_target import NumpyTarget
 
-    return NumpyTarget(fn, description)
+    return NumpyTarget(fn, description, inputs, outputs)
 
 
-def jax(fn: Callable, description: str | None = None) -> Target:
-    """A function of one jax array (extra ``jax``)."""
+def jax(fn: Callable, description: str | None = None, *, inputs: Sequence[str] = ("x",),
+        outputs: Sequence[str] = ("y",)) -> Target:
+    """A function of jax arrays (one per name in ``inputs``; extra ``jax``)."""
     from .jax_target import JaxTarget
 
-    return JaxTarget(fn, description)
+    return JaxTarget(fn, description, inputs, outputs)
 
 
 def onnx(model, description: str | None = None) -> Target:
-    """An ONNX model: path, bytes or onnx.ModelProto (extra ``onnx``)."""
+    """An ONNX model: path, bytes or onnx.ModelProto (extra ``onnx``); its inputs and outputs are the graph's."""
     from .onnx_target import OnnxTarget
 
     return OnnxTarget(model, description)

@@ -1,57 +1,176 @@
 """The Target protocol: one way to call any normalization implementation.
 
-A target takes a float64 NumPy array of values and a dtype name, runs the implementation on the values
-cast to that dtype, and returns the output as float64. It counts its calls, knows which dtypes it
-accepts, and, where the framework allows, exposes its parameters, train/eval modes and gradients.
+A target takes float64 NumPy arrays of values, one per named input, and a dtype name, runs the
+implementation on the values cast to that dtype (on the target's ``device``), and returns every named output
+as float64 together with the dtype the implementation returned it in (:class:`Outputs`). ``target(x, dtype)``
+is the single-input shortcut: the first output's values. A target counts its calls and declares what it can
+do in one place, its :class:`Capabilities`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import TargetError, TargetTimeout
-from ..precision import DTYPES, dtype_name
+from ..dtypes import DTYPES, dtype_name
+from ..errors import InputError, TargetError, TargetTimeout
 
 DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind of target can do beyond being called; the probes read these and nothing else."""
+
+    dtypes: tuple[str, ...] = DTYPES  # the dtypes it may be called at (each is still probed once: ``accepts``)
+    differentiable: bool = False  # ``gradients`` works
+    modes: bool = False  # train/eval behaviour (``mode``, ``buffers_after_training_step``): torch modules
+    noncontiguous: bool = False  # ``call_noncontiguous`` feeds a strided view
+    parameters: bool = False  # ``parameters`` lists them and ``perturbed_parameters`` can change a private copy
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The outputs of one call, by name, as float64 copies, each with the dtype the implementation returned.
+
+    ``dtypes[name]`` is None for an output whose dtype is not one normscope knows (an integer index, say).
+    """
+
+    values: dict[str, np.ndarray]
+    dtypes: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.values)
+
+    @property
+    def value(self) -> np.ndarray:
+        """The first output (a normalization's normalized values)."""
+        return next(iter(self.values.values()))
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the first output came back in."""
+        return self.dtypes.get(self.names[0])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
+
+
+def pick_outputs(out, names: Sequence[str], description: str) -> list:
+    """The raw values of the declared outputs ``names`` from what an implementation returned.
+
+    A dict is read by name; a tuple or list by position (with one declared output its first element is the
+    output, so ``return y, None`` and ``return y, mean, rstd`` work); anything else is the single output.
+    """
+    if isinstance(out, Mapping):
+        missing = [n for n in names if n not in out]
+        if missing:
+            raise TargetError(f"{description} returned a dict without {', '.join(map(repr, missing))} "
+                              f"(it has {', '.join(map(repr, out)) or 'no keys'})")
+        return [out[n] for n in names]
+    if isinstance(out, tuple | list):
+        if len(out) < len(names) or not out:
+            raise TargetError(f"{description} returned {len(out)} values; its declared outputs are "
+                              f"{', '.join(names)}")
+        return list(out[:len(names)])
+    if len(names) != 1:
+        raise TargetError(f"{description} returned one value; its declared outputs are {', '.join(names)}")
+    return [out]
+
+
+def check_names(names: Sequence[str], what: str) -> tuple[str, ...]:
+    """Input or output names as a tuple of distinct, non-empty strings (one clear InputError otherwise)."""
+    if isinstance(names, str):
+        names = (names,)
+    names = tuple(names)
+    if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise InputError(f"{what} must be distinct non-empty names, e.g. ('x', 'residual'); got {names!r}")
+    return names
+
+
 class Target:
-    """Base class of every adapter. Subclasses implement ``_run`` (and optionally the capabilities)."""
+    """Base class of every adapter. Subclasses implement ``_run`` and declare ``capabilities``."""
 
     framework: str = "?"
-    differentiable: bool = False
-    has_modes: bool = False  # train/eval behaviour (torch modules)
-    supported_dtypes: tuple[str, ...] = DTYPES
+    capabilities: Capabilities = Capabilities()
     timeout: float | None = DEFAULT_TIMEOUT  # per call; None waits forever (CLI: --timeout)
 
-    def __init__(self, description: str):
+    def __init__(self, description: str, inputs: Sequence[str] = ("x",), outputs: Sequence[str] = ("y",),
+                 device: object = "cpu"):
         self.description = description
+        self.inputs = check_names(inputs, "inputs")
+        self.outputs = check_names(outputs, "outputs")
+        self.device = device  # where the implementation's tensors live ("cpu", torch.device("cuda:0"), ...)
         self.calls = 0
-        self.output_dtype: str | None = None  # the dtype the last call returned, as a dtype name
+        self._last_dtype: str | None = None
         self._accepts: dict[tuple[str, tuple[int, ...]], bool] = {}
         self._reasons: dict[str, str] = {}
         self.input_modifications = 0  # calls after which the target's own input array had changed
+
+    # ------------------------------------------------------------------ declared capabilities
+    @property
+    def supported_dtypes(self) -> tuple[str, ...]:
+        return self.capabilities.dtypes
+
+    @property
+    def differentiable(self) -> bool:
+        return self.capabilities.differentiable
+
+    @property
+    def has_modes(self) -> bool:
+        return self.capabilities.modes
+
+    @property
+    def supports_noncontiguous(self) -> bool:
+        return self.capabilities.noncontiguous
+
+    @property
+    def output_dtype(self) -> str | None:
+        """Deprecated: the dtype the last call returned its first output in; use ``run(...).dtype``."""
+        return self._last_dtype
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.description}>"
 
     # ------------------------------------------------------------------ calling
     def __call__(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
-        dtype = dtype_name(dtype)
-        x = np.array(x, dtype=np.float64)  # a private copy: what the target does to its input stays there
-        self.calls += 1
-        with self.running_code(f"a {dtype} input of shape {x.shape}"):
-            out = run_with_deadline(self, x, dtype)
-        out = np.array(out, dtype=np.float64)  # and a copy of the output: the target may reuse its buffer
+        """The single-input shortcut: the first output of the implementation on ``x`` at ``dtype``, as float64."""
+        if len(self.inputs) != 1:  # the caller's mistake, not the target's refusal: no probe may read it as one
+            raise InputError(f"{self.description} takes {len(self.inputs)} inputs ({', '.join(self.inputs)}); infer "
+                             "and check probe one (fold the others into constants or initializers); from Python, "
+                             "call target.run({name: values, ...}, dtype)")
+        x = np.asarray(x, dtype=np.float64)  # run() takes the private copy
+        out = self.run({self.inputs[0]: x}, dtype).value
         if out.shape != x.shape:
             raise TargetError(
                 f"{self.description} returned shape {out.shape} for an input of shape {x.shape}; "
                 "a normalization returns its input's shape (check --shape)"
             )
+        return out
+
+    def run(self, inputs: Mapping[str, np.ndarray], dtype: str = "float64") -> Outputs:
+        """Every output of the implementation on the named ``inputs`` at ``dtype``, with the dtypes returned."""
+        dtype = dtype_name(dtype)
+        if not isinstance(inputs, Mapping):
+            raise InputError(f"run() takes a dict of inputs by name ({', '.join(self.inputs)}); "
+                             f"got a {type(inputs).__name__}")
+        if set(inputs) != set(self.inputs):
+            raise InputError(f"{self.description} takes the inputs {', '.join(self.inputs)}; got "
+                             f"{', '.join(map(str, inputs)) or 'none'}")
+        # private copies: what the target does to its inputs stays there
+        given = {n: np.array(inputs[n], dtype=np.float64) for n in self.inputs}
+        self.calls += 1
+        shapes = ", ".join(str(v.shape) for v in given.values())
+        with self.running_code(f"a {dtype} input of shape {shapes}"):
+            out = run_with_deadline(self, given, dtype)
+        # and copies of the outputs: the target may reuse its buffers
+        out = Outputs({n: np.array(v, dtype=np.float64) for n, v in out.values.items()}, dict(out.dtypes))
+        self._last_dtype = out.dtype
         return out
 
     @contextlib.contextmanager
@@ -69,16 +188,25 @@ class Target:
                      else f"{type(exc).__name__}: {exc}")
             raise TargetError(f"{self.description} failed on {what}: {words}") from exc
 
-    def note_input(self, before: np.ndarray, after: np.ndarray) -> None:
-        """Record a call after which the array the target was given no longer holds its input."""
-        if not np.array_equal(np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64),
-                              equal_nan=True):
+    def note_input(self, before, after) -> None:
+        """Record a call after which an array the target was given no longer holds its input.
+
+        ``before``/``after`` are one array each, or lists of arrays (one per input); a call counts once.
+        """
+        pairs = zip(before, after, strict=True) if isinstance(before, list) else [(before, after)]
+        if any(not np.array_equal(np.asarray(b, dtype=np.float64), np.asarray(a, dtype=np.float64), equal_nan=True)
+               for b, a in pairs):
             self.input_modifications += 1
 
-    def _run(self, x: np.ndarray, dtype: str) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def outputs_from(self, out, to_numpy) -> Outputs:
+        """The declared outputs in what the implementation returned, as NumPy arrays with their dtypes."""
+        raw = pick_outputs(out, self.outputs, self.description)
+        return Outputs({n: to_numpy(v) for n, v in zip(self.outputs, raw, strict=True)},
+                       {n: dtype_of(v) for n, v in zip(self.outputs, raw, strict=True)})
 
-    supports_noncontiguous: bool = False
+    def _run(self, inputs: dict[str, np.ndarray], dtype: str) -> Outputs:  # pragma: no cover - abstract
+        """The implementation on float64 ``inputs`` (by name) cast to ``dtype``; values as NumPy arrays."""
+        raise NotImplementedError
 
     def call_noncontiguous(self, x: np.ndarray, dtype: str = "float64") -> np.ndarray:
         """Call with a non-contiguous (strided) view holding the same values (torch targets)."""
@@ -93,7 +221,7 @@ class Target:
         dtype = dtype_name(dtype)
         key = (dtype, tuple(shape))
         if key not in self._accepts:
-            ok = dtype in self.supported_dtypes
+            ok = dtype in self.capabilities.dtypes
             if ok:
                 rng = np.random.default_rng(12345)
                 try:
@@ -154,15 +282,15 @@ class Target:
         raise TargetError(f"{self.description} is not differentiable through normscope")
 
 
-def run_with_deadline(target: Target, x: np.ndarray, dtype: str):
-    """``target._run(x, dtype)``, in a worker thread when the target has a timeout.
+def run_with_deadline(target: Target, inputs: dict[str, np.ndarray], dtype: str) -> Outputs:
+    """``target._run(inputs, dtype)``, in a worker thread when the target has a timeout.
 
     A call still running at the deadline raises :class:`TargetTimeout`; its thread is a daemon and is
     left behind (a thread cannot be stopped from outside), so a hung target never holds up the exit.
     The worker runs in a copy of the caller's context (NumPy's errstate lives there).
     """
     if not target.timeout:
-        return target._run(x, dtype)
+        return target._run(inputs, dtype)
     import contextvars
     import threading
 
@@ -171,17 +299,18 @@ def run_with_deadline(target: Target, x: np.ndarray, dtype: str):
 
     def work():
         try:
-            box["out"] = context.run(target._run, x, dtype)
+            box["out"] = context.run(target._run, inputs, dtype)
         except BaseException as exc:  # handed to the caller's thread
             box["exc"] = exc
 
     worker = threading.Thread(target=work, name=f"normscope call {target.calls}", daemon=True)
     worker.start()
     worker.join(target.timeout)
+    shapes = ", ".join(str(v.shape) for v in inputs.values())
     if worker.is_alive():
         raise TargetTimeout(
             f"{target.description} did not return within {target.timeout:g} s (call {target.calls}, a {dtype} "
-            f"input of shape {x.shape}): it hangs or is far too slow; raise the limit with --timeout "
+            f"input of shape {shapes}): it hangs or is far too slow; raise the limit with --timeout "
             "(Python: target.timeout), or 0 to wait forever")
     if "exc" in box:
         raise box["exc"]  # type: ignore[misc]
@@ -190,8 +319,6 @@ def run_with_deadline(target: Target, x: np.ndarray, dtype: str):
 
 def dtype_of(value) -> str | None:
     """The dtype name of an array-like output (None when it has no floating dtype normscope knows)."""
-    from ..errors import InputError
-
     try:
         return dtype_name(getattr(value, "dtype", None) or np.asarray(value).dtype)
     except (InputError, TypeError, ValueError):
@@ -218,7 +345,5 @@ def check_dtype_list(dtypes) -> tuple[str, ...] | None:
         dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
     out = tuple(dict.fromkeys(dtype_name(d) for d in dtypes))  # a repeated dtype is run once
     if not out:
-        from ..errors import InputError
-
         raise InputError("no dtype given; e.g. --dtypes float32,bfloat16")
     return out

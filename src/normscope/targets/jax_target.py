@@ -2,45 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..errors import MissingExtraError, TargetError
-from .base import Target, dtype_of
+from ..errors import TargetError
+from ..extras import require
+from .base import Capabilities, Target
 
 
 def _jax():
-    try:
-        import jax
-        import jax.numpy as jnp
-    except ImportError as exc:
-        raise MissingExtraError("jax", "jax") from exc
-    return jax, jnp
+    return require("jax", "jax"), require("jax.numpy", "jax")
 
 
 class JaxTarget(Target):
-    """A function taking one jax array and returning one array (e.g. ``lambda x: model.apply(p, x)``)."""
+    """A function taking jax arrays (one per declared input) and returning its outputs
+    (e.g. ``lambda x: model.apply(p, x)``)."""
 
     framework = "jax"
-    differentiable = True
+    capabilities = Capabilities(differentiable=True)
 
-    def __init__(self, fn: Callable, description: str | None = None):
+    def __init__(self, fn: Callable, description: str | None = None, inputs: Sequence[str] = ("x",),
+                 outputs: Sequence[str] = ("y",)):
         _jax()
-        super().__init__(description or f"JAX function {getattr(fn, '__qualname__', repr(fn))}")
+        super().__init__(description or f"JAX function {getattr(fn, '__qualname__', repr(fn))}", inputs, outputs)
         self.fn = fn
 
-    def _run(self, x, dtype):
+    def _run(self, inputs, dtype):
         jax, jnp = _jax()
         with jax.enable_x64(dtype == "float64"):
-            arr = jnp.asarray(x, dtype=getattr(jnp, dtype))
-            out = self.fn(arr)
-            if isinstance(out, tuple | list):
-                out = out[0]
-            self.output_dtype = dtype_of(out)
-            if str(out.dtype) != dtype and dtype == "float64":
-                raise TargetError(f"the function returned {out.dtype} for a float64 input")
-            return np.asarray(jnp.asarray(out, dtype=jnp.float32 if dtype != "float64" else jnp.float64))
+            out = self.fn(*[jnp.asarray(inputs[n], dtype=getattr(jnp, dtype)) for n in self.inputs])
+            return self.outputs_from(out, lambda v: self._to_numpy(jnp, v, dtype))
+
+    @staticmethod
+    def _to_numpy(jnp, value, dtype: str) -> np.ndarray:
+        if dtype == "float64" and str(value.dtype) != dtype:
+            raise TargetError(f"the function returned {value.dtype} for a float64 input")
+        return np.asarray(jnp.asarray(value, dtype=jnp.float32 if dtype != "float64" else jnp.float64))
 
     def gradients(self, x, dy, dtype="float64"):
         jax, jnp = _jax()

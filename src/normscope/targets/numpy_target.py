@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from .base import Target, dtype_of
-
-_NUMPY_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
-                 "bfloat16": ml_dtypes.bfloat16}
+from ..dtypes import numpy_dtype
+from .base import Target
 
 
 class NumpyTarget(Target):
-    """A function taking one NumPy array and returning one array."""
+    """A function taking NumPy arrays (one per declared input, in order) and returning its outputs."""
 
     framework = "numpy"
 
-    def __init__(self, fn: Callable, description: str | None = None):
-        super().__init__(description or f"NumPy function {getattr(fn, '__qualname__', repr(fn))}")
+    def __init__(self, fn: Callable, description: str | None = None, inputs: Sequence[str] = ("x",),
+                 outputs: Sequence[str] = ("y",)):
+        super().__init__(description or f"NumPy function {getattr(fn, '__qualname__', repr(fn))}", inputs, outputs)
         self.fn = fn
 
-    def _run(self, x, dtype):
-        given = x.astype(_NUMPY_DTYPES[dtype])
-        before = given.copy()
+    def _run(self, inputs, dtype):
+        given = [inputs[n].astype(numpy_dtype(dtype)) for n in self.inputs]
+        before = [g.copy() for g in given]
         with np.errstate(all="ignore"):
-            out = self.fn(given)
+            out = self.fn(*given)
         self.note_input(before, given)
-        out = np.asarray(out)
-        self.output_dtype = dtype_of(out)
-        return out.astype(np.float64)
+        if isinstance(out, list):  # a list of numbers is an array here (a tuple holds several outputs)
+            out = np.asarray(out)
+        return self.outputs_from(out, lambda v: np.asarray(v).astype(np.float64))

@@ -1,8 +1,9 @@
 """ONNX models as targets, run by onnxruntime (extra ``onnx``).
 
-A model with one floating input and one output; symbolic dimensions are fine. The model runs at the
-element type its input declares; other precisions run a converted copy of the graph (input, output and
-floating initializers cast), as a deployment at that precision would.
+Inputs and outputs are the graph's, by name (initializers are parameters, not inputs); every input must be
+a floating tensor, and ``target(x, dtype)`` needs exactly one. Symbolic dimensions are fine. The model runs
+at the element type its first input declares; other precisions run a converted copy of the graph (inputs,
+outputs and floating initializers cast), as a deployment at that precision would.
 """
 
 from __future__ import annotations
@@ -13,19 +14,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MissingExtraError, TargetError
-from .base import Target, dtype_of
-
-_ELEM = {1: "float32", 10: "float16", 11: "float64", 16: "bfloat16"}
+from ..dtypes import dtype_from_onnx, numpy_dtype, onnx_elem_type
+from ..errors import TargetError
+from ..extras import require
+from .base import Capabilities, Target
 
 
 def _onnx():
-    try:
-        import onnx
-        import onnxruntime
-    except ImportError as exc:
-        raise MissingExtraError(exc.name or "onnx and onnxruntime", "onnx") from exc
-    return onnx, onnxruntime
+    return require("onnx", "onnx"), require("onnxruntime", "onnx")
+
+
+def _floating(elem_type: int) -> bool:
+    return dtype_from_onnx(elem_type) is not None
 
 
 def load_model(model):
@@ -52,6 +52,7 @@ def load_model(model):
 
 class OnnxTarget(Target):
     framework = "onnx"
+    capabilities = Capabilities(parameters=True)
 
     def __init__(self, model, description: str | None = None):
         onnx, ort = _onnx()
@@ -59,22 +60,20 @@ class OnnxTarget(Target):
         graph = self.model.graph
         inits = {i.name for i in graph.initializer}
         inputs = [i for i in graph.input if i.name not in inits]
-        if len(inputs) != 1 or len(graph.output) != 1:
-            raise TargetError(
-                f"the ONNX model has {len(inputs)} inputs and {len(graph.output)} outputs; normscope needs "
-                "one float input and one output (fold γ/β into initializers)"
-            )
+        if not inputs or not graph.output:
+            raise TargetError(f"the ONNX model has {len(inputs)} inputs and {len(graph.output)} outputs; normscope "
+                              "needs at least one float input and one output")
+        for vi in inputs:
+            elem = vi.type.tensor_type.elem_type
+            if not _floating(elem):
+                raise TargetError(f"the ONNX input {vi.name!r} is not a float tensor (element type {elem})")
+        self.graph_inputs = inputs
         self.input = inputs[0]
-        elem = self.input.type.tensor_type.elem_type
-        if elem not in _ELEM:
-            raise TargetError(f"the ONNX input {self.input.name!r} is not a float tensor (element type {elem})")
-        self.dtype = _ELEM[elem]
-        tensor = self.input.type.tensor_type  # no declared shape at all: any --shape is tried
-        self.fixed_dims = [d.dim_value if d.HasField("dim_value") else None
-                           for d in tensor.shape.dim] if tensor.HasField("shape") else None
+        self.dtype = dtype_from_onnx(self.input.type.tensor_type.elem_type)
+        self.fixed_dims = {vi.name: _dims(vi) for vi in inputs}  # None: no declared shape, any --shape is tried
         self._ort = ort
         self._sessions: dict[str, object] = {}
-        super().__init__(description or default)
+        super().__init__(description or default, [vi.name for vi in inputs], [o.name for o in graph.output])
 
     def _variant(self, dtype: str):
         """The model with its input, output and floating initializers converted to ``dtype``.
@@ -86,15 +85,15 @@ class OnnxTarget(Target):
             return self.model
         from onnx import numpy_helper
 
-        code = {v: k for k, v in _ELEM.items()}[dtype]
+        code = onnx_elem_type(dtype)
         m = type(self.model)()
         m.CopyFrom(self.model)
         for init in m.graph.initializer:
-            if init.data_type in _ELEM:
+            if _floating(init.data_type):
                 arr = numpy_helper.to_array(init).astype(np.float64)
-                init.CopyFrom(numpy_helper.from_array(arr.astype(np.float32).astype(_np_dtype(dtype)), init.name))
+                init.CopyFrom(numpy_helper.from_array(arr.astype(np.float32).astype(numpy_dtype(dtype)), init.name))
         for vi in [*m.graph.input, *m.graph.output, *m.graph.value_info]:
-            if vi.type.tensor_type.elem_type in _ELEM:
+            if _floating(vi.type.tensor_type.elem_type):
                 vi.type.tensor_type.elem_type = code
         return m
 
@@ -110,37 +109,40 @@ class OnnxTarget(Target):
                 raise TargetError(f"onnxruntime cannot run {self.description} at {dtype}: {exc}") from exc
         return self._sessions[dtype]
 
-    def check_shape(self, shape: tuple[int, ...]) -> None:
-        if self.fixed_dims is None:
+    def check_shape(self, shape: tuple[int, ...], name: str | None = None) -> None:
+        """A TargetError naming the --shape to pass when ``shape`` does not fit the input's declared one."""
+        fixed = self.fixed_dims[name or self.input.name]
+        if fixed is None:
             return
-        if len(self.fixed_dims) != len(shape) or any(
-            d is not None and d != s for d, s in zip(self.fixed_dims, shape, strict=False)
-        ):
-            dims = ["?" if d is None else str(d) for d in self.fixed_dims]
+        if len(fixed) != len(shape) or any(d is not None and d != s for d, s in zip(fixed, shape, strict=False)):
+            dims = ["?" if d is None else str(d) for d in fixed]
             hint = [d if d != "?" else (str(shape[i]) if i < len(shape) else "2") for i, d in enumerate(dims)]
+            which = "" if len(self.inputs) == 1 else f" {name!r}"
             raise TargetError(
-                f"the ONNX input has shape ({', '.join(dims)}) but the probe shape is {tuple(shape)}; "
+                f"the ONNX input{which} has shape ({', '.join(dims)}) but the probe shape is {tuple(shape)}; "
                 f"pass --shape {','.join(hint)}"
             )
 
-    def _run(self, x, dtype):
-        self.check_shape(x.shape)
-        arr = x.astype(np.float32).astype(_np_dtype(dtype)) if dtype != "float64" else x
-        (out,) = self.session(dtype).run(None, {self.input.name: arr})
-        self.output_dtype = dtype_of(out)
-        return np.asarray(out).astype(np.float64)
+    def _run(self, inputs, dtype):
+        feed = {}
+        for name in self.inputs:
+            x = inputs[name]
+            self.check_shape(x.shape, name)
+            feed[name] = x.astype(np.float32).astype(numpy_dtype(dtype)) if dtype != "float64" else x
+        out = self.session(dtype).run(None, feed)
+        return self.outputs_from(tuple(out), lambda v: np.asarray(v).astype(np.float64))
 
     def parameters(self):
         from onnx import numpy_helper
 
         return {i.name: numpy_helper.to_array(i).astype(np.float64) for i in self.model.graph.initializer
-                if i.data_type in _ELEM}
+                if _floating(i.data_type)}
 
     @contextlib.contextmanager
     def perturbed_parameters(self, rng):
         from onnx import numpy_helper
 
-        floating = [i for i in self.model.graph.initializer if i.data_type in _ELEM and
+        floating = [i for i in self.model.graph.initializer if _floating(i.data_type) and
                     int(np.prod(i.dims or [1])) > 1]
         if not floating:
             yield None
@@ -160,8 +162,10 @@ class OnnxTarget(Target):
             self._sessions.clear()
 
 
-def _np_dtype(name: str):
-    import ml_dtypes
 
-    return {"float32": np.float32, "float16": np.float16, "float64": np.float64,
-            "bfloat16": ml_dtypes.bfloat16}[name]
+def _dims(vi) -> list[int | None] | None:
+    """An input's declared dimensions (None for a symbolic one); None when it declares no shape at all."""
+    tensor = vi.type.tensor_type
+    if not tensor.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]

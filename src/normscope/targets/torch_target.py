@@ -2,18 +2,21 @@
 
 A module is probed through a private deep copy, so the caller's module (its parameters, running
 buffers, mode and ``requires_grad`` flags) is never touched, whether inference succeeds or fails.
+Tensors are built on the target's device (a module's: where its parameters live) and brought back with
+``.cpu()`` before NumPy sees them, so a CUDA module is checked where it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..dtypes import torch_dtype
 from ..errors import TargetError
-from .base import Target, dtype_of
+from .base import Capabilities, Target
 
 
 def _torch():
@@ -22,19 +25,22 @@ def _torch():
     return torch
 
 
-def _torch_dtype(name: str):
-    torch = _torch()
-    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-            "bfloat16": torch.bfloat16}[name]
-
-
 def _to_numpy(t) -> np.ndarray:
+    """A float64 NumPy copy of a tensor on any device (``.cpu()`` first: a CUDA tensor has no ``.numpy()``)."""
     torch = _torch()
     if isinstance(t, tuple | list) and t:
         t = t[0]
     if not isinstance(t, torch.Tensor):
         raise TargetError(f"expected the target to return a tensor; got {type(t).__name__}")
-    return t.detach().to(torch.float64).cpu().numpy().copy()  # never a view of the target's own tensor
+    return t.detach().cpu().to(torch.float64).numpy().copy()  # never a view of the target's own tensor
+
+
+def module_device(module):
+    """The device a module's parameters (else buffers) live on; the CPU for a module without any."""
+    torch = _torch()
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
 
 
 def _without_user_hooks(module) -> None:
@@ -77,53 +83,62 @@ def _global_hooks_suspended() -> Iterator[None]:
 
 
 class TorchFunctionTarget(Target):
-    """A function taking one torch tensor and returning one tensor."""
+    """A function taking torch tensors (one per declared input, in order) and returning its outputs."""
 
     framework = "torch"
-    differentiable = True
+    capabilities = Capabilities(differentiable=True, noncontiguous=True)
 
-    def __init__(self, fn: Callable, description: str | None = None):
-        super().__init__(description or f"torch function {getattr(fn, '__qualname__', repr(fn))}")
+    def __init__(self, fn: Callable, description: str | None = None, inputs: Sequence[str] = ("x",),
+                 outputs: Sequence[str] = ("y",), device: object = None):
+        torch = _torch()
+        super().__init__(description or f"torch function {getattr(fn, '__qualname__', repr(fn))}", inputs, outputs,
+                         torch.device(device if device is not None else "cpu"))
         self.fn = fn
 
-    supports_noncontiguous = True
+    def _place(self, t):
+        """A CPU tensor moved to the target's device (a no-op on the CPU)."""
+        return t.to(self.device)
 
     def _tensor(self, x: np.ndarray, dtype: str, grad: bool = False, contiguous: bool = True):
         torch = _torch()
         if contiguous or x.ndim < 2:
-            t = torch.from_numpy(np.ascontiguousarray(x)).to(_torch_dtype(dtype))
+            t = self._place(torch.from_numpy(np.ascontiguousarray(x)).to(torch_dtype(dtype)))
             return t.requires_grad_(grad)
         order = tuple(reversed(range(x.ndim)))  # store transposed, view back: same values, other strides
-        t = torch.from_numpy(np.ascontiguousarray(x.transpose(order))).to(_torch_dtype(dtype)).permute(order)
+        t = self._place(torch.from_numpy(np.ascontiguousarray(x.transpose(order))).to(torch_dtype(dtype)))
+        t = t.permute(order)
         if t.is_contiguous():  # axes of size 1 make the transposed view contiguous: take every other element
             axis = max((a for a in range(x.ndim) if x.shape[a] > 1), default=x.ndim - 1)
             wide = list(x.shape)
             wide[axis] *= 2
-            store = torch.zeros(wide, dtype=_torch_dtype(dtype))
+            store = self._place(torch.zeros(wide, dtype=torch_dtype(dtype)))
             t = store[tuple(slice(None, None, 2) if a == axis else slice(None) for a in range(x.ndim))]
-            t.copy_(torch.from_numpy(np.ascontiguousarray(x)))
+            t.copy_(self._place(torch.from_numpy(np.ascontiguousarray(x)).to(torch_dtype(dtype))))
         return t.requires_grad_(grad)
 
-    def _run(self, x, dtype, contiguous: bool = True):
+    def _run(self, inputs, dtype, contiguous: bool = True):
         torch = _torch()
-        t = self._tensor(x, dtype, contiguous=contiguous)
-        before = t.detach().clone()
+        ts = [self._tensor(inputs[n], dtype, contiguous=contiguous) for n in self.inputs]
+        before = [t.detach().clone() for t in ts]
         with torch.no_grad():
-            out = self._apply(t, dtype)
-        self.note_input(before.double().numpy(), t.detach().double().numpy())
-        self.output_dtype = dtype_of(out[0] if isinstance(out, tuple | list) and out else out)
-        return _to_numpy(out)
+            out = self._apply(ts, dtype)
+        self.note_input([_to_numpy(b) for b in before], [_to_numpy(t) for t in ts])
+        return self.outputs_from(out, _to_numpy)
 
-    def _apply(self, t, dtype):
-        return self.fn(t)
+    def _apply(self, ts, dtype):
+        return self.fn(*ts)
 
     def call_noncontiguous(self, x, dtype="float64"):
-        from ..precision import dtype_name
+        from ..dtypes import dtype_name
 
+        if len(self.inputs) != 1:
+            raise TargetError(f"{self.description} takes {len(self.inputs)} inputs; strided calls take one")
         x = np.array(x, dtype=np.float64)
         self.calls += 1
         with self.running_code(f"a strided {dtype} input of shape {x.shape}"):
-            return self._run(x, dtype_name(dtype), contiguous=False)
+            out = self._run({self.inputs[0]: x}, dtype_name(dtype), contiguous=False)
+        self._last_dtype = out.dtype
+        return out.value
 
     def _backward(self, call, x, dy, dtype: str):
         """x.grad of sum(dy · call(x)); the call gets a copy of the leaf, so it may write to its input."""
@@ -134,21 +149,24 @@ class TorchFunctionTarget(Target):
             y = call(leaf.clone())
             if isinstance(y, tuple | list):
                 y = y[0]
-            y.backward(torch.from_numpy(np.array(dy, dtype=np.float64)).to(y.dtype))
+            y.backward(torch.from_numpy(np.array(dy, dtype=np.float64)).to(device=y.device, dtype=y.dtype))
         if leaf.grad is None:
             raise TargetError("no gradient reached the input (is the output detached from it?)")
         return _to_numpy(leaf.grad)
 
     def gradients(self, x, dy, dtype="float64"):
+        if len(self.inputs) != 1:
+            raise TargetError(f"{self.description} takes {len(self.inputs)} inputs; gradients take one")
         return self._backward(self.fn, x, dy, dtype), {}
 
 
 class TorchModuleTarget(TorchFunctionTarget):
     """A torch ``nn.Module``, probed through a private copy."""
 
-    has_modes = True
+    capabilities = Capabilities(differentiable=True, noncontiguous=True, modes=True, parameters=True)
 
-    def __init__(self, module, description: str | None = None):
+    def __init__(self, module, description: str | None = None, inputs: Sequence[str] = ("x",),
+                 outputs: Sequence[str] = ("y",), device: object = None):
         torch = _torch()
         if not isinstance(module, torch.nn.Module):
             raise TargetError(f"expected a torch.nn.Module; got {type(module).__name__}")
@@ -163,12 +181,14 @@ class TorchModuleTarget(TorchFunctionTarget):
         self._master = master.to(torch.float64)
         self._training = bool(module.training)
         self._copies: dict[str, object] = {}
-        Target.__init__(self, description or f"torch module {type(module).__name__}")
+        device = torch.device(device) if device is not None else module_device(master)
+        self._master = self._master.to(device)
+        Target.__init__(self, description or f"torch module {type(module).__name__}", inputs, outputs, device)
         self.module_class = type(module).__name__
 
     def _copy(self, dtype: str):
         if dtype not in self._copies:
-            self._copies[dtype] = copy.deepcopy(self._master).to(_torch_dtype(dtype))
+            self._copies[dtype] = copy.deepcopy(self._master).to(torch_dtype(dtype))
         m = self._copies[dtype]
         m.train(self._training)
         return m
@@ -186,19 +206,19 @@ class TorchModuleTarget(TorchFunctionTarget):
         finally:
             self._training = before
 
-    def _call_module(self, m, t):
+    def _call_module(self, m, *ts):
         # Training-mode calls update running statistics; keep the copy's state fixed between probes.
         saved = [b.detach().clone() for b in m.buffers()] if self._training else None
         try:
             with _global_hooks_suspended():
-                return m(t)
+                return m(*ts)
         finally:
             if saved is not None:
                 for b, s in zip(m.buffers(), saved, strict=True):
                     b.data.copy_(s)
 
-    def _apply(self, t, dtype):
-        return self._call_module(self._copy(dtype), t)
+    def _apply(self, ts, dtype):
+        return self._call_module(self._copy(dtype), *ts)
 
     def buffers_after_training_step(self, x):
         torch = _torch()
@@ -213,7 +233,7 @@ class TorchModuleTarget(TorchFunctionTarget):
             m.train(True)
             with torch.no_grad(), _global_hooks_suspended(), self.running_code("a training step"):
                 m(self._tensor(np.array(x, dtype=np.float64), "float64"))
-            return {n: b.detach().double().numpy().copy() for n, b in floating}
+            return {n: _to_numpy(b) for n, b in floating}
         finally:
             m.train(was)
             with torch.no_grad():
@@ -232,12 +252,11 @@ class TorchModuleTarget(TorchFunctionTarget):
         return None
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {n: p.detach().double().numpy().copy() for n, p in self._master.named_parameters()}
+        return {n: _to_numpy(p) for n, p in self._master.named_parameters()}
 
     def buffers(self) -> dict[str, np.ndarray]:
         torch = _torch()
-        return {n: b.detach().double().numpy().copy() for n, b in self._master.named_buffers()
-                if torch.is_floating_point(b)}
+        return {n: _to_numpy(b) for n, b in self._master.named_buffers() if torch.is_floating_point(b)}
 
     @contextlib.contextmanager
     def perturbed_parameters(self, rng):
@@ -283,10 +302,12 @@ class TorchModuleTarget(TorchFunctionTarget):
             self._copies.clear()
 
     def gradients(self, x, dy, dtype="float64"):
+        if len(self.inputs) != 1:
+            raise TargetError(f"{self.description} takes {len(self.inputs)} inputs; gradients take one")
         m = self._copy(dtype)
         for p in m.parameters():
             p.grad = None
             p.requires_grad_(True)
         dx = self._backward(lambda t: self._call_module(m, t), x, dy, dtype)
-        grads = {n: p.grad.double().numpy().copy() for n, p in m.named_parameters() if p.grad is not None}
+        grads = {n: _to_numpy(p.grad) for n, p in m.named_parameters() if p.grad is not None}
         return dx, grads

@@ -1,0 +1,102 @@
+"""The ``normscope`` command line.
+
+Exit codes (also in ``normscope --help``, the README and docs/usage.md):
+0 success; 1 a check failed (and nothing else); 2 usage or input error (one line on stderr);
+3 not a normalization (``infer``); 4 the target hung (a call ran past ``--timeout``);
+130 interrupted (Ctrl-C); 141 the output pipe was closed (e.g. ``| head``).
+
+Imports are lazy: ``--help`` and ``explain`` never load the probes, and torch is loaded only for a torch
+target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from ..artifacts import command as _contract
+from ..errors import NormscopeError, TargetTimeout
+from ..sites import command as _scan
+from . import check, explain, infer, presets
+from .common import (
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES,
+    EXIT_FAIL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_NORM,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+    Parser,
+)
+
+__all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_CODES", "EXIT_FAIL", "EXIT_INTERRUPTED", "EXIT_NOT_NORM", "EXIT_OK",
+           "EXIT_TIMEOUT", "EXIT_USAGE", "build_parser", "main"]
+
+#: The subcommands, in the order ``--help`` lists them: each module's ``add_parser(subparsers)`` registers the
+#: subcommand and sets ``run(args, console) -> exit code`` as its default (scan and contract live with their code).
+COMMANDS: list[Callable] = [explain.add_parser, presets.add_parser, infer.add_parser, check.add_parser,
+                            _scan.add_parser, _contract.add_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="normscope", description="Make normalization layers trustworthy: explain, state, "
+                                                   "infer and check\nthe contract of a normalization layer.",
+                     epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"normscope {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser, metavar="COMMAND")
+    for add in dict.fromkeys(COMMANDS):  # a command listed twice is registered once
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (see EXIT_CODES). Nothing raises out of it."""
+    import warnings
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors: argparse's own exit
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    name = f"normscope {args.command}"
+    try:
+        with warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes
+            warnings.simplefilter("ignore")
+            return args.run(args, console)
+    except TargetTimeout as exc:
+        print(f"{name}: the target hung: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except NormscopeError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so Python's final flush does not fail again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""What a command-line TARGET names, and the object it loads: one resolver for every subcommand.
+
+:func:`resolve` classifies a TARGET string without running anything and refuses a bad one with one clear
+:class:`~normscope.errors.InputError` (or :class:`~normscope.errors.TargetError` for a malformed
+``package.module:attr``, as before):
+
+=============  ==========================================================================================
+kind           TARGET
+=============  ==========================================================================================
+python         ``package.module:attr`` — a module class, factory, instance or function (importing it runs
+               its top-level code; ``--args``/``--kwargs`` are JSON, never evaluated)
+onnx           a ``.onnx`` file
+hf-dir         a local Hugging Face model directory (a folder with a ``config.json``; its weights)
+hf-config      a Hugging Face ``config.json`` (the architecture, built with random weights)
+gguf           a ``.gguf`` file (checked by its ``GGUF`` magic)
+safetensors    a ``.safetensors`` file (checked by its header); next to a ``config.json`` it is that model
+=============  ==========================================================================================
+
+The loaders take a resolved :class:`Source`: :func:`load_target` gives infer and check their single
+normalization (python or onnx), :func:`load_model` gives scan (and later diff and trace) a torch module
+(python, hf-dir, hf-config, or a safetensors file inside a model directory). ``contract`` reads artifacts
+(hf-dir, hf-config, gguf, onnx) itself, statically; :attr:`Source.path` is what it opens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError, TargetError
+from .extras import require
+from .inputs import shorten
+from .loading import parse_json
+
+__all__ = ["KINDS", "Source", "resolve", "load_target", "load_model", "is_onnx_path"]
+
+KINDS = ("python", "onnx", "hf-dir", "hf-config", "gguf", "safetensors")
+
+#: How each kind reads in a sentence ("TARGET x is ...").
+DESCRIPTIONS = {
+    "python": "a Python object", "onnx": "an ONNX file", "hf-dir": "a Hugging Face model directory",
+    "hf-config": "a Hugging Face config.json", "gguf": "a GGUF file", "safetensors": "a safetensors file",
+}
+
+#: What infer and check accept, in the words of their error messages.
+NORM_FORMS = "package.module:attr (e.g. torch.nn:LayerNorm) or a path ending in .onnx"
+#: What scan accepts.
+MODEL_FORMS = "package.module:factory, a Hugging Face model directory or a config.json file"
+
+_SAFETENSORS_HEADER_MAX = 100 * 2**20  # a larger JSON header than this is not a safetensors file
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved TARGET: its ``kind`` (one of :data:`KINDS`), the ``text`` given, and the file or folder."""
+
+    kind: str
+    text: str
+    path: Path | None = None
+
+    @property
+    def description(self) -> str:
+        return DESCRIPTIONS[self.kind]
+
+
+def is_onnx_path(spec) -> bool:
+    return str(spec).lower().endswith(".onnx")
+
+
+def resolve(target: str | Source, forms: str = NORM_FORMS) -> Source:
+    """The :class:`Source` a TARGET names; ``forms`` says in the error what the caller accepts."""
+    if isinstance(target, Source):
+        return target
+    text = str(target)
+    path = Path(text)
+    lower = text.lower()
+    if is_onnx_path(text):
+        if not path.exists():
+            raise TargetError(f"no such ONNX file: {text}")
+        if not path.is_file():
+            raise TargetError(f"{text} is not a file")
+        return Source("onnx", text, path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{text} is a folder without a config.json: not a Hugging Face model directory")
+        return Source("hf-dir", text, path)
+    if lower.endswith(".gguf"):
+        _check_gguf(_existing_file(path, text, "GGUF"), text)
+        return Source("gguf", text, path)
+    if lower.endswith(".safetensors"):
+        _check_safetensors(_existing_file(path, text, "safetensors"), text)
+        return Source("safetensors", text, path)
+    if lower.endswith(".json"):
+        return Source("hf-config", text, _existing_file(path, text, "JSON"))
+    if ":" in text:
+        module_name, attr = text.split(":", 1)
+        if not module_name or not attr or module_name.startswith(".") or "/" in module_name:
+            raise TargetError(
+                f"TARGET {text!r} must be package.module:attr with an importable module name (e.g. "
+                "torch.nn:LayerNorm); put a file's folder on PYTHONPATH and name it by module")
+        return Source("python", text)
+    raise (TargetError if forms == NORM_FORMS else InputError)(f"TARGET {text!r} must be {forms}")
+
+
+def _existing_file(path: Path, text: str, what: str) -> Path:
+    if not path.exists():
+        raise InputError(f"no such file: {text}")
+    if not path.is_file():
+        raise InputError(f"{text} is not a file (a {what} file was expected)")
+    return path
+
+
+def _head(path: Path, text: str, n: int) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(n)
+    except OSError as exc:
+        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _check_gguf(path: Path, text: str) -> None:
+    if _head(path, text, 4) != b"GGUF":
+        raise InputError(f"{text} does not start with the GGUF magic bytes: not a GGUF file (or a truncated one)")
+
+
+def _check_safetensors(path: Path, text: str) -> None:
+    """A safetensors file starts with an 8-byte little-endian header length and that many bytes of JSON."""
+    head = _head(path, text, 9)
+    size = path.stat().st_size
+    length = struct.unpack("<Q", head[:8])[0] if len(head) >= 8 else -1
+    if len(head) < 9 or head[8:9] != b"{" or not 2 <= length <= min(size - 8, _SAFETENSORS_HEADER_MAX):
+        raise InputError(f"{text} does not start with a safetensors header (8-byte length, then JSON): not a "
+                         "safetensors file (or a truncated one)")
+
+
+def read_config(path: Path, text: str) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict, or one clear InputError (not JSON, no ``model_type``)."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"{text} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise InputError(f"{text} has no \"model_type\": not a Hugging Face config.json")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- python
+def import_attr(text: str):
+    """The object ``package.module:attr`` names (the module is imported: its top-level code runs)."""
+    module_name, attr = text.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or module_name
+        where = ("the current directory is not on the import path: run with PYTHONPATH=. (or the module's folder)"
+                 if missing == module_name.split(".")[0] and Path(missing + ".py").exists() else
+                 "is it installed in this environment, or is its folder on PYTHONPATH?")
+        raise TargetError(f"cannot import {module_name!r}: no module named {missing!r}; {where}") from None
+    except (ImportError, TypeError, ValueError) as exc:
+        raise TargetError(f"cannot import {module_name!r}: {exc}; is it installed in this environment?") from None
+    except SyntaxError as exc:
+        raise TargetError(f"cannot import {module_name!r}: syntax error in {exc.filename}, line {exc.lineno}: "
+                          f"{exc.msg}") from None
+    except Exception as exc:  # the module's own top-level code failed
+        raise TargetError(f"importing {module_name!r} ran its top-level code, which raised "
+                          f"{type(exc).__name__}: {shorten(exc, 200, as_text=True)}") from None
+    obj = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TargetError(f"{module_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def _construct(text: str, obj, args_json: str | None, kwargs_json: str | None):
+    """A class instantiated, or a factory called, with ``--args``/``--kwargs`` (when either is given)."""
+    args = parse_json(args_json, list, "--args")
+    kwargs = parse_json(kwargs_json, dict, "--kwargs")
+    if inspect.isclass(obj) or args_json is not None or kwargs_json is not None:
+        if not callable(obj):
+            raise TargetError(f"{text} is a {type(obj).__name__}, which cannot be called with --args/--kwargs")
+        try:
+            obj = obj(*args, **kwargs)
+        except Exception as exc:
+            call = f"{text}(*{shorten(args)}, **{shorten(kwargs)})"
+            raise TargetError(f"{call} failed: {type(exc).__name__}: {shorten(exc, 200, as_text=True)}") from None
+    return obj
+
+
+def load_target(spec: str | Source, args_json: str | None = None, kwargs_json: str | None = None):
+    """The single normalization infer and check probe: a Python object, or an ONNX file's path.
+
+    A class is instantiated with ``--args``/``--kwargs``; another attribute (a factory) is called with them
+    whenever either is given, ``--args '[]'`` included. Any other kind of TARGET is one clear InputError
+    pointing at the command that takes it.
+    """
+    parse_json(args_json, list, "--args")  # a malformed flag is named before anything is imported or read
+    parse_json(kwargs_json, dict, "--kwargs")
+    source = resolve(spec, NORM_FORMS)
+    if source.kind == "onnx":
+        if args_json is not None or kwargs_json is not None:
+            raise TargetError("--args/--kwargs construct a class or call a factory; an ONNX file takes neither")
+        return source.text
+    if source.kind == "python":
+        return _construct(source.text, import_attr(source.text), args_json, kwargs_json)
+    command = "contract" if source.kind in ("gguf", "safetensors") else "scan"
+    raise InputError(f"TARGET {source.text} is {source.description}; infer and check take one normalization: "
+                     f"{NORM_FORMS} (for the whole model: normscope {command} {source.text})")
+
+
+# ---------------------------------------------------------------------------------------------- models
+def _transformers():
+    transformers = require("transformers", "hf")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _model_class(transformers, config):
+    """The class named by the config's ``architectures``, else the causal-LM or base auto class."""
+    for arch in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise TargetError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def cap_config(data: dict[str, Any], layers: int, vocab: int) -> list[str]:
+    """Cap a config's layer count and vocabulary in place (0 keeps them); the notes say what was capped."""
+    notes = []
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        n = data.get(key)
+        if isinstance(n, int) and layers and n > layers:
+            for k, v in list(data.items()):  # per-layer lists (layer_types, …) follow the count
+                if isinstance(v, list) and len(v) == n:
+                    data[k] = v[:layers]
+            data[key] = layers
+            notes.append(f"{layers} of {n} layers")
+    v = data.get("vocab_size")
+    if isinstance(v, int) and vocab and v > vocab:
+        data["vocab_size"] = vocab
+        for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            ids = data.get(k)
+            if isinstance(ids, int) and ids >= vocab or isinstance(ids, list) and any(i >= vocab for i in ids):
+                data[k] = None
+        notes.append(f"vocabulary {vocab} of {v}")
+    return notes
+
+
+def _pretrained(folder: Path, text: str):
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return _model_class(transformers, config).from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}") from None
+
+
+def _from_config(source: Source, layers: int, vocab: int):
+    import torch
+
+    data = read_config(source.path, source.text)
+    transformers = _transformers()
+    notes = cap_config(data, max(layers, 0), max(vocab, 0))
+    model_type = data.pop("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TargetError(f"{source.text}: transformers cannot build a {model_type!r} config ({exc})") from None
+    cls = _model_class(transformers, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        try:
+            model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
+        except Exception as exc:
+            raise TargetError(f"{source.text}: building {cls.__name__} failed: {type(exc).__name__}: {exc}") from None
+    return model, "random weights from " + source.text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def load_model(target: str | Source, args_json=None, kwargs_json=None, layers: int = 2, vocab: int = 512):
+    """The torch module TARGET names, and a note on how it was built (scan; later diff and trace).
+
+    ``layers``/``vocab`` cap a config.json's architecture (0 keeps the config's); a model directory and a
+    safetensors file inside one load their real weights.
+    """
+    import torch
+
+    source = resolve(target, MODEL_FORMS)
+    if source.kind == "hf-dir":
+        return _pretrained(source.path, source.text), f"weights from {source.text}"
+    if source.kind == "safetensors":
+        folder = source.path.parent
+        if not (folder / "config.json").is_file():
+            raise InputError(f"{source.text} holds weights without an architecture: put it in a folder with its "
+                             "config.json and pass the folder (or the config.json for random weights)")
+        return _pretrained(folder, str(folder)), f"weights from {folder}"
+    if source.kind == "hf-config":
+        return _from_config(source, layers, vocab)
+    if source.kind == "python":
+        obj = _construct(source.text, import_attr(source.text), args_json, kwargs_json)
+        if callable(obj) and not isinstance(obj, torch.nn.Module) and not (args_json or kwargs_json):
+            try:  # a factory without arguments (a factory is called only when arguments are given)
+                obj = obj()
+            except Exception as exc:
+                raise TargetError(f"{source.text}() failed ({type(exc).__name__}: {exc}); TARGET must name a "
+                                  "torch.nn.Module or a factory returning one") from None
+        if not isinstance(obj, torch.nn.Module):
+            raise TargetError(f"{source.text} gave a {type(obj).__name__}; scan takes a torch.nn.Module")
+        return obj, source.text
+    raise InputError(f"TARGET {source.text} is {source.description}, which holds no runnable torch model; "
+                     f"give {MODEL_FORMS} (its static contract: normscope contract {source.text})")

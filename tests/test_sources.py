@@ -1,0 +1,135 @@
+"""normscope.sources: what a TARGET names, one clear error per bad one; and the cli package's wiring."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import normscope
+from normscope import InputError, TargetError, cli
+from normscope.sources import load_model, load_target, resolve
+
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
+
+
+def _safetensors_bytes() -> bytes:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    return struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.0, 2.0)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("sources")
+    (d / "model").mkdir()
+    (d / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (d / "empty").mkdir()
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (d / "spec.json").write_text('{"kind": "layernorm"}')
+    (d / "bad.json").write_text("{not json")
+    (d / "m.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    (d / "fake.gguf").write_bytes(b"PK\x03\x04 a zip file")
+    (d / "loose").mkdir()
+    (d / "loose" / "loose.safetensors").write_bytes(_safetensors_bytes())
+    (d / "model" / "model.safetensors").write_bytes(_safetensors_bytes())
+    (d / "bad.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    (d / "ln.onnx").write_bytes(b"not parsed by resolve")
+    (d / "folder.onnx").mkdir()
+    return {p.name: p for p in d.iterdir()} | {"model/model.safetensors": d / "model" / "model.safetensors",
+                                               "loose.safetensors": d / "loose" / "loose.safetensors"}
+
+
+def test_each_kind_of_target_is_recognised(files):
+    got = {name: resolve(str(files[name])).kind for name in
+           ("model", "config.json", "m.gguf", "loose.safetensors", "ln.onnx")}
+    assert got == {"model": "hf-dir", "config.json": "hf-config", "m.gguf": "gguf",
+                   "loose.safetensors": "safetensors", "ln.onnx": "onnx"}
+    python = resolve("torch.nn:LayerNorm")
+    assert (python.kind, python.path, python.description) == ("python", None, "a Python object")
+    assert resolve(python) is python
+
+
+@pytest.mark.parametrize("name, error, words", [
+    ("empty", InputError, "folder without a config.json: not a Hugging Face model directory"),
+    ("fake.gguf", InputError, "does not start with the GGUF magic bytes"),
+    ("bad.safetensors", InputError, "does not start with a safetensors header"),
+    ("absent.gguf", InputError, "no such file"),
+    ("absent.json", InputError, "no such file"),
+    ("folder.onnx", TargetError, "is not a file"),
+    ("absent.onnx", TargetError, "no such ONNX file"),
+])
+def test_each_bad_file_gets_one_clear_error(files, name, error, words):
+    path = files.get(name) or next(iter(files.values())).parent / name
+    with pytest.raises(error, match=words):
+        resolve(str(path))
+
+
+def test_bad_python_names_keep_their_errors():
+    with pytest.raises(TargetError, match="must be package.module:attr with an importable module name"):
+        resolve("./x:f")
+    with pytest.raises(TargetError, match=r"must be package.module:attr \(e.g. torch.nn:LayerNorm\) or a path"):
+        load_target("nothing_here")
+    with pytest.raises(InputError, match="must be package.module:factory, a Hugging Face model directory"):
+        load_model("nothing_here")
+
+
+def test_infer_and_check_point_a_whole_model_to_scan_or_contract(files):
+    with pytest.raises(InputError, match=r"is a Hugging Face model directory; .* \(for the whole model: normscope "
+                                         r"scan .*model\)"):
+        load_target(str(files["model"]))
+    with pytest.raises(InputError, match=r"is a GGUF file; .*normscope contract"):
+        load_target(str(files["m.gguf"]))
+    with pytest.raises(TargetError, match="an ONNX file takes neither"):
+        load_target(str(files["ln.onnx"]), "[1]")
+    assert load_target(str(files["ln.onnx"])) == str(files["ln.onnx"])
+
+
+def test_model_loading_by_kind(files):
+    pytest.importorskip("transformers")
+    with pytest.raises(InputError, match=r"has no \"model_type\""):
+        load_model(str(files["spec.json"]))
+    with pytest.raises(InputError, match="not valid JSON"):
+        load_model(str(files["bad.json"]))
+    with pytest.raises(InputError, match="holds weights without an architecture"):
+        load_model(str(files["loose.safetensors"]))
+    with pytest.raises(InputError, match="holds no runnable torch model; .*normscope contract"):
+        load_model(str(files["m.gguf"]))
+    model, origin = load_model(str(files["config.json"]), layers=1, vocab=32)
+    assert type(model).__name__ == "LlamaForCausalLM" and len(model.model.layers) == 1
+    assert origin.endswith("(1 of 3 layers, vocabulary 32 of 64)")
+    # a safetensors file inside a model directory is that model, loaded from the directory
+    model, origin = load_model(str(files["model/model.safetensors"]))
+    assert type(model).__name__ == "LlamaForCausalLM" and origin == f"weights from {files['model']}"
+
+
+# ---------------------------------------------------------------------------------------------- cli package
+def test_cli_infer_names_the_command_for_a_whole_model(files, capsys):
+    code = cli.main(["infer", str(files["config.json"]), "--shape", "2,16"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("normscope infer: error: TARGET") and "normscope scan" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_commands_table_registers_each_once(monkeypatch, capsys):
+    from normscope.artifacts.command import add_parser
+
+    names = [a.dest for a in cli.build_parser()._subparsers._group_actions][0]
+    assert names == "command"
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, add_parser])  # listed twice: still one "contract"
+    choices = cli.build_parser()._subparsers._group_actions[0].choices
+    assert list(choices) == ["explain", "presets", "infer", "check", "scan", "contract"]
+    assert cli.main(["presets", "--json"]) == 0 and "torch_layernorm" in json.loads(capsys.readouterr().out)
+
+
+def test_python_dash_m_runs_the_package():
+    src = str(Path(normscope.__file__).resolve().parents[1])
+    for module in ("normscope", "normscope.cli"):
+        r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
+                           env={"PYTHONPATH": src, "PATH": ""})
+        assert r.returncode == 0 and r.stdout.startswith("normscope "), (module, r.stderr)

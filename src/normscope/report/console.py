@@ -211,13 +211,12 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
     t.add_column("tolerance", justify="right")
     t.add_column("why", overflow="fold")
     for f in report.findings:
-        if f.status == "pass" and not verbose and f.section == "reference" and f.name.startswith(("forward", "backward")):
+        if f.status == "pass" and not verbose and f.grid:
             continue
         t.add_row(f.section, escape(f.name), f"[{_STATUS_STYLE[f.status]}]{f.status}[/]", _cell(f.measured),
                   _cell(f.tolerance), escape(f.why))
     console.print(t)
-    hidden = sum(1 for f in report.findings if f.status == "pass" and f.section == "reference"
-                 and f.name.startswith(("forward", "backward")))
+    hidden = sum(1 for f in report.findings if f.status == "pass" and f.grid)
     if hidden and not verbose:
         console.print(f"[dim]{hidden} passing forward/backward grid points not shown (--verbose shows them)[/]")
     verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]"

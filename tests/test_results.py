@@ -44,10 +44,10 @@ def test_finding_ids_keys_and_status():
     f = Finding("tiny variance 1e-12 at float16", "extreme", "fail", 0.5, None, 0.1, "why",
                 "extreme.tiny_variance", {"variance": 1e-12, "dtype": "float16"})
     assert f.status is Status.FAIL and f.status == "fail" and f"{f.status}" == "fail"
-    assert f.key == "extreme.tiny_variance[variance=1e-12; dtype=float16]" and not f.grid
+    assert f.key == "extreme.tiny_variance[variance=1e-12; dtype=float16]"
     g = Finding("forward (2, 8, 64) float32", "reference", "pass", id="reference.forward",
                 params={"shape": (2, 8, 64), "dtype": "float32"})
-    assert g.grid and g.key == "reference.forward[shape=(2, 8, 64); dtype=float32]"
+    assert g.key == "reference.forward[shape=(2, 8, 64); dtype=float32]"
     back = Finding.from_dict(g.to_dict())  # the shape comes back as a list; the key is the same
     assert back.key == g.key and back.status is Status.PASS
     with pytest.raises(ValueError):

@@ -9,11 +9,13 @@ walks them in order, then explains a failure by inferring the target's contract.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 
 from ..errors import InputError, NormscopeError, NotANormalization
+from ..inputs import probe_shape, quiet, spec_fits
+from ..loading import read_json_file
+from ..presets import preset_from_text
 from ..results.check import Report
 from ..spec import NormSpec, differences
 from ..targets import as_target
@@ -22,8 +24,8 @@ from .context import Context, Progress
 from .registry import SECTIONS
 
 
-def resolve_expected(expect, eps: float | None = None) -> NormSpec:
-    """A NormSpec from a NormSpec, a preset name or a path to a spec JSON file."""
+def resolve_expected(expect, eps: float | None = None, shape=None) -> NormSpec:
+    """A NormSpec from a NormSpec, a preset name (with knobs: ``name:groups=32``) or a spec JSON file path."""
     if isinstance(expect, NormSpec):
         spec = expect
     elif isinstance(expect, str | Path) and Path(str(expect)).is_dir():
@@ -32,21 +34,19 @@ def resolve_expected(expect, eps: float | None = None) -> NormSpec:
         path = Path(expect)
         if not path.is_file():
             raise InputError(f"no such spec file: {path}")
-        text = path.read_text()
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path} is not JSON: {exc}") from None
+        data = read_json_file(path)
         if isinstance(data, dict) and data.get("schema") in ("normscope.inference/1", "normscope.check/1"):
             data = data.get("spec") or data.get("expected")  # a saved inference or check names its contract
         spec = NormSpec.from_dict(data)
     elif isinstance(expect, str):
-        spec = NormSpec.preset(expect)
+        spec = preset_from_text(expect, shape)
     else:
         raise InputError(f"expect must be a NormSpec, a preset name or a spec JSON path; got {type(expect).__name__}")
-    return spec.replace(eps=eps) if eps is not None else spec
+    spec = spec.replace(eps=eps) if eps is not None else spec
+    return spec if shape is None else spec_fits(spec, shape)
 
 
+@quiet
 def check(
     target,
     *,
@@ -67,9 +67,9 @@ def check(
     differences from the expected one, in plain words.
     """
     started = time.perf_counter()
-    spec = resolve_expected(expect, eps)
+    shape = probe_shape(shape)
+    spec = resolve_expected(expect, eps, shape)
     t = as_target(target, framework)
-    shape = tuple(int(s) for s in ((shape,) if isinstance(shape, int) else shape))
     calls_before = t.calls
     mode = {"batch": True, "running": False}.get(spec.batch_stats or "", t.training)
     ctx = Context.build(t, spec, shape, check_dtype_list(dtypes), quick, seed, progress)

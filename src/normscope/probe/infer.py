@@ -29,6 +29,7 @@ import numpy as np
 
 from .. import reference
 from ..errors import InputError, NotANormalization, TargetError
+from ..inputs import probe_shape, quiet
 from ..jsonable import jsonable
 from ..precision import UNIT_ROUNDOFF, Precision
 from ..spec import NormSpec
@@ -425,6 +426,7 @@ class _Affine:
 BIG = 1e6  # ±u is scaled to variance 1e12: ε is negligible for every placement (ε/√V ≤ 1e-8 for ε ≤ 1e-2)
 
 
+@quiet
 def infer(
     target,
     *,
@@ -443,9 +445,7 @@ def infer(
     """
     started = time.perf_counter()
     t = as_target(target, framework)
-    shape = tuple(int(s) for s in (shape if not isinstance(shape, int) else (shape,)))
-    if not shape or any(s < 1 for s in shape):
-        raise TargetError(f"shape must be positive sizes, e.g. 2,8,64; got {shape}")
+    shape = probe_shape(shape)
     calls_before, modified_before = t.calls, t.input_modifications
     pr = _Prober(t, shape, check_dtype_list(dtypes), seed, progress)
     ev = pr.evidence

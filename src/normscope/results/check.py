@@ -19,12 +19,9 @@ from typing import Any
 from ..jsonable import jsonable
 from ..spec import NormSpec
 
-__all__ = ["SCHEMA", "Status", "Finding", "Report", "GRID_IDS"]
+__all__ = ["SCHEMA", "Status", "Finding", "Report"]
 
 SCHEMA = "normscope.check/1"
-
-#: Findings that are one point of a grid (shape × dtype): a renderer may fold the passing ones.
-GRID_IDS = frozenset({"reference.forward", "reference.backward"})
 
 
 class Status(enum.StrEnum):
@@ -81,11 +78,6 @@ class Finding:
         if not self.params:
             return self.id
         return f"{self.id}[" + "; ".join(f"{k}={_param_text(v)}" for k, v in self.params.items()) + "]"
-
-    @property
-    def grid(self) -> bool:
-        """Whether this finding is one point of a grid (see :data:`GRID_IDS`)."""
-        return self.id in GRID_IDS
 
     def to_dict(self) -> dict[str, Any]:
         return {k: jsonable(v) for k, v in dataclasses.asdict(self).items()}

@@ -295,7 +295,7 @@ def test_slow_targets_get_a_time_estimate_on_stderr(capsys, monkeypatch):
 
 def test_help_and_explain_do_not_load_the_probes_or_numpy():
     code = ("import sys, normscope.cli as c; c.build_parser(); "
-            "print(sorted(m for m in ('numpy', 'torch', 'normscope.probe.checks', 'rich') if m in sys.modules))")
+            "print(sorted(m for m in ('numpy', 'torch', 'normscope.battery', 'rich') if m in sys.modules))")
     src = str(Path(normscope.__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": src}).stdout

@@ -27,9 +27,9 @@ from .spec import NormSpec
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Finding": ".probe.checks",
-    "Report": ".probe.checks",
-    "check": ".probe.checks",
+    "Finding": ".results.check",
+    "Report": ".results.check",
+    "check": ".battery.check",
     "Inference": ".probe.infer",
     "infer": ".probe.infer",
     "scan": ".sites",
@@ -86,6 +86,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from . import reference, targets
     from .artifacts import ContractDiff, ModelContract, contract
-    from .probe.checks import Finding, Report, check
+    from .battery.check import check
+    from .results.check import Finding, Report
     from .probe.infer import Inference, infer
     from .sites import ModelScan, Site, scan

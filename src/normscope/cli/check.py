@@ -52,7 +52,7 @@ def run(args, console) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from ..loading import parse_shape
-    from ..probe.checks import check, resolve_expected
+    from ..battery.check import check, resolve_expected
     from ..report.console import render_check
 
     if args.junit:

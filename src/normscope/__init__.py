@@ -87,6 +87,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import reference, targets
     from .artifacts import ContractDiff, ModelContract, contract
     from .battery.check import check
-    from .results.check import Finding, Report
     from .probe.infer import Inference, infer
+    from .results.check import Finding, Report
     from .sites import ModelScan, Site, scan

@@ -51,8 +51,8 @@ def _writable(path_text: str) -> None:
 def run(args, console) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from ..loading import parse_shape
     from ..battery.check import check, resolve_expected
+    from ..loading import parse_shape
     from ..report.console import render_check
 
     if args.junit:

@@ -205,6 +205,9 @@ def test_bad_inputs_get_one_clear_error(monkeypatch):
         norm(x.double(), spec)
     with pytest.raises(InputError, match=r"gamma has shape \(7,\)"):
         norm(x, spec, torch.ones(7))
+    with pytest.raises(InputError, match="last axis of size"):
+        norm(torch.zeros(3, 0), spec)
+    assert norm(torch.zeros(0, 8), spec).shape == (0, 8)  # no rows: nothing to do, no error
     with pytest.raises(InputError, match="residual"):
         norm(x, spec, residual=torch.zeros(2, 8, dtype=torch.bfloat16))
     with pytest.raises(InputError, match="TRITON_INTERPRET"):

@@ -141,6 +141,8 @@ def norm(x: torch.Tensor, spec: NormSpec, gamma: torch.Tensor | None = None, bet
         raise InputError(f"spec must be a NormSpec; got {type(spec).__name__} (try NormSpec.preset(...))")
     if not torch.is_floating_point(x):
         raise InputError(f"x must be a floating-point tensor; got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise InputError(f"x must have a last axis of size ≥ 1 to normalize; got shape {tuple(x.shape)}")
     name = dtype_name(x.dtype)
     rc = row_contract(spec, x.dim(), name)
     be = pick_backend(x, backend)

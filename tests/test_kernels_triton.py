@@ -10,7 +10,10 @@ import os
 
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when triton.jit decorates the kernels: before they are imported
+# Read when triton.jit decorates the kernels and again when they run, so it stays set for the session (in
+# the other test modules it only lets backend="triton" accept CPU tensors; test_kernels.py unsets it where
+# it tests that refusal).
+os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import torch  # noqa: E402

@@ -21,6 +21,9 @@ from ..errors import InputError
 from ..layout import Layout
 from ..spec import NormSpec
 
+#: What computes a Norm: its own reference code, or a fused kernel (``"auto"``: the kernel where it can).
+BACKENDS = ("auto", "reference", "numba", "triton")
+
 
 def _sqrt(v: torch.Tensor) -> torch.Tensor:
     # torch's float32 sqrt on CPU is not always correctly rounded; a float64 sqrt rounded once is.
@@ -42,6 +45,11 @@ class Norm(nn.Module):
     updated in training mode with ``momentum`` and the unbiased batch variance, as torch does; training
     mode then uses batch statistics and evaluation mode the running ones, whatever ``spec.batch_stats``
     says.
+
+    ``backend`` picks what computes it: ``"reference"`` (this module's own torch code, bit for bit the
+    reference's emulation), ``"numba"`` / ``"triton"`` (the fused kernels of :mod:`normscope.kernels`; a spec or
+    dtype they cannot honour raises an error naming the field) or ``"auto"`` (the fused kernel for the
+    tensor's device where it honours the spec and dtype, else the reference code).
     """
 
     def __init__(
@@ -52,10 +60,14 @@ class Norm(nn.Module):
         momentum: float | None = 0.1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        backend: str = "reference",
     ):
         super().__init__()
         if not isinstance(spec, NormSpec):
             raise InputError(f"spec must be a NormSpec; got {type(spec).__name__}")
+        if backend not in BACKENDS:
+            raise InputError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
+        self.backend = backend
         self._spec = spec
         self.shape = _shape_tuple(shape)
         if (spec.gamma or spec.beta) and len(self.shape) != len(spec.param_axes):
@@ -83,13 +95,35 @@ class Norm(nn.Module):
         return self._spec.replace(batch_stats="batch" if self.training else "running")
 
     def extra_repr(self) -> str:
-        return f"{self.spec.summary()}, shape={self.shape}"
+        text = f"{self.spec.summary()}, shape={self.shape}"
+        return text if self.backend == "reference" else f"{text}, backend={self.backend!r}"
+
+    def _kernel_backend(self, x: torch.Tensor, spec: NormSpec) -> str | None:
+        """The fused kernel family to run ``x`` with, or ``None`` for the reference code."""
+        if self.backend == "reference" or not torch.is_floating_point(x):
+            return None
+        import importlib.util
+
+        from ..kernels import unsupported
+
+        if self.backend != "auto":
+            return self.backend  # kernels.norm raises naming what it cannot honour
+        if unsupported(spec, x.dim(), dtype_name(x.dtype)) is not None:
+            return None
+        if x.device.type == "cpu":
+            return "numba" if importlib.util.find_spec("numba") is not None else None
+        return "triton" if x.device.type == "cuda" and importlib.util.find_spec("triton") is not None else None
 
     # ---------------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if not torch.is_floating_point(x):
             raise InputError(f"Norm expects a floating-point tensor; got {x.dtype}")
+        kernel = self._kernel_backend(x, spec)
+        if kernel is not None:
+            from ..kernels import norm
+
+            return norm(x, spec, self.weight, self.bias, backend=kernel)
         shape = tuple(x.shape)
         lay = Layout.of(spec, shape)
         reduce, n = lay.reduce_axes, lay.count

@@ -1,0 +1,288 @@
+"""CPU row kernels in numba: forward (with the fused residual add) and backward for any last-axis contract.
+
+Each kernel takes its rows as a flat buffer and a row stride (strided rows are read in place), runs the rows
+in parallel (``prange``), keeps every statistic in float32 and rounds each output to the storage dtype.
+numba has no 16-bit float type on the CPU, so bfloat16 and float16 arrays travel as their ``uint16`` bit
+patterns: a row is decoded into a float32 scratch row (bfloat16 by a shift, float16 by a 65536-entry table),
+computed there, rounded to nearest-even into the storage dtype and encoded back. The same row functions
+serve float32 rows, which are computed in place of the output row.
+
+Reductions use ``fastmath={"reassoc", "contract"}`` only (several float32 accumulators, FMAs): NaN and ±inf
+propagate as in the reference, and the error stays within what a float32-accumulating kernel may have.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+_FM = {"reassoc", "contract"}
+_OPTS = {"cache": True, "fastmath": _FM, "error_model": "numpy"}
+
+#: float16 bit pattern → float32 value.
+F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------- formats
+@njit(**_OPTS)
+def _round_row(buf, bits, n, fmt):
+    """Round a float32 row to bfloat16 (fmt 1) or float16 (fmt 2) values, nearest-even, in place."""
+    if fmt == 1:
+        for j in range(n):
+            u = bits[j]
+            if (u & np.uint32(0x7F800000)) != np.uint32(0x7F800000):  # finite: round; inf/NaN unchanged
+                u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+                bits[j] = u
+    elif fmt == 2:
+        for j in range(n):
+            v = buf[j]
+            a = abs(v)
+            if not a < np.float32(np.inf):
+                continue  # inf/NaN
+            if a < np.float32(6.103515625e-05):  # below 2^-14: float16 subnormal spacing 2^-24
+                buf[j] = np.float32(np.rint(v * np.float32(16777216.0))) * np.float32(5.9604644775390625e-08)
+            else:
+                u = bits[j]
+                u = (u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+                bits[j] = u
+                if abs(buf[j]) > np.float32(65504.0):
+                    buf[j] = np.float32(np.inf) if v > 0 else np.float32(-np.inf)
+
+
+@njit(**_OPTS)
+def _decode(src, start, n, fmt, table, buf, bits):
+    if fmt == 1:
+        for j in range(n):
+            bits[j] = np.uint32(src[start + j]) << np.uint32(16)
+    else:
+        for j in range(n):
+            buf[j] = table[src[start + j]]
+
+
+@njit(**_OPTS)
+def _encode(buf, bits, n, fmt, dst, start):
+    """Store a row already rounded to the format (``_round_row``) as 16-bit patterns."""
+    if fmt == 1:
+        for j in range(n):
+            dst[start + j] = np.uint16(bits[j] >> np.uint32(16))
+    else:
+        for j in range(n):
+            u = bits[j]
+            sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
+            e = np.int64((u >> np.uint32(23)) & np.uint32(0xFF))
+            if e == 255:
+                dst[start + j] = sign | np.uint16(0x7C00) | (np.uint16(0x200) if (u & np.uint32(0x7FFFFF)) else
+                                                             np.uint16(0))
+            elif abs(buf[j]) == np.float32(np.inf):
+                dst[start + j] = sign | np.uint16(0x7C00)
+            elif e - 112 >= 1:  # normal float16
+                dst[start + j] = sign | np.uint16(((e - 112) << 10) | ((u & np.uint32(0x7FFFFF)) >> np.uint32(13)))
+            else:  # subnormal or zero: the value is a multiple of 2^-24
+                dst[start + j] = sign | np.uint16(np.int64(abs(buf[j]) * np.float32(16777216.0)))
+
+
+# ------------------------------------------------------------------------------------------- one row
+@njit(**_OPTS)
+def _row_stats(h, n, center, one_pass, unbiased, eps, placement):
+    """(mean, var, denominator) of one float32 row, as the contract defines them."""
+    n_var = np.float32(n - 1) if unbiased else np.float32(n)
+    mean = np.float32(0.0)
+    if not center:
+        ss = np.float32(0.0)
+        for j in range(n):
+            ss += h[j] * h[j]
+        var = ss / n_var
+    elif not one_pass:
+        s = np.float32(0.0)
+        for j in range(n):
+            s += h[j]
+        mean = s / np.float32(n)
+        ss = np.float32(0.0)
+        for j in range(n):
+            dv = h[j] - mean
+            ss += dv * dv
+        var = ss / n_var
+    else:
+        s = np.float32(0.0)
+        ss = np.float32(0.0)
+        for j in range(n):
+            s += h[j]
+            ss += h[j] * h[j]
+        mean = s / np.float32(n)
+        var = ss / np.float32(n) - mean * mean
+        if unbiased:
+            var = var * (np.float32(n) / np.float32(n - 1))
+        if var < np.float32(0.0):
+            var = np.float32(0.0)
+    if placement == 0:
+        denom = np.sqrt(var + eps)
+    elif placement == 1:
+        denom = np.sqrt(var) + eps
+    elif placement == 2:
+        r = np.sqrt(var)
+        denom = eps if r < eps else r  # a NaN variance stays NaN
+    else:
+        denom = np.sqrt(var)
+    return mean, var, denom
+
+
+@njit(**_OPTS)
+def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, bits):
+    """out = affine((h − mean) / denom), rounded to the storage format ``fmt`` (``bits`` views ``out``)."""
+    inv = np.float32(1.0) / denom
+    if cast_then_scale and fmt != 0:  # round x̂, then scale and shift in the storage dtype
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv
+        _round_row(out, bits, n, fmt)
+        if has_scale:
+            for j in range(n):
+                out[j] = out[j] * scale[j]
+            _round_row(out, bits, n, fmt)
+        if has_shift:
+            for j in range(n):
+                out[j] = out[j] + shift[j]
+            _round_row(out, bits, n, fmt)
+        return
+    if has_scale and has_shift:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
+    elif has_scale:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j]
+    elif has_shift:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv + shift[j]
+    else:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv
+    if fmt != 0:
+        _round_row(out, bits, n, fmt)
+
+
+# ------------------------------------------------------------------------------------------- forward
+@njit(parallel=True, **_OPTS)
+def forward_f32(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
+                center, one_pass, unbiased, eps, placement):
+    """float32 rows: y = norm(x [+ res]); h_out gets x + res when ``has_res``; stats[i] = (mean, var, denom)."""
+    for i in prange(rows):
+        yr = y[i * n:(i + 1) * n]
+        if has_res:
+            hr = h_out[i * n:(i + 1) * n]
+            for j in range(n):
+                hr[j] = x[i * x_rs + j] + res[i * res_rs + j]
+        else:
+            hr = x[i * x_rs:i * x_rs + n]
+        mean, var, denom = _row_stats(hr, n, center, one_pass, unbiased, eps, placement)
+        stats[i, 0] = mean
+        stats[i, 1] = var
+        stats[i, 2] = denom
+        _row_affine(hr, yr, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, yr.view(np.uint32))
+
+
+@njit(parallel=True, **_OPTS)
+def forward_16(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
+               center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
+    """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics."""
+    for i in prange(rows):
+        hbuf = np.empty(n, np.float32)
+        hbits = hbuf.view(np.uint32)
+        _decode(x, i * x_rs, n, fmt, table, hbuf, hbits)
+        if has_res:
+            rbuf = np.empty(n, np.float32)
+            _decode(res, i * res_rs, n, fmt, table, rbuf, rbuf.view(np.uint32))
+            for j in range(n):
+                hbuf[j] = hbuf[j] + rbuf[j]
+            _round_row(hbuf, hbits, n, fmt)  # h = x + residual in the storage dtype
+            _encode(hbuf, hbits, n, fmt, h_out, i * n)
+        mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
+        stats[i, 0] = mean
+        stats[i, 1] = var
+        stats[i, 2] = denom
+        obuf = np.empty(n, np.float32)
+        obits = obuf.view(np.uint32)
+        _row_affine(hbuf, obuf, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, obits)
+        _encode(obuf, obits, n, fmt, y, i * n)
+
+
+# ------------------------------------------------------------------------------------------- backward
+@njit(**_OPTS)
+def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_pass, unbiased, eps, placement,
+                  dgamma, dbeta, want_dgamma, want_dbeta):
+    """dx of one row from dy (``g``, float32), accumulating dγ and dβ; mirrors ``reference.backward``."""
+    inv = np.float32(1.0) / denom
+    n_var = np.float32(n - 1) if unbiased else np.float32(n)
+    s_gdev = np.float32(0.0)
+    s_g = np.float32(0.0)
+    s_dev = np.float32(0.0)
+    for j in range(n):
+        dev = h[j] - mean
+        gj = g[j] * scale[j] if has_scale else g[j]
+        if want_dgamma:
+            dgamma[j] += g[j] * (dev * inv)
+        if want_dbeta:
+            dbeta[j] += g[j]
+        s_gdev += gj * dev
+        s_g += gj
+        s_dev += dev
+    r = np.sqrt(var)
+    if placement == 0:
+        d_denom = np.float32(0.5) / denom
+    elif placement == 2:
+        d_denom = np.float32(0.5) / r if r > eps else np.float32(0.0)
+    else:
+        d_denom = np.float32(0.5) / r
+    if one_pass and not var > np.float32(0.0):
+        d_denom = np.float32(0.0)  # the clamp at 0 has no gradient
+    dvar = -s_gdev * inv * inv * d_denom
+    c = np.float32(2.0) * dvar / n_var
+    sub = np.float32(0.0)
+    if center:
+        sub = (s_g * inv + c * s_dev) / np.float32(n)
+    for j in range(n):
+        gj = g[j] * scale[j] if has_scale else g[j]
+        dx[j] = gj * inv + c * (h[j] - mean) - sub
+
+
+@njit(parallel=True, **_OPTS)
+def backward_f32(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
+                 center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+    """dx (plus the incoming gradient of h, when ``has_dh``) for contiguous float32 rows; dγ/dβ as per-chunk
+    partial sums (``chunks`` rows of the partial arrays), summed by the caller."""
+    per = (rows + chunks - 1) // chunks
+    for c in prange(chunks):
+        dg = dgamma_part[c]
+        db = dbeta_part[c]
+        for i in range(c * per, min(rows, (c + 1) * per)):
+            dxr = dx[i * n:(i + 1) * n]
+            _row_backward(h[i * n:(i + 1) * n], dy[i * n:(i + 1) * n], dxr, n, stats[i, 0], stats[i, 1],
+                          stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
+                          want_dgamma, want_dbeta)
+            if has_dh:
+                for j in range(n):
+                    dxr[j] += dh[i * n + j]
+
+
+@njit(parallel=True, **_OPTS)
+def backward_16(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
+                center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part):
+    """``backward_f32`` for bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; dx rounded once."""
+    per = (rows + chunks - 1) // chunks
+    for c in prange(chunks):
+        hbuf = np.empty(n, np.float32)
+        gbuf = np.empty(n, np.float32)
+        dbuf = np.empty(n, np.float32)
+        tbuf = np.empty(n, np.float32)
+        dbits = dbuf.view(np.uint32)
+        dg = dgamma_part[c]
+        db = dbeta_part[c]
+        for i in range(c * per, min(rows, (c + 1) * per)):
+            _decode(h, i * n, n, fmt, table, hbuf, hbuf.view(np.uint32))
+            _decode(dy, i * n, n, fmt, table, gbuf, gbuf.view(np.uint32))
+            _row_backward(hbuf, gbuf, dbuf, n, stats[i, 0], stats[i, 1], stats[i, 2], scale, has_scale, center,
+                          one_pass, unbiased, eps, placement, dg, db, want_dgamma, want_dbeta)
+            if has_dh:
+                _decode(dh, i * n, n, fmt, table, tbuf, tbuf.view(np.uint32))
+                for j in range(n):
+                    dbuf[j] += tbuf[j]
+            _round_row(dbuf, dbits, n, fmt)
+            _encode(dbuf, dbits, n, fmt, dx, i * n)

@@ -1,0 +1,70 @@
+"""The torch side of the numba kernels: tensors in, zero-copy NumPy views, tensors out."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import numba_cpu as k
+from .contract import RowContract
+from .ops import _flat
+
+
+def _np(t: torch.Tensor, fmt: int) -> np.ndarray:
+    """A 1-D contiguous tensor as NumPy: float32 as is, 16-bit floats as their uint16 bit patterns."""
+    if fmt == 0:
+        return t.numpy()
+    return t.view(torch.int16).numpy().view(np.uint16)
+
+
+_EMPTY_F32 = np.zeros(1, np.float32)
+_EMPTY_U16 = np.zeros(1, np.uint16)
+
+
+def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
+    rows, n = x2.shape
+    d = x2.dtype
+    y = torch.empty((rows, n), dtype=d)
+    h = torch.empty((rows, n), dtype=d) if r2 is not None else None
+    stats = torch.empty((rows, 3), dtype=torch.float32)
+    if rows == 0 or n == 0:
+        return y, h, stats
+    empty = _EMPTY_F32 if fmt == 0 else _EMPTY_U16
+    xs = _np(_flat(x2, x_rs), fmt)
+    rs = _np(_flat(r2, r_rs), fmt) if r2 is not None else empty
+    hs = _np(h.view(-1), fmt) if h is not None else empty
+    sc = scale.contiguous().numpy() if scale is not None else _EMPTY_F32
+    sh = shift.contiguous().numpy() if shift is not None else _EMPTY_F32
+    common = (rows, n, sc, sh, scale is not None, shift is not None, rc.center, rc.one_pass, rc.unbiased,
+              np.float32(rc.eps), rc.placement)
+    if fmt == 0:
+        k.forward_f32(xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), 0), hs, stats.numpy(), *common)
+    else:
+        k.forward_16(xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), fmt), hs, stats.numpy(), *common,
+                     rc.cast_then_scale, fmt, k.F16_TABLE)
+    return y, h, stats
+
+
+def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: bool, want_db: bool):
+    rows, n = h2.shape
+    d = h2.dtype
+    dx = torch.empty((rows, n), dtype=d)
+    chunks = max(1, min(rows, 4 * torch.get_num_threads(), 64))
+    dg = np.zeros((chunks if want_dg else 1, n if want_dg else 1), np.float32)
+    db = np.zeros((chunks if want_db else 1, n if want_db else 1), np.float32)
+    if rows and n:
+        if dy2.dtype != d:
+            dy2 = dy2.to(d)
+        empty = _EMPTY_F32 if fmt == 0 else _EMPTY_U16
+        dhs = _np(dh2.to(d).contiguous().view(-1), fmt) if dh2 is not None else empty
+        sc = scale.contiguous().numpy() if scale is not None else _EMPTY_F32
+        args = (_np(h2.view(-1), fmt), _np(dy2.view(-1), fmt), dhs, dh2 is not None, _np(dx.view(-1), fmt),
+                stats.numpy(), rows, n, chunks, sc, scale is not None, want_dg, want_db, rc.center, rc.one_pass,
+                rc.unbiased, np.float32(rc.eps), rc.placement)
+        if fmt == 0:
+            k.backward_f32(*args, dg, db)
+        else:
+            k.backward_16(*args, fmt, k.F16_TABLE, dg, db)
+    dgamma = torch.from_numpy(dg.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_dg else None
+    dbeta = torch.from_numpy(db.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_db else None
+    return dx, dgamma, dbeta

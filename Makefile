@@ -16,7 +16,7 @@ $(VENV)/.base: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.dev: $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev]"
+	$(BIN)/pip install --quiet "$(TORCH)" -e ".[dev,triton]"
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base

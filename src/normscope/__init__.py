@@ -35,11 +35,13 @@ _LAZY = {
     "scan": ".sites",
     "ModelScan": ".sites",
     "Site": ".sites",
+    "Capabilities": ".targets",
+    "Outputs": ".targets",
     "contract": ".artifacts",
     "ModelContract": ".artifacts",
     "ContractDiff": ".artifacts",
 }
-_SUBMODULES = ("reference", "targets")
+_SUBMODULES = ("kernels", "reference", "sources", "targets")
 
 __all__ = [
     "InputError",
@@ -65,6 +67,10 @@ __all__ = [
     "contract",
     "ModelContract",
     "ContractDiff",
+    "Capabilities",
+    "Outputs",
+    "kernels",
+    "sources",
 ]
 
 

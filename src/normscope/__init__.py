@@ -35,6 +35,8 @@ _LAZY = {
     "scan": ".sites",
     "ModelScan": ".sites",
     "Site": ".sites",
+    "gradflow": ".gradient_flow",
+    "GradFlow": ".gradient_flow",
     "Capabilities": ".targets",
     "Outputs": ".targets",
     "contract": ".artifacts",
@@ -67,6 +69,8 @@ __all__ = [
     "contract",
     "ModelContract",
     "ContractDiff",
+    "gradflow",
+    "GradFlow",
     "Capabilities",
     "Outputs",
     "kernels",
@@ -93,6 +97,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import reference, targets
     from .artifacts import ContractDiff, ModelContract, contract
     from .battery.check import check
+    from .gradient_flow import GradFlow, gradflow
     from .probe.infer import Inference, infer
     from .results.check import Finding, Report
     from .sites import ModelScan, Site, scan

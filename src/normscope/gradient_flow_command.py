@@ -1,0 +1,151 @@
+"""``normscope gradflow TARGET``: the command-line glue (``add_parser(subparsers)`` and ``run(args, console)``).
+
+TARGET is what ``normscope scan`` takes (``package.module:factory`` with ``--args``/``--kwargs``, a Hugging Face
+model directory or a ``config.json``). The loss: a Hugging Face model gets a small ``input_ids`` batch with
+``labels`` (its own loss); ``--tokens B,T`` feeds random token ids below the model's ``vocab_size`` and takes the
+next-token cross-entropy of the logits; ``--shape`` feeds a standard-normal tensor. When the model returns no
+logits over the vocabulary or no loss, the loss is the mean square of its output, and the output says so.
+Exit codes: 0 measured, 2 usage or input error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the command line registers this parser without loading rich
+    from rich.console import Console
+
+from .errors import InputError
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def add_parser(subparsers) -> Any:
+    p = subparsers.add_parser(
+        "gradflow",
+        help="gradient norm per layer (attention, MLP, residual stream) at the start and after training steps",
+        description="One backward of a loss on the model gives every parameter's gradient norm and one row per "
+                    "block; with --steps the optimizer runs and the same is measured again. The model file is "
+                    "not changed. Exit 0 measured, 2 usage error.",
+    )
+    p.add_argument("target", metavar="TARGET",
+                   help="package.module:factory, a local Hugging Face model directory, or a config.json "
+                        "(random weights)")
+    p.add_argument("--args", help="JSON list of positional arguments for the factory, e.g. '[64]' (default: none)")
+    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factory (default: none)")
+    p.add_argument("--tokens", help="token-id input of shape B,T below the model's vocab_size (next-token loss; default: "
+                        "a small batch for HF models)")
+    p.add_argument("--shape",
+                   help="standard-normal float input of this shape, e.g. 2,8,64 (mean-square loss; default: none)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps before measuring again (default 0)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer for --steps (default adam)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate for --steps (default 1e-3)")
+    p.add_argument("--eval", action="store_true", help="measure in evaluation mode (default: training mode)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="config.json only: number of layers built (default 2; 0 keeps the config's)")
+    p.add_argument("--vocab", type=int, default=512,
+                   help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
+    p.add_argument("--plot", metavar="PNG", help="write the gradient-norm-vs-layer plot here (default: no plot)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema normscope.gradflow/1)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _vocab(model) -> int:
+    for owner in (model, getattr(model, "config", None)):
+        v = getattr(owner, "vocab_size", None)
+        if isinstance(v, int) and v >= 2:
+            return v
+    raise InputError(f"--tokens needs the model's vocabulary size, but {type(model).__name__} has no vocab_size "
+                     "(nor config.vocab_size); pass --shape for a float input instead")
+
+
+def _first_tensor(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) or hasattr(out, "values"):
+        out = list(out.values())
+    if isinstance(out, list | tuple):
+        for o in out:
+            if isinstance(o, torch.Tensor) and torch.is_floating_point(o):
+                return o
+    raise InputError(f"the model returned a {type(out).__name__} with no floating-point tensor to take a loss of")
+
+
+def loss_for(model, tokens: str | None, shape: str | None):
+    """(loss_fn, description) for the command line's input options."""
+    import torch
+    import torch.nn.functional as F
+
+    from .loading import parse_shape
+    from .sites.core import _hf_inputs
+
+    if tokens and shape:
+        raise InputError("pass --tokens or --shape, not both")
+    g = torch.Generator().manual_seed(0)
+    if shape:
+        x = torch.randn(parse_shape(shape), generator=g)
+        return (lambda m: _first_tensor(m(x)).float().pow(2).mean()), f"mean square of the output on randn{tuple(x.shape)}"
+    if tokens:
+        b_t = parse_shape(tokens)
+        if len(b_t) != 2 or b_t[1] < 2:
+            raise InputError(f"--tokens is B,T with T ≥ 2 (a batch of sequences); got {tokens}")
+        vocab = _vocab(model)
+        ids = torch.randint(0, vocab, b_t, generator=g)
+
+        def token_loss(m):
+            out = _first_tensor(m(ids[:, :-1]))
+            if out.dim() == 3 and out.shape[-1] == vocab:
+                return F.cross_entropy(out.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            return out.float().pow(2).mean()
+        return token_loss, f"next-token cross-entropy on random ids {tuple(b_t)} below {vocab}"
+    kwargs = _hf_inputs(model)
+    kwargs["labels"] = kwargs["input_ids"]
+
+    def hf_loss(m):
+        out = m(**kwargs)
+        loss = getattr(out, "loss", None)
+        return loss if loss is not None else _first_tensor(out).float().pow(2).mean()
+    return hf_loss, f"the model's loss on input_ids {tuple(kwargs['input_ids'].shape)} (labels = input_ids)"
+
+
+def run(args, console: Console) -> int:
+    import torch
+
+    from .gradient_flow import gradflow
+    from .sites.command import load_model
+
+    if args.steps < 0:
+        raise InputError(f"--steps must be ≥ 0; got {args.steps}")
+    if not args.lr > 0:
+        raise InputError(f"--lr must be positive; got {args.lr}")
+    model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
+    loss_fn, loss_what = loss_for(model, args.tokens, args.shape)
+    cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    result = gradflow(model, loss_fn, steps=args.steps, optimizer=lambda ps: cls(ps, lr=args.lr),
+                      train=not args.eval)
+    result.notes.insert(0, f"model: {origin}; loss: {loss_what}")
+    if args.plot:
+        result.plot(args.plot)
+    if args.json:
+        print(result.to_json())
+        return EXIT_OK
+    console.print(f"[dim]{origin}[/]  loss: {loss_what}")
+    for snap in result.snapshots:
+        from rich.table import Table
+
+        t = Table(title=f"step {snap.step}: loss {snap.loss:.4g}", title_justify="left")
+        for col in ("layer", "block", "attention", "mlp", "norm", "stream_grad", "input_rms"):
+            t.add_column(col, justify="left" if col == "block" else "right")
+        for row in snap.layers:
+            t.add_row(str(row["layer"]), row["block"],
+                      *(f"{row[c]:.3g}" if row[c] is not None else "—"
+                        for c in ("attention", "mlp", "norm", "stream_grad", "input_rms")))
+        console.print(t)
+    for note in result.notes[1:]:
+        console.print(f"[yellow]{note}[/]")
+    if args.plot:
+        console.print(f"plot: {args.plot}")
+    return EXIT_OK

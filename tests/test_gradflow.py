@@ -160,11 +160,15 @@ def test_scan_reports_the_placement_built(scans, placement):
         assert roles["blocks.0.attn.q_norm"] == roles["blocks.1.attn.k_norm"] == "qk"
 
 
-@pytest.mark.xfail(strict=True, reason="scan finds no residual add in N(α·x + f(x)): the stream is scaled before "
-                                       "the add, so scan reports placement 'none' and the norms' role 'other'")
-def test_scan_reports_deepnorm_as_post(scans):
+def test_scan_reports_deepnorm(scans):
+    # N(α·x + f(x)): the stream is scaled before the add; scan finds the add, its α and the post norms
     s = scans("deepnorm")
-    assert s.placement == "post"
+    assert s.placement == "deepnorm"
+    assert [b["placement"] for b in s.blocks] == ["deepnorm", "deepnorm"]
+    alpha = deepnorm_constants(2)["alpha"]
+    assert all(abs(u["residual_scale"] - alpha) < 1e-12 for b in s.blocks for u in b["updates"])
+    roles = {site.name: site.role for site in s.sites}
+    assert roles["blocks.0.norm1"] == roles["blocks.1.norm2"] == "post"
 
 
 # ---------------------------------------------------------------------------------------------- gradflow

@@ -7,7 +7,8 @@ Three ancestor sets per value, as bitsets over value indices: ``anc`` (every val
 A *residual add* is ``o = s + f`` of two activations of the same shape where the stream ``s`` reaches the
 branch ``f`` through a mixing op (``s ∈ anc_m(f)``: the branch is a sublayer applied to the stream), or where
 ``s`` is itself a residual sum whose own stream reaches ``f`` that way (``(x + attn(x)) + mlp(x)``, the
-parallel form). Then, for a norm with input x and output y:
+parallel form). The stream may be scaled by a constant before the add (``α·x + f(x)``, DeepNorm): the stream is
+then ``x`` and the add records its scale α. Then, for a norm with input x and output y:
 
 - ``qk``: y reaches the query or key operand of attention (scaled_dot_product_attention, or a matmul whose
   product feeds a softmax) without a mixing op in between;
@@ -22,7 +23,8 @@ parallel form). Then, for a norm with input x and output y:
 Blocks are the repeated elements of a ``ModuleList``/``Sequential`` that run residual adds; a block is
 ``parallel`` when two of its sublayer outputs read the same stream value, else its updates are classified
 ``pre`` (pre norm only), ``reordered`` (branch norm only), ``sandwich`` (both), ``post`` (a norm on the sum),
-``none`` (no norm), and a block whose updates differ is ``mixed``.
+``deepnorm`` (a norm on the sum of a stream scaled by α ≠ 1), ``none`` (no norm), and a block whose updates
+differ is ``mixed``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from typing import Any
 
 import torch
 
-from .trace import ADDS, EMBEDDING, SOFTMAX, TRANSPARENT, Trace
+from .trace import ADDS, EMBEDDING, SCALINGS, SOFTMAX, TRANSPARENT, Trace
 
 ROLES = ("pre", "post", "branch", "qk", "final", "embedding", "other")
-PLACEMENTS = ("pre", "post", "sandwich", "reordered", "parallel", "mixed", "none")
+PLACEMENTS = ("pre", "post", "sandwich", "reordered", "deepnorm", "parallel", "mixed", "none")
 _ATTENTION_MATMULS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
 
 
@@ -48,6 +50,7 @@ class Residual:
     chained: bool  # the branch reads an earlier stream of the chain, not this add's stream (parallel form)
     call: int | None
     block: int | None = None  # the block call it runs in
+    scale: float = 1.0  # the constant the stream was multiplied by before the add (DeepNorm's α)
 
 
 @dataclasses.dataclass
@@ -145,6 +148,16 @@ class Dataflow:
             return None
         return a, b
 
+    def unscaled(self, v: int) -> tuple[int, float]:
+        """``x`` and ``c`` when ``v = x·c`` for a Python number ``c``; else ``v`` and 1."""
+        p = self.t.values[v].producer
+        if p is not None:
+            op = self.t.ops[p]
+            acts = [i for i in op.inputs if self.activation(i)]
+            if op.name in SCALINGS and op.scalar is not None and len(acts) == 1:
+                return acts[0], op.scalar
+        return v, 1.0
+
     def _residuals(self) -> None:
         self.residuals: list[Residual] = []
         by_out: dict[int, Residual] = {}
@@ -153,9 +166,14 @@ class Dataflow:
             if pair is None:
                 continue
             found = None
+            scale = 1.0
             for s, f in (pair, pair[::-1]):
                 if self.anc_m[f] >> s & 1:
                     found = (s, f, False)
+                    break
+                x, c = self.unscaled(s)
+                if c != 1.0 and self.anc_m[f] >> x & 1:
+                    found, scale = (x, f, False), c
                     break
             if found is None:
                 for s, f in (pair, pair[::-1]):
@@ -164,7 +182,7 @@ class Dataflow:
                         break
             if found is None:
                 continue
-            r = Residual(op.index, found[0], found[1], op.outputs[0], found[2], op.call)
+            r = Residual(op.index, found[0], found[1], op.outputs[0], found[2], op.call, scale=scale)
             r.block = self._block_of_call(op.call)
             self.residuals.append(r)
             by_out[r.out] = r
@@ -300,6 +318,9 @@ class Dataflow:
                     rv = self.read(term)
                     reads[rv] = reads.get(rv, 0) + 1
             kinds = [_update_kind(attached[k]) for k in updates]
+            scales = [self.residuals[k].scale for k in updates]
+            if set(kinds) == {"post"} and all(c != 1.0 for c in scales):
+                kinds = ["deepnorm"] * len(kinds)  # post-norm over α·x + f(x)
             parallel = any(n >= 2 for rv, n in reads.items() if rv >= 0)
             if parallel:
                 placement = "parallel"
@@ -311,7 +332,8 @@ class Dataflow:
                 "block": self.t.calls[block].path if block is not None else None,
                 "layer": self.block_index.get(block) if block is not None else None,
                 "placement": placement,
-                "updates": [{"op": self.residuals[k].op, "norms": sorted(attached[k]), "kind": kind}
+                "updates": [{"op": self.residuals[k].op, "norms": sorted(attached[k]), "kind": kind,
+                             "residual_scale": self.residuals[k].scale}
                             for k, kind in zip(updates, kinds, strict=True)],
                 "sublayers_reading_one_stream": max(reads.values(), default=0),
             })

@@ -30,6 +30,7 @@ TRANSPARENT = frozenset({
     "bfloat16", "clone", "detach", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "dropout",
     "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "identity",
 })
+SCALINGS = frozenset({"mul", "__mul__", "__rmul__"})  # x·c: a residual stream scaled before its add (DeepNorm)
 SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "softmin"})
 EMBEDDING = frozenset({"embedding", "embedding_bag"})
 
@@ -69,6 +70,7 @@ class Op:
     mixing: bool
     tensor_args: int  # how many tensor arguments the op had (before flattening lists)
     norm: dict[str, Any] | None = None  # functional normalizations: the bound arguments (tensors copied)
+    scalar: float | None = None  # a product of one tensor and a Python number: the number (DeepNorm's α·x)
 
 
 @dataclasses.dataclass
@@ -223,6 +225,10 @@ class Trace:
             op.outputs = tuple(written)
             if norm is not None and isinstance(out, torch.Tensor):
                 norm["y"] = out.detach().clone()
+            if name in SCALINGS and len(ins) == 1:
+                numbers = [a for a in (*args, *kwargs.values()) if isinstance(a, int | float) and not isinstance(a, bool)]
+                if len(numbers) == 1:
+                    op.scalar = float(numbers[0])
             self.ops.append(op)
             if op.mixing:
                 for ci in self._stack:

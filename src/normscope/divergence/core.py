@@ -57,20 +57,23 @@ def _primary(out) -> torch.Tensor | None:
     return None
 
 
-def _cast(obj, dtype: torch.dtype | None):
-    """Floating tensors to ``dtype`` (clamped to its finite range: a float32 mask of −3.4e38 stays finite)."""
+def _cast(obj, dtype: torch.dtype | None, clamp: bool = False):
+    """Floating tensors to ``dtype``. ``clamp`` (keyword arguments: masks) keeps values within the dtype's finite
+    range, so a float32 mask of −3.4e38 stays finite; activations are cast as they are (an overflow at fp16 is
+    what the candidate would meet)."""
     if dtype is None:
         return obj
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point() and obj.dtype != dtype:
-            fi = torch.finfo(dtype)
-            return obj.detach().clamp(fi.min, fi.max).to(dtype) if fi.max < torch.finfo(obj.dtype).max else \
-                obj.detach().to(dtype)
+            if clamp and torch.finfo(dtype).max < torch.finfo(obj.dtype).max:
+                fi = torch.finfo(dtype)
+                return obj.detach().clamp(fi.min, fi.max).to(dtype)
+            return obj.detach().to(dtype)
         return obj
     if isinstance(obj, tuple | list):
-        return type(obj)(_cast(o, dtype) for o in obj)
+        return type(obj)(_cast(o, dtype, clamp) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+        return {k: _cast(v, dtype, clamp) for k, v in obj.items()}
     return obj
 
 
@@ -200,7 +203,7 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tupl
     error = None
     with hooks.active(), torch.no_grad():
         try:
-            model(*_cast(args, dtype), **_cast(kwargs, dtype))
+            model(*_cast(args, dtype), **_cast(kwargs, dtype, True))
         except Exception as exc:
             where = _site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
             error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
@@ -467,7 +470,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                 return
             with torch.no_grad():
                 try:
-                    yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype), **_cast(kw, cand_torch_dtype)))
+                    yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype), **_cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
                     s.status = "raised"
                     s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
@@ -489,7 +492,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                     else:
                         try:
                             yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
-                                                             **_cast(kw, cand_torch_dtype)))
+                                                             **_cast(kw, cand_torch_dtype, True)))
                             tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
                         except Exception:
                             tw = None

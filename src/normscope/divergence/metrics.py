@@ -48,16 +48,17 @@ def errors(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
         out.update(max_abs=math.inf, max_rel=math.inf, mean_abs=math.inf, cosine=math.nan, sqnr_db=-math.inf,
                    normalized=math.inf, max_normalized=math.inf)
         return out
-    d = (c - r).abs_()
+    d = c - r
     dn = float(torch.linalg.vector_norm(d))
     rms = rn / math.sqrt(n)
-    max_abs = float(d.max()) if d.numel() else 0.0
+    max_abs = float(torch.linalg.vector_norm(d, ord=math.inf)) if d.numel() else 0.0
+    mean_abs = float(torch.linalg.vector_norm(d, ord=1)) / n if d.numel() else 0.0
     floor = REL_FLOOR * rms if rms > 0 else 1e-30
-    dot = float((c * r).sum()) if cn > 0 and rn > 0 else 0.0
-    mean_abs = float(d.mean()) if d.numel() else 0.0
+    dot = float(torch.dot(c.reshape(-1), r.reshape(-1))) if cn > 0 and rn > 0 else 0.0
+    max_rel = float(d.abs_().div_(r.abs().clamp_min_(floor)).max()) if d.numel() else 0.0
     out.update(
         max_abs=max_abs,
-        max_rel=float(d.div_(r.abs().clamp_min_(floor)).max()) if d.numel() else 0.0,
+        max_rel=max_rel,
         mean_abs=mean_abs,
         cosine=dot / (cn * rn) if cn > 0 and rn > 0 else (1.0 if cn == rn else 0.0),
         sqnr_db=(20 * math.log10(rn / dn) if dn > 0 else math.inf) if rn > 0 else -math.inf,

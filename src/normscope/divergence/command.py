@@ -8,11 +8,12 @@ directory, a ``config.json``); CANDIDATE may also be an ``.onnx`` file, or be le
 
 from __future__ import annotations
 
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
+
+if TYPE_CHECKING:  # building the parser must not import rich
+    from rich.console import Console
 
 EXIT_OK, EXIT_USAGE, EXIT_DIVERGED = 0, 2, 5
 

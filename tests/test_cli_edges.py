@@ -472,6 +472,6 @@ def test_every_option_says_its_default_and_the_exit_codes_are_listed():
             assert action.help, (name, action.dest)
             if action.option_strings and not action.required:
                 assert "default" in action.help, (name, action.option_strings)
-    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "130", "141"):
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "5 ", "130", "141"):
         assert f"\n  {code}" in EXIT_CODES
     assert "a check failed" in EXIT_CODES or "finding failed" in EXIT_CODES

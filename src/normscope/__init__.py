@@ -35,6 +35,8 @@ _LAZY = {
     "scan": ".sites",
     "ModelScan": ".sites",
     "Site": ".sites",
+    "diff": ".divergence",
+    "Diff": ".divergence",
     "gradflow": ".gradient_flow",
     "GradFlow": ".gradient_flow",
     "Capabilities": ".targets",
@@ -69,6 +71,8 @@ __all__ = [
     "contract",
     "ModelContract",
     "ContractDiff",
+    "diff",
+    "Diff",
     "gradflow",
     "GradFlow",
     "Capabilities",
@@ -97,6 +101,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import reference, targets
     from .artifacts import ContractDiff, ModelContract, contract
     from .battery.check import check
+    from .divergence import Diff, diff
     from .gradient_flow import GradFlow, gradflow
     from .probe.infer import Inference, infer
     from .results.check import Finding, Report

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from .. import gradient_flow_command as _gradflow
 from ..artifacts import command as _contract
+from ..divergence import command as _diff
 from ..errors import NormscopeError, TargetTimeout
 from ..sites import command as _scan
 from . import check, explain, infer, presets
@@ -38,7 +39,8 @@ __all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_CODES", "EXIT_FAIL", "EXIT_INTE
 #: The subcommands, in the order ``--help`` lists them: each module's ``add_parser(subparsers)`` registers the
 #: subcommand and sets ``run(args, console) -> exit code`` as its default (scan and contract live with their code).
 COMMANDS: list[Callable] = [explain.add_parser, presets.add_parser, infer.add_parser, check.add_parser,
-                            _scan.add_parser, _contract.add_parser, _gradflow.add_parser]
+                            _scan.add_parser, _contract.add_parser, _diff.add_parser,
+                            _gradflow.add_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

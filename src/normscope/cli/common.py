@@ -20,6 +20,7 @@ EXIT_CODES = """exit codes:
   2    usage or input error: one line on stderr names the problem and the fix
   3    infer: the target is not a normalization
   4    the target hung: one call ran longer than --timeout
+  5    diff: the candidate diverged (a site's own error exceeds its bound)
   130  interrupted (Ctrl-C)
   141  the output pipe was closed early (e.g. normscope ... --json | head)"""
 TYPICAL_CALLS = {"infer": 40, "check --quick": 45, "check": 70}  # measured on torch LayerNorm/RMSNorm

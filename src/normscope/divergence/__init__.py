@@ -1,0 +1,38 @@
+"""``normscope.diff``: two executions of one model compared layer by layer, to the first site that is itself
+wrong (see docs/diff.md).
+
+``diff`` is :func:`normscope.divergence.core.diff`; ``metrics`` holds the per-site error numbers and the bound,
+``result`` the ``Diff``/``SiteDiff`` data (JSON ``normscope.diff/1``), ``render`` the table and the plot,
+``command`` the CLI glue. The names below are imported on first use, so the command line can register ``diff``
+without loading torch or rich.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_LAZY = {
+    "diff": ".core",
+    "Diff": ".result",
+    "SiteDiff": ".result",
+    "SCHEMA": ".result",
+    "render_diff": ".render",
+    "plot_diff": ".render",
+}
+
+__all__ = ["SCHEMA", "Diff", "SiteDiff", "diff", "plot_diff", "render_diff"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'normscope.divergence' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .core import diff
+    from .render import plot_diff, render_diff
+    from .result import SCHEMA, Diff, SiteDiff

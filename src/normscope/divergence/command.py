@@ -1,0 +1,112 @@
+"""``normscope diff REFERENCE [CANDIDATE]``: the command-line glue (``add_parser(subparsers)``, ``run(args, console)``).
+
+REFERENCE and CANDIDATE are what ``normscope scan`` takes (``package.module:factory``, a Hugging Face model
+directory, a ``config.json``); CANDIDATE may also be an ``.onnx`` file, or be left out with
+``--candidate-dtype`` (the reference against itself at that precision). Exit codes: 0 no divergence,
+5 diverged (the first divergent site is printed), 2 usage or input error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InputError
+
+if TYPE_CHECKING:  # building the parser must not import rich
+    from rich.console import Console
+
+EXIT_OK, EXIT_USAGE, EXIT_DIVERGED = 0, 2, 5
+
+
+def add_parser(subparsers) -> Any:
+    p = subparsers.add_parser(
+        "diff",
+        help="compare two executions of one model site by site, down to the first site that is itself wrong",
+        description="Run REFERENCE and CANDIDATE (another module, an .onnx file, or REFERENCE itself at "
+                    "--candidate-dtype) on the same inputs; per site, the candidate's own error (its module on the "
+                    "reference's input) and the propagated error; the first site whose own error exceeds what a "
+                    "faithful execution at the candidate's dtype is allowed. Exit 0 no divergence, 5 diverged, "
+                    "2 usage error.",
+    )
+    p.add_argument("reference", metavar="REFERENCE",
+                   help="package.module:factory, a local Hugging Face model directory, or a config.json")
+    p.add_argument("candidate", metavar="CANDIDATE", nargs="?",
+                   help="the same forms, or an .onnx file; omit with --candidate-dtype")
+    p.add_argument("--inputs",
+                   help="a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple "
+                        "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
+    p.add_argument("--candidate-dtype", dest="candidate_dtype", help="bfloat16, float16 or float32")
+    p.add_argument("--args", help="JSON list of positional arguments for the factories")
+    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factories")
+    p.add_argument("--layers", type=int, default=2, help="config.json only: number of layers built (default 2)")
+    p.add_argument("--vocab", type=int, default=512, help="config.json only: vocabulary cap (default 512)")
+    p.add_argument("--plot", metavar="PNG", help="write a plot of the errors against depth")
+    p.add_argument("--all", action="store_true", help="list every site (default: sites with a measured own error)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diff/1)")
+    p.set_defaults(run=run)
+    return p
+
+
+def parse_inputs(text: str | None, vocab: int | None = None):
+    """``--inputs``: None, a shape (a float tensor), ``ids:B,T`` (an integer tensor of token ids below ``vocab``)
+    or a ``.pt`` file."""
+    import torch
+
+    from ..loading import parse_shape
+
+    if text is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    if text.endswith(".pt"):
+        try:
+            obj = torch.load(text, weights_only=True)
+        except Exception as exc:
+            raise InputError(f"--inputs {text}: could not load it with torch.load ({type(exc).__name__}: {exc})") \
+                from None
+        if not isinstance(obj, torch.Tensor | tuple | dict):
+            raise InputError(f"--inputs {text} holds a {type(obj).__name__}; save a tensor, tuple or dict")
+        return obj
+    if text.startswith("ids:"):
+        shape = parse_shape(text[4:])
+        hi = min(vocab or 1000, 1000)
+        return torch.randint(min(4, hi - 1), hi, shape, generator=g)
+    return torch.randn(parse_shape(text), generator=g)
+
+
+def run(args, console: Console) -> int:
+    import torch
+
+    from ..sites.command import load_model
+    from .core import _is_onnx, diff
+    from .render import plot_diff, render_diff
+
+    if args.candidate is None and not args.candidate_dtype:
+        raise InputError("give a CANDIDATE, or --candidate-dtype to compare REFERENCE with itself at that precision")
+    reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
+    candidate = None
+    if args.candidate is not None:
+        if _is_onnx(args.candidate):
+            candidate = args.candidate
+        else:
+            candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)
+    vocab = getattr(getattr(reference, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):  # token ids stay below the first embedding's size
+        vocab = next((m.num_embeddings for m in reference.modules() if isinstance(m, torch.nn.Embedding)), None)
+    inputs = parse_inputs(args.inputs, vocab if isinstance(vocab, int) else None)
+    if args.inputs and args.inputs.startswith("ids:") and getattr(reference, "config", None) is not None:
+        import inspect
+
+        inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
+        if "use_cache" in inspect.signature(reference.forward).parameters:
+            inputs["use_cache"] = False
+    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, progress=not args.json)
+    result.inputs["model"] = origin
+    if args.plot:
+        plot_diff(result, args.plot)
+    if args.json:
+        print(result.to_json())
+    else:
+        render_diff(result, console, all_sites=args.all)
+        if args.plot:
+            console.print(f"[dim]plot: {args.plot}[/]")
+    return EXIT_DIVERGED if result.diverged else EXIT_OK

@@ -1,0 +1,612 @@
+"""``diff(reference, candidate, inputs)``: two executions of one model compared site by site, down to the first
+site whose *own* error is beyond what a faithful execution at the candidate's dtype is allowed.
+
+How it runs (streaming: never two full activation caches):
+
+1. the candidate runs once; the primary output of each of its module calls is kept (at the candidate's dtype)
+   — or, for an ONNX candidate, onnxruntime returns every intermediate value, mapped to the torch sites by the
+   exporter's node-name scopes;
+2. the reference runs once; at the end of each module call (children before parents) its output is compared
+   with the candidate's (the *propagated* error, then the candidate's copy is dropped), and the candidate's
+   counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error), as is
+   the reference's module at the candidate's dtype (the *twin*: the error precision alone makes there);
+3. a site diverges when its own error exceeds :func:`.metrics.bound`; the first one is the culprit. At a norm
+   site both contracts are inferred (``normscope.infer``) and their differences printed in the contract's words.
+
+Module calls are seen through process-wide forward hooks filtered to the model's modules (nothing is
+registered on the user's models); both models are left as they were (modes, parameters, buffers, flags).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..dtypes import dtype_name
+from ..errors import InputError, NormscopeError, NotANormalization, TargetError
+from ..sites.core import _arguments, _describe, _progress, _redrawn, known_class, private_copy, untouched
+from ..sites.dataflow import block_modules
+from . import metrics
+from .result import Diff, SiteDiff
+
+_LOW = ("bfloat16", "float16", "float32", "float64")
+_WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
+_SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _primary(out) -> torch.Tensor | None:
+    """The first tensor of a module's output (a tensor, a tuple/list, a dict or HF ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, list | tuple):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+        return None
+    if isinstance(out, Mapping):
+        for o in out.values():
+            if isinstance(o, torch.Tensor):
+                return o
+    return None
+
+
+def _cast(obj, dtype: torch.dtype | None, clamp: bool = False):
+    """Floating tensors to ``dtype``. ``clamp`` (keyword arguments: masks) keeps values within the dtype's finite
+    range, so a float32 mask of −3.4e38 stays finite; activations are cast as they are (an overflow at fp16 is
+    what the candidate would meet)."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dtype != dtype:
+            if clamp and torch.finfo(dtype).max < torch.finfo(obj.dtype).max:
+                fi = torch.finfo(dtype)
+                return obj.detach().clamp(fi.min, fi.max).to(dtype)
+            return obj.detach().to(dtype)
+        return obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(_cast(o, dtype, clamp) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype, clamp) for k, v in obj.items()}
+    return obj
+
+
+def _stateless(obj, depth: int = 0) -> bool:
+    """Only tensors and plain values: an argument that can be handed to another module without sharing state
+    (a KV cache object would be written to)."""
+    if isinstance(obj, (torch.Tensor, *_SAFE)):
+        return True
+    if depth < 3 and isinstance(obj, tuple | list):
+        return all(_stateless(o, depth + 1) for o in obj)
+    if depth < 3 and isinstance(obj, dict):
+        return all(_stateless(v, depth + 1) for v in obj.values())
+    return False
+
+
+def _model_dtype(model: torch.nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return dtype_name(str(t.dtype).replace("torch.", ""))
+    return "float32"
+
+
+def _versions(args) -> tuple:
+    """The version counters of the positional tensors: a module that writes its input in place changes them."""
+    return tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def _reduce_len(args, out: torch.Tensor) -> int:
+    n = out.shape[-1] if out.dim() else 1
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim():
+            n = max(n, a.shape[-1])
+    return int(n)
+
+
+class _Hooks:
+    """Process-wide forward hooks, filtered to one model's modules; ``pre(module, path, number, args)`` and
+    ``post(module, path, number, args, kwargs, output)`` receive the calls. Removed on exit, also on error."""
+
+    def __init__(self, model: torch.nn.Module, pre, post):
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.pre_cb, self.post_cb = pre, post
+        self.numbers: dict[int, int] = {}
+        self.stack: list[tuple[torch.nn.Module, int]] = []
+        self.paused = False
+        self.failed_at: tuple[str, int] | None = None
+        self.errors: list[str] = []
+
+    def _pre(self, module, args):
+        if self.paused or id(module) not in self.paths:
+            return None
+        n = self.numbers.get(id(module), 0)
+        self.numbers[id(module)] = n + 1
+        self.stack.append((module, n))
+        self.paused = True
+        try:
+            self.pre_cb(module, self.paths[id(module)], n, args)
+        finally:
+            self.paused = False
+        return None
+
+    def _post(self, module, args, kwargs, output=None):
+        if self.paused or id(module) not in self.paths or not self.stack or self.stack[-1][0] is not module:
+            return None
+        _, n = self.stack.pop()
+        if output is None and self.failed_at is None:
+            self.failed_at = (self.paths[id(module)], n)  # always_call: the innermost call that raised
+        self.paused = True
+        try:
+            self.post_cb(module, self.paths[id(module)], n, args, kwargs, output)
+        except Exception as exc:  # a comparison that fails is reported, it never breaks the user's forward
+            self.errors.append(f"{_site_name(self.paths[id(module)], n)}: {type(exc).__name__}: {exc}")
+        finally:
+            self.paused = False
+        return None
+
+    @contextlib.contextmanager
+    def active(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        handles = [register_module_forward_pre_hook(self._pre),
+                   register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self.paused = False
+
+
+def _site_name(path: str, number: int) -> str:
+    return (path or "(model)") + (f"#{number}" if number else "")
+
+
+# ---------------------------------------------------------------------------------------------- the candidate
+class _Record:
+    __slots__ = ("path", "number", "module", "shape", "output", "used", "version")
+
+    def __init__(self, path, number, module, output):
+        self.path, self.number, self.module = path, number, module
+        self.output = output
+        self.version = output._version if output is not None else None
+        self.shape = list(output.shape) if output is not None else None
+        self.used = False
+
+
+def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tuple[list[_Record], str | None, int]:
+    """One forward of the candidate; the primary output of every module call, in completion order."""
+    records: list[_Record] = []
+    peak = [0]
+    live = [0]
+    seen: set[int] = set()
+
+    def pre(module, path, number, a):
+        return None
+
+    def post(module, path, number, a, kw, output):
+        t = _primary(output)
+        kept = t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+        if kept is not None and kept.data_ptr() not in seen:
+            seen.add(kept.data_ptr())
+            live[0] += kept.numel() * kept.element_size()
+            peak[0] = max(peak[0], live[0])
+        records.append(_Record(path, number, module, kept))
+
+    hooks = _Hooks(model, pre, post)
+    error = None
+    with hooks.active(), torch.no_grad():
+        try:
+            model(*_cast(args, dtype), **_cast(kwargs, dtype, True))
+        except Exception as exc:
+            where = _site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
+            error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
+    return records, error, peak[0]
+
+
+# ---------------------------------------------------------------------------------------------- ONNX
+def _is_onnx(obj) -> bool:
+    if isinstance(obj, bytes | bytearray):
+        return True
+    if isinstance(obj, str | Path):
+        return str(obj).endswith(".onnx")
+    return type(obj).__name__ == "ModelProto"
+
+
+def _onnx_values(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, str], str]:
+    """Every intermediate value of the ONNX graph run on onnxruntime, and node scope → its last output."""
+    try:
+        import onnx
+        import onnxruntime as ort
+    except ImportError as exc:
+        raise InputError(f"an ONNX candidate needs onnx and onnxruntime ({exc})") from None
+    if isinstance(model_obj, str | Path):
+        if not Path(model_obj).is_file():
+            raise InputError(f"no such ONNX file: {model_obj}")
+        proto = onnx.load(str(model_obj))
+        desc = str(model_obj)
+    elif isinstance(model_obj, bytes | bytearray):
+        proto = onnx.load_from_string(bytes(model_obj))
+        desc = "ONNX model (bytes)"
+    else:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model_obj)
+        desc = f"ONNX model {proto.graph.name or ''}".strip()
+    g = proto.graph
+    existing = {o.name for o in g.output}
+    initial = {i.name for i in g.initializer}
+    scope_out: dict[str, str] = {}  # scope (dotted) → the last output produced in it
+    for node in g.node:
+        if node.op_type == "Constant" or not node.output:
+            continue
+        if "/" in node.name:
+            scope = node.name.strip("/").rsplit("/", 1)[0].replace("/", ".")
+            scope_out[scope] = node.output[0]
+            # the parents' scopes end with their last node too
+            parts = scope.split(".")
+            for i in range(1, len(parts)):
+                scope_out.setdefault(".".join(parts[:i]), "")
+                scope_out[".".join(parts[:i])] = node.output[0]
+        for o in node.output:
+            if o and o not in existing and o not in initial:
+                g.output.append(onnx.ValueInfoProto(name=o))
+                existing.add(o)
+    feeds = {}
+    names = [i.name for i in g.input if i.name not in initial]
+    flat = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    if isinstance(kwargs, dict):
+        for k in names:
+            if k in kwargs and isinstance(kwargs[k], torch.Tensor):
+                feeds[k] = kwargs[k].numpy()
+    if not feeds:
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if len(tensors) < len(names):
+            raise InputError(f"the ONNX model takes {len(names)} inputs ({', '.join(names)}); "
+                             f"got {len(tensors)} tensors")
+        feeds = {n: t.numpy() for n, t in zip(names, tensors, strict=False)}
+    try:
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        outs = sess.run(None, feeds)
+    except Exception as exc:
+        raise TargetError(f"onnxruntime could not run the candidate: {type(exc).__name__}: {exc}") from None
+    values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
+    return values, scope_out, desc
+
+
+def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
+    """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix)."""
+    out = []
+    for path in ref_paths:
+        if not path:
+            continue
+        best = None
+        for scope, name in scope_out.items():
+            if scope == path or scope.endswith("." + path):
+                if best is None or len(scope) < len(best[0]):
+                    best = (scope, name)
+        if best is None or not best[1] or best[1] not in values:
+            continue
+        v = values[best[1]]
+        try:
+            t = torch.from_numpy(v.copy())
+        except TypeError:
+            continue
+        if t.is_floating_point():
+            out.append(_Record(path, 0, None, t))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- diff
+def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: bool = False,
+         progress=True) -> Diff:
+    """Compare two executions of ``reference`` site by site; see the module docstring.
+
+    ``candidate``: another torch module with the same architecture (aligned by module name, else by execution
+    order and output shapes), an ONNX model (path, bytes or ``ModelProto``, run on onnxruntime), or None: the
+    reference itself at ``candidate_dtype`` (a private copy). ``candidate_dtype`` ('bfloat16', 'float16',
+    'float32') also runs a torch candidate as a private copy at that dtype. ``inputs`` as in ``scan``.
+    ``keep=True`` keeps the
+    first divergent site's input and outputs in ``Diff.tensors``.
+    """
+    started = time.perf_counter()
+    if not isinstance(reference, torch.nn.Module):
+        raise InputError(f"diff takes a torch.nn.Module as the reference; got a {type(reference).__name__}")
+    if candidate_dtype is not None:
+        try:
+            candidate_dtype = dtype_name(candidate_dtype)
+        except Exception as exc:
+            raise InputError(f"candidate_dtype: {exc}") from None
+        if candidate_dtype not in _LOW:
+            raise InputError(f"candidate_dtype must be one of {', '.join(_LOW)}; got {candidate_dtype!r}")
+    onnx_cand = candidate is not None and _is_onnx(candidate)
+    if candidate is None and candidate_dtype is None:
+        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= to compare "
+                         "the reference with itself at a lower precision (e.g. candidate_dtype='bfloat16')")
+    if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
+        raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
+                         f"None; got a {type(candidate).__name__}")
+    if onnx_cand and candidate_dtype not in (None, "float32"):
+        raise InputError("an ONNX candidate runs as exported; candidate_dtype applies to torch candidates only")
+    args, kwargs = _arguments(reference, inputs)
+    ref_dtype = _model_dtype(reference)
+    notes: list[str] = []
+
+    with _progress(progress) as say, contextlib.ExitStack() as stack:
+        stack.enter_context(untouched(reference))
+        reference.eval()
+        # ------------------------------------------------------------------ the candidate's own forward
+        cand_torch_dtype = None
+        if onnx_cand:
+            say("running the ONNX candidate on onnxruntime")
+            values, scopes, cand_desc = _onnx_values(candidate, args, kwargs)
+            cand_dtype = "float32"
+            cand_model = None
+        else:
+            if candidate is None:
+                cand_model = private_copy(reference).to(getattr(torch, candidate_dtype))
+                cand_desc = f"{type(reference).__name__} at {candidate_dtype} (a private copy)"
+            elif candidate_dtype is not None:
+                stack.enter_context(untouched(candidate))
+                cand_model = private_copy(candidate).to(getattr(torch, candidate_dtype))
+                cand_desc = f"{type(candidate).__name__} at {candidate_dtype} (a private copy)"
+            else:
+                stack.enter_context(untouched(candidate))
+                cand_model = candidate.eval()
+                cand_desc = type(candidate).__name__
+            cand_dtype = candidate_dtype or _model_dtype(cand_model)
+            cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype else None
+            say("running the candidate")
+            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype)
+            if cand_error:
+                notes.append(cand_error)
+        twin = None
+        if cand_dtype != ref_dtype and not onnx_cand:
+            twin = cand_model if candidate is None else private_copy(reference).to(getattr(torch, cand_dtype))
+        twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
+        blocks = block_modules(reference)
+        block_or_above = set(blocks)
+        for m in reference.modules():
+            if any(id(s) in blocks for s in m.modules() if s is not m):
+                block_or_above.add(id(m))
+        block_or_above.add(id(reference))
+
+        # ------------------------------------------------------------------ alignment
+        ref_paths = [p for p, _ in reference.named_modules()]
+        if onnx_cand:
+            records = _onnx_records(values, scopes, ref_paths)
+            cand_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
+            del values
+            mode = "onnx scopes"
+        else:
+            cand_paths = {r.path for r in records if r.path}
+            shared = cand_paths & set(ref_paths)
+            mode = "name" if cand_paths and len(shared) >= 0.5 * len(cand_paths) else "order"
+        by_key = {(r.path, r.number): r for r in records}
+        pointer = [0]
+
+        def counterpart(path, number, shape) -> _Record | None:
+            if mode in ("name", "onnx scopes"):
+                r = by_key.get((path, number))
+                return r if r is not None and not r.used else None
+            for i in range(pointer[0], min(len(records), pointer[0] + _WINDOW)):
+                r = records[i]
+                if not r.used and r.shape == shape:
+                    pointer[0] = i + 1
+                    return r
+            return None
+
+        # ------------------------------------------------------------------ the reference, streamed
+        sites: list[SiteDiff] = []
+        frames: list[dict[str, Any]] = []
+        first: dict[str, Any] = {}
+        state = {"nonfinite": None}
+        recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+
+        def pre(module, path, number, a):
+            if frames:
+                frames[-1]["children"] += 1
+            frames.append({"args": a, "versions": _versions(a), "children": 0, "leaf_children": True})
+
+        def post(module, path, number, a, kw, output):
+            f = frames.pop()
+            leaf = f["children"] == 0
+            if frames and not leaf:
+                frames[-1]["leaf_children"] = False
+            y = _primary(output)
+            if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+                return
+            name = _site_name(path, number)
+            kind = "norm" if known_class(module) else ("leaf" if leaf else "module")
+            s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(sites), depth=len(frames),
+                         shape=list(y.shape), status="unmatched")
+            sites.append(s)
+            r = counterpart(path, number, list(y.shape))
+            if r is None:
+                s.note = "no counterpart in the candidate"
+                return
+            r.used = True
+            s.counterpart = _site_name(r.path, r.number)
+            if r.output is None:
+                s.note = "the candidate's forward gave no floating tensor here"
+                s.propagated = None
+            elif r.output._version != r.version:
+                s.note = "propagated error not measured: the candidate overwrote this output in place later"
+                r.output = None
+                s.propagated = None
+            else:
+                # a module returning its last child's output (or its input) compares the same pair of tensors
+                same = next((m for yy, cc, m in recent if yy is y and cc is r.output), None)
+                s.propagated = dict(same) if same is not None else metrics.errors(r.output, y)
+                recent.append((y, r.output, s.propagated))
+                del recent[:-4]
+            r.output = None  # streaming: the candidate's copy is no longer needed
+            n = _reduce_len(f["args"], y)
+            if s.propagated is None:
+                s.status = "propagated"
+            elif "error" in s.propagated:
+                s.status, s.note = "shape", s.propagated["error"]
+            elif not s.propagated["reference_finite"]:
+                s.status = "reference_not_finite"
+                state["nonfinite"] = state["nonfinite"] or name
+                return
+            else:
+                s.status = "propagated"
+            if onnx_cand:
+                if s.status == "propagated" and s.propagated is not None:
+                    s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+                    s.bound_rule += " (ONNX: propagated error; the site's own error is not measured)"
+                    if s.propagated["normalized"] > s.bound:
+                        s.status = "diverged"
+                return
+            own_site = (leaf or f["leaf_children"]) and id(module) not in block_or_above
+            if not own_site or r.module is None:
+                return
+            if f["args"] and y is f["args"][0]:
+                s.note = "returns its input (an identity in evaluation mode): nothing of its own to compare"
+                return
+            if _versions(f["args"]) != f["versions"]:
+                s.note = "own error not measured: the module wrote its input in place"
+                return
+            if not (_stateless(f["args"]) and _stateless(kw)):
+                s.note = "own error not measured: the call takes a stateful argument (a cache object)"
+                return
+            with torch.no_grad():
+                try:
+                    yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype), **_cast(kw, cand_torch_dtype, True)))
+                except Exception as exc:
+                    s.status = "raised"
+                    s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
+                             f"{type(exc).__name__}: {exc}"
+                    _remember(first, s, module, r.module, f["args"], y, None, keep)
+                    return
+                if not isinstance(yc, torch.Tensor):
+                    s.note = "the candidate's module returned no tensor on the reference's input"
+                    return
+                s.own = metrics.errors(yc, y)
+                if "error" in s.own:
+                    s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
+                    _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                    return
+                tw = None
+                if twin is not None and path in twin_modules:
+                    if twin is cand_model and r.module is twin_modules[path]:
+                        tw = s.own["normalized"]
+                    else:
+                        try:
+                            yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
+                                                             **_cast(kw, cand_torch_dtype, True)))
+                            tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+                        except Exception:
+                            tw = None
+                    if tw is not None and not math.isfinite(tw):
+                        tw = None
+                        s.note = "the reference's module at the candidate's dtype is not finite here"
+                s.twin = tw
+            if twin is not None and s.twin is None:
+                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+                s.bound_rule += " (no faithful twin measured)"
+            else:
+                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, s.twin, n)
+            s.status = "diverged" if s.own["normalized"] > s.bound else "within"
+            if s.status == "diverged":
+                _remember(first, s, module, r.module, f["args"], y, yc, keep)
+
+        say("running the reference, comparing site by site")
+        hooks = _Hooks(reference, pre, post)
+        try:
+            with hooks.active(), torch.no_grad():
+                reference(*args, **kwargs)
+        except NormscopeError:
+            raise
+        except Exception as exc:
+            raise TargetError(f"the reference's forward failed on the inputs ({_describe(args, kwargs)}): "
+                              f"{type(exc).__name__}: {exc}") from exc
+
+        notes.extend(f"comparison failed at {e}" for e in hooks.errors[:5])
+        unmatched_ref = [s.name for s in sites if s.status == "unmatched"]
+        unmatched_cand = [_site_name(r.path, r.number) for r in records if not r.used and r.output is not None
+                          and (mode != "onnx scopes")]
+        if state["nonfinite"]:
+            notes.append(f"the reference itself is not finite from {state['nonfinite']} on: sites there are not "
+                         "compared")
+        if unmatched_ref:
+            notes.append(f"{len(unmatched_ref)} reference sites have no counterpart in the candidate (first: "
+                         f"{unmatched_ref[0]})")
+        if unmatched_cand:
+            notes.append(f"{len(unmatched_cand)} candidate sites have no counterpart in the reference (first: "
+                         f"{unmatched_cand[0]})")
+        culprit = next((s for s in sites if s.status in ("diverged", "raised", "shape")), None)
+        divergence = None
+        tensors = None
+        if culprit is not None:
+            divergence = _explain(culprit, first.get(culprit.name), say)
+            if keep and culprit.name in first:
+                tensors = first[culprit.name].get("tensors")
+        elif any(n.startswith("the candidate's forward raised") for n in notes):
+            divergence = {"site": None, "reason": notes[0]}
+    return Diff(reference=type(reference).__name__, candidate=cand_desc, reference_dtype=ref_dtype,
+                candidate_dtype=cand_dtype, inputs=_describe(args, kwargs), sites=sites,
+                first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
+                unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
+                stats={"alignment": mode, "sites": len(sites),
+                       "own_measured": sum(s.own is not None for s in sites),
+                       "candidate_cache_bytes": int(cand_bytes)},
+                seconds=time.perf_counter() - started, tensors=tensors)
+
+
+def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bool) -> None:
+    if first:
+        return
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    first[s.name] = {"ref": ref_module, "cand": cand_module, "shape": tuple(x.shape) if x is not None else None,
+                     "tensors": {"input": x, "reference": y.detach().clone(),
+                                 "candidate_own": None if yc is None else yc.detach().clone()} if keep else None}
+
+
+def _infer(module, shape):
+    from ..probe.infer import infer
+
+    m = private_copy(module).float()
+    try:
+        return infer(m, shape=shape, dtypes=("float32",), seed=0).spec
+    except NotANormalization:
+        other = _redrawn(m)
+        if other is None:
+            raise
+        return infer(other, shape=shape, dtypes=("float32",), seed=0).spec
+
+
+def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
+    if s.status == "raised":
+        reason = s.note
+    elif s.status == "shape":
+        reason = s.note
+    else:
+        which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
+        reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
+                  f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]")
+    out: dict[str, Any] = {"site": s.name, "class": s.cls, "kind": s.kind, "reason": reason}
+    if s.kind != "norm" or info is None or info.get("shape") is None or info.get("cand") is None:
+        return out
+    say(f"inferring both contracts at {s.name}")
+    from ..spec import differences
+
+    try:
+        ref_spec = _infer(info["ref"], info["shape"])
+        cand_spec = _infer(info["cand"], info["shape"])
+    except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
+        out["contracts_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    ndim = len(info["shape"])
+    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
+    out["differences"] = differences(cand_spec, ref_spec, ndim, shape=info["shape"])
+    if not out["differences"]:
+        out["differences_note"] = ("the two contracts are equivalent: the error comes from how the candidate "
+                                   "computes it (precision, order), not from what it computes")
+    return out

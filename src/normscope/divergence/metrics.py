@@ -1,0 +1,83 @@
+"""Error metrics of one site: a candidate tensor against the reference's, and the bound a faithful execution at
+the candidate's dtype is allowed.
+
+The verdict uses one number per site, the *normalised error* e = ‖c − r‖₂ / ‖r‖₂ (the relative RMS error; SQNR
+= −20·log₁₀ e): insensitive to the few outlier channels trained transformers have, which make any max-based
+number at bf16 swing by 10×. Its bound is measured where it can be (see :func:`bound`). Metrics are computed
+in float32 (float64 when either side is): the differences of two nearby float32 values are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..dtypes import UNIT_ROUNDOFF
+
+# A faithful execution at a lower precision may err by up to MARGIN × what the reference's own module makes at
+# that precision on the same input (the "twin"), plus SLACK units of rounding of the candidate's dtype.
+MARGIN = 4.0
+SLACK = 2.0
+# Same precision on both sides (a port, another runtime): FLOOR · u · √n, n the length of the longest axis the
+# site reduces over (reordered sums differ by about √n roundings).
+FLOOR = 16.0
+REL_FLOOR = 1e-3  # max rel divides by max(|r|, REL_FLOOR · rms(r))
+
+
+def errors(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
+    """max abs, max rel (floored), mean abs, cosine, SQNR (dB), and the two normalised errors of ``candidate``:
+    ``normalized`` = ‖c − r‖₂ / ‖r‖₂ (the relative RMS error, 10^(−SQNR/20)) and ``max_normalized`` =
+    max|c − r| / rms(r) (the worst element in units of the output's scale)."""
+    if tuple(candidate.shape) != tuple(reference.shape):
+        return {"shape": list(candidate.shape),
+                "error": f"shape {list(candidate.shape)} vs the reference's {list(reference.shape)}"}
+    wide = torch.float64 if torch.float64 in (candidate.dtype, reference.dtype) else torch.float32
+    c = candidate.detach().to("cpu", wide)
+    r = reference.detach().to("cpu", wide)
+    n = max(r.numel(), 1)
+    rn = float(torch.linalg.vector_norm(r))
+    cn = float(torch.linalg.vector_norm(c))
+    if math.isinf(rn) and not math.isnan(rn) and bool(torch.isfinite(r).all()):  # overflow of the norm only
+        r, c = r.double(), c.double()
+        rn, cn = float(torch.linalg.vector_norm(r)), float(torch.linalg.vector_norm(c))
+    finite_r, finite_c = math.isfinite(rn), math.isfinite(cn)
+    out: dict[str, Any] = {"finite": finite_c, "reference_finite": finite_r}
+    if not finite_r or not finite_c:
+        out.update(max_abs=math.inf, max_rel=math.inf, mean_abs=math.inf, cosine=math.nan, sqnr_db=-math.inf,
+                   normalized=math.inf, max_normalized=math.inf)
+        return out
+    d = c - r
+    dn = float(torch.linalg.vector_norm(d))
+    rms = rn / math.sqrt(n)
+    max_abs = float(torch.linalg.vector_norm(d, ord=math.inf)) if d.numel() else 0.0
+    mean_abs = float(torch.linalg.vector_norm(d, ord=1)) / n if d.numel() else 0.0
+    floor = REL_FLOOR * rms if rms > 0 else 1e-30
+    dot = float(torch.dot(c.reshape(-1), r.reshape(-1))) if cn > 0 and rn > 0 else 0.0
+    max_rel = float(d.abs_().div_(r.abs().clamp_min_(floor)).max()) if d.numel() else 0.0
+    out.update(
+        max_abs=max_abs,
+        max_rel=max_rel,
+        mean_abs=mean_abs,
+        cosine=dot / (cn * rn) if cn > 0 and rn > 0 else (1.0 if cn == rn else 0.0),
+        sqnr_db=(20 * math.log10(rn / dn) if dn > 0 else math.inf) if rn > 0 else -math.inf,
+        normalized=dn / rn if rn > 0 else (0.0 if dn == 0 else math.inf),
+        max_normalized=max_abs / rms if rms > 0 else (0.0 if max_abs == 0 else math.inf),
+        rms=rms,
+    )
+    return out
+
+
+def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple[float, str]:
+    """The normalised error a faithful execution at ``dtype`` may show at a site, and how it was derived.
+
+    ``twin``: the normalised error of the reference's own module run at ``dtype`` on the same input (None when
+    the two dtypes are the same). ``n``: the longest axis the site reduces over.
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    if twin is None:
+        b = FLOOR * u * math.sqrt(max(n, 1))
+        return b, f"{FLOOR:g}·u·√n at {dtype} (u={u:.3g}, n={n})"
+    b = MARGIN * twin + SLACK * u
+    return b, f"{MARGIN:g} × the reference's own module at {dtype} ({twin:.3g}) + {SLACK:g}·u"

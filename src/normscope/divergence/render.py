@@ -1,0 +1,97 @@
+"""Rendering of a :class:`~normscope.divergence.result.Diff`: a rich table (own vs propagated error per site) and a
+PNG of the errors against depth (matplotlib, imported here only). Computes nothing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..report.console import fmt
+from .result import Diff
+
+_STYLE = {"within": "green", "diverged": "bold red", "raised": "bold red", "shape": "bold red",
+          "propagated": "dim", "unmatched": "yellow", "reference_not_finite": "yellow"}
+
+
+def _e(v) -> str:
+    return "—" if v is None else fmt(v, 3)
+
+
+def _db(m) -> str:
+    if not m or "sqnr_db" not in m:
+        return "—"
+    v = m["sqnr_db"]
+    return "∞" if v == math.inf else f"{v:.1f}"
+
+
+def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
+    """The table; by default the sites with a measured own error, the culprit and anything not compared."""
+    console.print(f"[bold]{escape(d.reference)}[/] ({d.reference_dtype}) vs [bold]{escape(d.candidate)}[/] "
+                  f"({d.candidate_dtype}): {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
+    t = Table(show_lines=False, header_style="bold")
+    for col in ("#", "site", "class", "own err", "bound", "propagated", "SQNR dB", "status"):
+        t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left")
+    shown = [s for s in d.sites if all_sites or s.own is not None or s.status not in ("propagated",)
+             or s.name == d.first_divergence]
+    for s in shown:
+        style = _STYLE.get(s.status, "")
+        status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), _e(s.bound), _e(s.propagated_error),
+                  _db(s.propagated), f"[{style}]{status}[/]" if style else status)
+    console.print(t)
+    console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
+                  "the reference's input; propagated = the candidate's own forward[/]")
+    for n in d.notes:
+        console.print(f"[yellow]note:[/] {escape(n)}")
+    if d.first_divergence is None:
+        console.print(f"[green]{escape(d.summary())}[/]")
+        return
+    v = d.divergence or {}
+    console.print(f"[bold red]first divergence:[/] {escape(d.first_divergence)} ({escape(v.get('class', ''))}) — "
+                  f"{escape(v.get('reason', ''))}")
+    for line in v.get("differences", []):
+        console.print(f"  contract: {escape(line)}")
+    if v.get("differences_note"):
+        console.print(f"  contract: {escape(v['differences_note'])}")
+    if v.get("contracts_error"):
+        console.print(f"  [yellow]contracts not inferred:[/] {escape(v['contracts_error'])}")
+
+
+def plot_diff(d: Diff, path: str | Path) -> Path:
+    """Own and propagated error against site order (log scale), the bounds, the first divergence marked."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(10, 4), dpi=100)
+    try:
+        def series(get):
+            xs, ys = [], []
+            for s in d.sites:
+                v = get(s)
+                if v is not None and isinstance(v, float) and math.isfinite(v) and v > 0:
+                    xs.append(s.order)
+                    ys.append(v)
+            return xs, ys
+        ax.plot(*series(lambda s: s.propagated_error), "-", color="tab:blue", lw=1, label="propagated")
+        ax.plot(*series(lambda s: s.own_error), ".", color="tab:orange", ms=4, label="own (teacher-forced)")
+        ax.plot(*series(lambda s: s.bound), "_", color="tab:gray", ms=6, label="bound")
+        if d.first_divergence is not None:
+            s = d.site(d.first_divergence)
+            ax.axvline(s.order, color="tab:red", lw=1, ls="--", label=f"first divergence: {s.name}")
+        ax.set_yscale("log")
+        ax.set_xlabel("site (execution order)")
+        ax.set_ylabel("‖c − r‖ / ‖r‖")
+        ax.set_title(f"{d.reference} ({d.reference_dtype}) vs {d.candidate} ({d.candidate_dtype})", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,160 @@
+"""The result of ``normscope.diff``: one :class:`SiteDiff` per aligned site and the verdict, as data.
+
+JSON: ``"schema": "normscope.diff/1"``; :meth:`Diff.from_dict` reads it back. Rendering (a rich table, a PNG of
+error against depth) lives in :mod:`.render` and computes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from ..jsonable import jsonable
+
+SCHEMA = "normscope.diff/1"
+
+#: Site statuses. ``diverged``: the site's own error exceeds its bound (or the candidate raised there, or its
+#: output has another shape); ``within``: own error measured and within bound; ``propagated``: only the
+#: propagated error was measured (no teacher-forced run at this site).
+STATUSES = ("within", "diverged", "propagated", "raised", "shape", "reference_not_finite", "unmatched")
+
+
+def _num(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
+def _unnum(v):
+    if v in ("nan", "inf", "-inf"):
+        return float(v)
+    return v
+
+
+def _metrics_out(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if d is None else {k: _num(v) for k, v in d.items()}
+
+
+def _metrics_in(d: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if d is None else {k: _unnum(v) for k, v in d.items()}
+
+
+@dataclasses.dataclass
+class SiteDiff:
+    """One site (a module call, in completion order: a module's children before the module)."""
+
+    name: str
+    cls: str
+    kind: str  # "norm" | "leaf" | "module"
+    order: int
+    depth: int
+    shape: list[int]
+    status: str
+    counterpart: str | None = None  # the candidate's site it was aligned with
+    own: dict[str, Any] | None = None  # candidate's module on the reference's input vs the reference's output
+    propagated: dict[str, Any] | None = None  # candidate's own forward vs the reference's output
+    twin: float | None = None  # normalised error of the reference's module at the candidate's dtype
+    bound: float | None = None
+    bound_rule: str = ""
+    note: str = ""
+
+    @property
+    def own_error(self) -> float | None:
+        return None if self.own is None else self.own.get("normalized")
+
+    @property
+    def propagated_error(self) -> float | None:
+        return None if self.propagated is None else self.propagated.get("normalized")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["own"], d["propagated"] = _metrics_out(self.own), _metrics_out(self.propagated)
+        d["twin"], d["bound"] = _num(self.twin), _num(self.bound)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SiteDiff:
+        d = dict(d)
+        d["own"], d["propagated"] = _metrics_in(d.get("own")), _metrics_in(d.get("propagated"))
+        d["twin"], d["bound"] = _unnum(d.get("twin")), _unnum(d.get("bound"))
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclasses.dataclass
+class Diff:
+    """Two executions of one model compared site by site.
+
+    ``first_divergence``: the name of the first site (in completion order) whose own error exceeds what a
+    faithful execution at the candidate's dtype is allowed, or where the candidate raised or changed shape;
+    None when every measured site is within bounds. ``divergence`` says why, with the numbers, and at a norm
+    site the two inferred contracts and their differences in the contract's words.
+    """
+
+    reference: str
+    candidate: str
+    reference_dtype: str
+    candidate_dtype: str
+    inputs: dict[str, Any]
+    sites: list[SiteDiff]
+    first_divergence: str | None = None
+    divergence: dict[str, Any] | None = None
+    unmatched_reference: list[str] = dataclasses.field(default_factory=list)
+    unmatched_candidate: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    tensors: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first_divergence is not None
+
+    def site(self, name: str) -> SiteDiff:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(f"no site {name!r}; sites: {', '.join(s.name for s in self.sites[:8])}…")
+
+    def summary(self) -> str:
+        if self.first_divergence is None:
+            measured = sum(s.own is not None for s in self.sites)
+            return (f"no divergence: {measured} sites' own errors within the bound at {self.candidate_dtype} "
+                    f"({len(self.sites)} sites compared)")
+        return f"first divergence at {self.first_divergence}: {self.divergence.get('reason', '')}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "reference": self.reference, "candidate": self.candidate,
+            "reference_dtype": self.reference_dtype, "candidate_dtype": self.candidate_dtype,
+            "inputs": jsonable(self.inputs),
+            "first_divergence": self.first_divergence,
+            "divergence": jsonable(self.divergence),
+            "sites": [s.to_dict() for s in self.sites],
+            "unmatched_reference": list(self.unmatched_reference),
+            "unmatched_candidate": list(self.unmatched_candidate),
+            "notes": list(self.notes),
+            "stats": jsonable(self.stats),
+            "seconds": self.seconds,
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Diff:
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a {SCHEMA} document (schema {d.get('schema')!r})")
+        return cls(
+            reference=d["reference"], candidate=d["candidate"], reference_dtype=d["reference_dtype"],
+            candidate_dtype=d["candidate_dtype"], inputs=d.get("inputs", {}),
+            sites=[SiteDiff.from_dict(s) for s in d["sites"]], first_divergence=d.get("first_divergence"),
+            divergence=d.get("divergence"), unmatched_reference=list(d.get("unmatched_reference", [])),
+            unmatched_candidate=list(d.get("unmatched_candidate", [])), notes=list(d.get("notes", [])),
+            stats=dict(d.get("stats", {})), seconds=float(d.get("seconds", 0.0)))
+
+    @classmethod
+    def from_json(cls, text: str) -> Diff:
+        return cls.from_dict(json.loads(text))

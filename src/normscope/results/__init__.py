@@ -1,0 +1,1 @@
+"""Results: what normscope measured and decided, as data that renders, serialises and loads back."""

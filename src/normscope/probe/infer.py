@@ -126,13 +126,12 @@ def infer(
         spec = rounding.spec
         ev.update(rounding.evidence)
         probe.progress("validation on fresh inputs")
-        validation = validate(probe, spec, params, g, None, found_eps.measured_at)
+        validation = validate(probe, spec, params, g, found_eps.measured_at)
 
     final = spec
     if found_modes.differ:
         with t.mode(False):
-            running = running_stats(probe, spec, params)
-        params.update(running)
+            params = params.merged(running_stats(probe, spec, params))
         eval_spec = spec.replace(batch_stats="running")
         with t.mode(False):
             if not module_training:  # evaluation may apply its statistics at another precision than training
@@ -141,7 +140,7 @@ def infer(
                 for k, e in eval_rounding.evidence.items():
                     e.measured["training_mode"] = {"chosen": getattr(spec, k), "evidence": ev[k].measured}
                     ev[k] = e
-            validation["eval"] = validate(probe, eval_spec, params, g, running, found_eps.measured_at)
+            validation["eval"] = validate(probe, eval_spec, params, g, found_eps.measured_at)
         if not module_training:
             final = eval_spec
     ev["batch_stats"] = batch_evidence

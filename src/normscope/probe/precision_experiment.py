@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from ..results.params import NormParams
 from ..spec import NormSpec
 from .experiments import ulps
 from .groups import Groups
@@ -63,23 +64,23 @@ def offset_groups(g: Groups) -> np.ndarray:
     return g.spread(np.where(np.arange(g.count) % 2 == 0, 0.0, GROUP_OFFSET))
 
 
-def distance(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: Mapping[str, np.ndarray],
+def distance(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: NormParams | Mapping[str, Any],
              *, formulas: Iterable[str] = ("divide",), param_dtypes: Iterable[str | None] = (None,)) -> Distance:
     """The distance (ulps of ``dtype``, floored near 0 by :func:`~normscope.probe.experiments.ulps`) from the
-    outputs ``y`` on input ``x`` to ``spec`` emulated at ``dtype`` with ``params`` (γ, β, running statistics).
+    outputs ``y`` on input ``x`` to ``spec`` emulated at ``dtype`` with ``params`` (γ, β, running statistics: a
+    :class:`~normscope.results.params.NormParams` or a mapping of its fields).
 
     ``spec``'s nearest emulation is taken over ``formulas`` × ``param_dtypes`` (where γ/β are stored: ``None``
     for the input dtype, ``"float32"``); the first of equal ones wins, and an emulation whose mean is NaN (every
     element non-finite) only where all are.
     """
+    kwargs = (params if isinstance(params, NormParams) else NormParams.from_dict(params)).kwargs()
     ulp = ulps(y, dtype)
     best = None
     for formula in formulas:
         for pdt in param_dtypes:
             with np.errstate(all="ignore"):
-                yr = reference.forward(x, spec, dtype=dtype, gamma=params.get("gamma"), beta=params.get("beta"),
-                                       running_mean=params.get("running_mean"),
-                                       running_var=params.get("running_var"), param_dtype=pdt, formula=formula)
+                yr = reference.forward(x, spec, dtype=dtype, param_dtype=pdt, formula=formula, **kwargs)
                 e = np.abs(y - yr) / ulp
                 err = float(np.nanmean(e))
             if best is None or err < best.mean or (math.isnan(best.mean) and not math.isnan(err)):
@@ -89,7 +90,7 @@ def distance(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: M
     return best
 
 
-def score(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: Mapping[str, np.ndarray],
+def score(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: NormParams | Mapping[str, Any],
           candidates: Iterable[tuple[str, str]] = CANDIDATES, *, formulas: Iterable[str] | None = ("divide",),
           param_dtypes: Iterable[str | None] = (None,)) -> dict[tuple[str, str], Distance]:
     """:func:`distance` to ``spec`` with each candidate (stats_dtype, affine_order) in turn.

@@ -14,11 +14,10 @@ import enum
 import json
 from typing import Any
 
-import numpy as np
-
 from ..errors import InputError
 from ..jsonable import jsonable
 from ..spec import NormSpec
+from .params import NormParams
 
 __all__ = ["SCHEMA", "Confidence", "Evidence", "Inference"]
 
@@ -68,7 +67,7 @@ class Inference:
 
     spec: NormSpec
     evidence: dict[str, Evidence]
-    params: dict[str, np.ndarray]
+    params: NormParams
     calls: int
     target: str
     shape: tuple[int, ...]
@@ -87,7 +86,7 @@ class Inference:
             "spec": self.spec.to_dict(),
             "summary": self.spec.summary(),
             "evidence": {k: v.to_dict() for k, v in self.evidence.items()},
-            "params": {k: np.asarray(v).tolist() for k, v in self.params.items()},
+            "params": self.params.to_json(),
             "validation": jsonable(self.validation),
             "calls": self.calls,
             "seconds": round(self.seconds, 4),
@@ -108,7 +107,7 @@ class Inference:
         return cls(
             spec=NormSpec.from_dict(data["spec"]),
             evidence={k: Evidence.from_dict(v) for k, v in data.get("evidence", {}).items()},
-            params={k: np.asarray(v, dtype=np.float64) for k, v in data.get("params", {}).items()},
+            params=NormParams.from_dict(data.get("params")),
             calls=int(data.get("calls", 0)),
             target=str(data.get("target", "")),
             shape=tuple(int(s) for s in data.get("shape", ())),

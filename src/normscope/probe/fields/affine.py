@@ -19,6 +19,7 @@ from ...dtypes import UNIT_ROUNDOFF
 from ...errors import NotANormalization
 from ...layout import Layout
 from ...results.inference import Confidence, Evidence
+from ...results.params import NormParams
 from ...spec import NormSpec
 from ..experiments import plus_minus, varying_axes
 from ..groups import Groups
@@ -168,15 +169,12 @@ def _fit_parameters(probe: Probe, g: Groups, tol: float) -> dict[str, Fit | None
     return fitted if (fitted["gamma"] or fitted["beta"]) else None
 
 
-def parameter_values(probe: Probe, g: Groups, spec: NormSpec, aff: Affine) -> dict[str, np.ndarray]:
+def parameter_values(probe: Probe, g: Groups, spec: NormSpec, aff: Affine) -> NormParams:
     """γ = γ̂ / r(V) with r(V) from the reference for the inferred spec, and β = β̂, at the parameter shape."""
     u = g.pattern(probe.rng)
     xhat = reference.forward(BIG * u, spec.without_affine())
     r_v = g.spread(g.sum(xhat * u) / g.sum(u * u))
     param_axes = Layout.of(spec, probe.shape).param_axes
-    params: dict[str, np.ndarray] = {}
-    if aff.gamma:
-        params["gamma"] = layout.take(aff.gamma_hat / r_v, param_axes) - spec.gamma_offset
-    if aff.beta:
-        params["beta"] = layout.take(aff.beta_hat, param_axes)
-    return params
+    return NormParams(
+        gamma=layout.take(aff.gamma_hat / r_v, param_axes) - spec.gamma_offset if aff.gamma else None,
+        beta=layout.take(aff.beta_hat, param_axes) if aff.beta else None)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ...results.inference import Confidence, Evidence
+from ...results.params import NormParams
 from ...spec import NormSpec
 from ..groups import Groups
 from . import eps as eps_field
@@ -30,7 +31,7 @@ from .validation import validate
 @dataclasses.dataclass(frozen=True)
 class Frozen:
     spec: NormSpec
-    params: dict[str, np.ndarray]
+    params: NormParams
     validation: dict[str, Any]
     evidence: dict[str, Evidence]
 
@@ -63,7 +64,6 @@ def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Froz
     probe.progress("frozen BatchNorm: running statistics read from buffers, ε from a private copy")
     ndim, c = probe.ndim, probe.shape[axis]
     bufs = probe.target.buffers()
-    running = {"running_mean": bufs[mean_name], "running_var": bufs[var_name]}
     big = BIG**2
 
     def gains(var: np.ndarray, mean: np.ndarray):
@@ -100,11 +100,8 @@ def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Froz
     axes = [a for a in range(ndim) if a != axis] if axis == 1 else [a - ndim for a in range(ndim) if a != axis]
     spec = NormSpec(center=center, axes=axes, eps=eps, eps_placement=placement, gamma=gamma, beta=beta,
                     param_axes=channel if (gamma or beta) else [], batch_stats="running")
-    params = dict(running)
-    if gamma:
-        params["gamma"] = gamma_c
-    if beta:
-        params["beta"] = beta_c
+    params = NormParams(gamma=gamma_c if gamma else None, beta=beta_c if beta else None,
+                        running_mean=bufs[mean_name], running_var=bufs[var_name])
     ev: dict[str, Evidence] = {}
     ev["axes"] = Evidence(
         "running_mean/running_var buffers of one channel axis, and an output that is a per-channel affine map "
@@ -134,5 +131,5 @@ def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Froz
     rounding = low_precision(probe, spec, params, "from the map, running statistics from buffers")
     ev.update(rounding.evidence)
     probe.progress("validation on fresh inputs")
-    validation = validate(probe, rounding.spec, params, g, running, probe.dtype)
+    validation = validate(probe, rounding.spec, params, g, probe.dtype)
     return Frozen(rounding.spec, params, validation, ev)

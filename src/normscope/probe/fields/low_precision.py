@@ -20,6 +20,7 @@ import numpy as np
 from ...layout import Layout
 from ...precision import Precision
 from ...results.inference import Confidence, Evidence
+from ...results.params import NormParams
 from ...spec import NormSpec
 from .. import precision_experiment as pe
 from ..experiments import ulps
@@ -36,20 +37,21 @@ class LowPrecision:
     evidence: dict[str, Evidence]  # stats_dtype, affine_order
 
 
-def with_random_parameters(probe: Probe, spec: NormSpec, params, aff: Affine, mode: str = "") -> LowPrecision:
+def with_random_parameters(probe: Probe, spec: NormSpec, params: NormParams, aff: Affine,
+                           mode: str = "") -> LowPrecision:
     """:func:`low_precision` with distinct random γ/β in a private copy where the affine experiment found the
     target's parameters, else with the γ/β recovered by probing. ``mode`` is appended to the source."""
     if aff.fitted is None:
         return low_precision(probe, spec, params, "as recovered" + mode)
     with probe.target.perturbed_parameters(probe.rng) as values:
         pshape = Layout.of(spec, probe.shape).param_shape
-        known = {field: np.asarray(values[fit.name], dtype=np.float64).reshape(pshape)
-                 for field, fit in aff.fitted.items() if fit is not None}
-        known.update({k: v for k, v in params.items() if k.startswith("running_")})
+        known = NormParams(**{field: np.asarray(values[fit.name], dtype=np.float64).reshape(pshape)
+                              for field, fit in aff.fitted.items() if fit is not None},
+                           running_mean=params.running_mean, running_var=params.running_var)
         return low_precision(probe, spec, known, "random, in a private copy" + mode)
 
 
-def low_precision(probe: Probe, spec: NormSpec, params, source: str) -> LowPrecision:
+def low_precision(probe: Probe, spec: NormSpec, params: NormParams, source: str) -> LowPrecision:
     """``stats_dtype`` and ``affine_order`` of ``spec`` from the target's bfloat16/float16 outputs.
 
     ``params`` are the γ/β (and running statistics) the target applies during the experiment; ``source`` says

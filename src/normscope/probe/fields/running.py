@@ -10,11 +10,12 @@ import numpy as np
 
 from ... import layout
 from ...layout import Layout
+from ...results.params import NormParams
 from ...spec import NormSpec
 from .probe import Probe
 
 
-def running_stats(probe: Probe, spec: NormSpec, params) -> dict[str, np.ndarray]:
+def running_stats(probe: Probe, spec: NormSpec, params: NormParams) -> NormParams:
     """Recover running mean and variance from two evaluation-mode calls (the target must be in eval mode).
 
     ``spec`` is the training-mode contract and ``params`` its γ/β, used where they are indexed like the running
@@ -29,10 +30,10 @@ def running_stats(probe: Probe, spec: NormSpec, params) -> dict[str, np.ndarray]
     lay = Layout.of(spec, probe.shape)
     A, B = layout.take(slope, lay.stats_axes), layout.take(intercept, lay.stats_axes)
     same_axes = lay.param_axes == lay.stats_axes
-    gamma, beta = params.get("gamma"), params.get("beta")
+    gamma, beta = params.gamma, params.beta
     gam = gamma + spec.gamma_offset if gamma is not None and same_axes else np.ones_like(A)
     bet = beta if beta is not None and same_axes else np.zeros_like(A)
     with np.errstate(all="ignore"):
         var = (gam / A) ** 2 - spec.eps
         mean = (bet - B) / A if spec.center else np.zeros_like(A)
-    return {"running_mean": mean, "running_var": var}
+    return NormParams(running_mean=mean, running_var=var)

@@ -9,6 +9,7 @@ import numpy as np
 from ... import reference
 from ...errors import NotANormalization
 from ...precision import Precision
+from ...results.params import NormParams
 from ...spec import NormSpec
 from ..groups import Groups
 from .probe import Probe, rel
@@ -26,20 +27,16 @@ def inputs(probe: Probe, g: Groups):
     yield "heavy-tailed, per-group scales 1e-2..1e2", rng.standard_t(3, size=probe.shape) * scales
 
 
-def validate(probe: Probe, spec: NormSpec, params, g: Groups, running, dtype: str) -> dict[str, Any]:
-    """The relative error of ``spec`` (with ``params`` and ``running`` statistics) against the target at ``dtype``
+def validate(probe: Probe, spec: NormSpec, params: NormParams, g: Groups, dtype: str) -> dict[str, Any]:
+    """The relative error of ``spec`` (with ``params``: γ, β, running statistics) against the target at ``dtype``
     on each input family; :class:`NotANormalization` above :data:`VALIDATION_TOL`."""
     tol = VALIDATION_TOL.get(dtype, 1e-2)
     out: dict[str, Any] = {"tolerance": tol, "dtype": dtype}
     worst = 0.0
-    kw = {}
-    if running:
-        kw = {"running_mean": running.get("running_mean"), "running_var": running.get("running_var")}
     for label, x in inputs(probe, g):
         x = Precision(dtype).round(x).astype(np.float64)
         y = probe.run(x, dtype)
-        yr = reference.forward(x, spec, gamma=params.get("gamma"), beta=params.get("beta"),
-                               dtype=dtype if dtype != "float64" else None, **kw)
+        yr = reference.forward(x, spec, dtype=dtype if dtype != "float64" else None, **params.kwargs())
         err = rel(y, yr, max(1.0, float(np.sqrt(np.mean(yr**2)))))
         out[label] = err
         worst = max(worst, err)

@@ -456,3 +456,35 @@ def test_per_head_layernorm_is_a_layernorm():
     r = infer(zoo.PerHeadLayerNorm(), shape=(2, 3, 4, 16))
     assert r.spec.resolve_axes(4) == (3,) and r.spec.resolve_param_axes(4) == (2, 3)
     assert r.spec.kind == "layernorm" and "InstanceNorm" not in r.spec.summary()
+
+
+# --------------------------------------------------------------------------------------------- precision experiment
+def test_precision_experiment_finds_the_emulated_candidate_and_formula():
+    from normscope import reference
+    from normscope.precision import Precision
+    from normscope.probe import precision_experiment as pe
+    from normscope.probe.groups import Groups
+    from normscope.results.params import NormParams
+
+    rng = np.random.default_rng(3)
+    spec = NormSpec.preset("torch_layernorm")
+    g = Groups.of(spec, SHAPE)
+    x = Precision("bfloat16").round((rng.normal(size=SHAPE) + pe.offset_groups(g)) * 3).astype(np.float64)
+    params = NormParams(gamma=rng.uniform(0.5, 1.5, 64), beta=rng.uniform(-1, 1, 64))
+    for stats, order in pe.CANDIDATES:
+        y = reference.forward(x, spec.replace(stats_dtype=stats, affine_order=order), dtype="bfloat16",
+                              **params.kwargs())
+        scores = pe.score(y, x, "bfloat16", spec, params)
+        assert scores[(stats, order)].mean == 0.0
+        other = min(s.mean for c, s in scores.items() if c[0] != stats)
+        assert other > 0.05, scores  # the other statistics dtype is visibly further
+        sep = pe.separation(scores, repeat=0.0)
+        assert sep["winner"] == stats and sep["reproduces"] and sep["beyond_noise"], sep
+    # a folded affine is one of scale-then-cast's faithful formulas: found only when formulas are searched
+    folded = spec.replace(affine_order="scale_then_cast")
+    y = reference.forward(x, folded, dtype="bfloat16", formula="folded", **params.kwargs())
+    assert pe.distance(y, x, "bfloat16", folded, params).mean > 0
+    nearest = pe.score(y, x, "bfloat16", spec, params, [("float32", "scale_then_cast")], formulas=None)
+    assert nearest[("float32", "scale_then_cast")].mean == 0.0
+    assert nearest[("float32", "scale_then_cast")].formula == "folded"
+    assert "folded" not in pe.faithful_formulas(spec.replace(affine_order="cast_then_scale"))

@@ -22,7 +22,7 @@ LAYERS, HIDDEN = 24, 2048
 
 CHILD = r"""
 import json, sys, time
-from normscope.contract import contract
+from normscope.artifacts import contract
 import gguf  # imported before the baseline, like normscope's own imports
 
 def status(key):

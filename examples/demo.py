@@ -13,7 +13,8 @@ HERE = Path(__file__).resolve().parent
 
 def run(*args: str, expect: int = 0) -> None:
     print(f"\n$ normscope {' '.join(args)}", flush=True)
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    path = os.environ.get("PYTHONPATH")  # examples/ first, then whatever the caller set (e.g. src)
+    env = {**os.environ, "PYTHONPATH": str(HERE) + (os.pathsep + path if path else "")}
     code = subprocess.run([sys.executable, "-m", "normscope", *args], env=env).returncode
     if code != expect:
         sys.exit(f"demo: `normscope {' '.join(args)}` exited {code}, expected {expect}")

@@ -19,3 +19,5 @@ settings.load_profile("normscope")
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240601)
+
+pytest_plugins = ["pytester"]

@@ -7,10 +7,12 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
+import registry
 import torch
 import zoo
 
 from normscope import NormSpec, check
+from normscope.results.check import Report
 from normscope.testing import assert_conforms
 
 SHAPE = (2, 8, 64)
@@ -18,7 +20,11 @@ IMAGE = (2, 4, 5, 5)
 
 
 def failed(report) -> set[str]:
-    return {f"{f.section}/{f.name}" for f in report.findings if f.status == "fail"}
+    """The keys (stable id and parameters) of the failed findings."""
+    return report.keys("fail")
+
+
+TINY_1E_12 = "extreme.tiny_variance[variance=1e-12; dtype=float32]"
 
 
 def assert_passes(report):
@@ -61,10 +67,11 @@ def test_batchnorm_train_and_eval_rules():
     bn = zoo.randomize(torch.nn.BatchNorm2d(4))
     r = check(bn, expect="torch_batchnorm", shape=IMAGE)
     assert_passes(r)
-    names = {f.name: f for f in r.findings if f.section == "modes"}
-    assert names["running statistics update"].status == "pass"
-    assert names["running statistics update"].measured["momentum_from_mean"] == pytest.approx(0.1)
-    assert names["evaluation uses running statistics"].status == "pass"
+    (update,) = r.find("modes.running_update")
+    assert update.status == "pass"
+    assert update.measured["momentum_from_mean"] == pytest.approx(0.1)
+    (evaluation,) = r.find("modes.evaluation_running_statistics")
+    assert evaluation.status == "pass"
 
 
 def test_batchnorm_with_biased_running_variance_fails_the_update_rule():
@@ -80,7 +87,7 @@ def test_batchnorm_with_biased_running_variance_fails_the_update_rule():
 
     r = check(BiasedRunningBN(4), expect="torch_batchnorm", shape=IMAGE,
               quick=True, explain_failures=False)
-    assert "modes/running statistics update" in failed(r)
+    assert "modes.running_update" in failed(r)
 
 
 # ---------------------------------------------------------------------------------------------- wrong ones
@@ -88,19 +95,19 @@ def test_seed_std_plus_eps_fails_a_torch_layernorm_contract_with_explanation():
     r = check(zoo.seed_layer_norm, expect=NormSpec.preset("torch_layernorm", affine=False), shape=SHAPE,
               framework="numpy")
     assert not r.ok
-    assert "extreme/tiny variance 1e-12" in failed(r)
+    assert TINY_1E_12 in failed(r)
     assert "expected ε inside √ (sqrt(var+ε)); found ε outside √ (std+ε)" in r.differences
 
 
 @pytest.mark.parametrize("target, framework, expect, finding, difference", [
     (zoo.sequence_axis_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
-     "dependency/other tokens changed", "statistics reduce over [-2], expected [-1]"),
+     "dependency.other_tokens[axis=1; dtype=float32]", "statistics reduce over [-2], expected [-1]"),
     (zoo.batch_axis_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
-     "dependency/other batch items changed", "statistics reduce over [0], expected [-1]"),
+     "dependency.other_batch_items[axis=0; dtype=float32]", "statistics reduce over [0], expected [-1]"),
     (zoo.eps_outside_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
-     "extreme/tiny variance 1e-12", "found ε outside √"),
+     TINY_1E_12, "found ε outside √"),
     (zoo.one_pass_layernorm, "torch", NormSpec.preset("torch_layernorm", affine=False),
-     "extreme/offset 10000 + small spread", "one-pass"),
+     "extreme.offset[offset=10000; dtype=float32]", "one-pass"),
 ], ids=["sequence-axis", "batch-axis", "eps-outside", "one-pass"])
 def test_wrong_functions_fail_the_right_finding(target, framework, expect, finding, difference):
     r = check(target, expect=expect, shape=SHAPE, framework=framework)
@@ -110,31 +117,31 @@ def test_wrong_functions_fail_the_right_finding(target, framework, expect, findi
 
 def test_unbiased_variance_fails():
     r = check(zoo.randomize(zoo.UnbiasedLayerNorm()), expect="torch_layernorm", shape=SHAPE)
-    assert "hand/hand case [1, 2, 3]" in failed(r)
+    assert "hand.case[dtype=float32]" in failed(r)
     assert any("unbiased" in d for d in r.differences)
 
 
 def test_gamma_along_sequence_fails_affine_broadcast():
     r = check(zoo.SequenceGammaLayerNorm(), expect="torch_layernorm", shape=SHAPE)
-    assert any(f.startswith("affine/") for f in failed(r)), r.text()
+    assert "affine" in {f.section for f in r.failures}, r.text()
     assert any("γ/β indexed by" in d for d in r.differences)
 
 
 def test_bf16_statistics_fail_under_llama_contract():
     r = check(zoo.randomize(zoo.InputDtypeStatsRMSNorm()), expect="llama_rmsnorm", shape=SHAPE)
-    assert "reference/rounding at bfloat16" in failed(r)
+    assert "reference.rounding[dtype=bfloat16]" in failed(r)
     assert "expected fp32 statistics; found statistics in the input dtype" in r.differences
 
 
 def test_gemma_cast_order_under_llama_contract_fails():
     r = check(zoo.randomize(zoo.ScaleThenCastRMSNorm()), expect="llama_rmsnorm", shape=SHAPE)
-    assert failed(r) == {"reference/rounding at bfloat16", "reference/rounding at float16"}, r.text()
+    assert failed(r) == {"reference.rounding[dtype=bfloat16]", "reference.rounding[dtype=float16]"}, r.text()
     assert r.differences == ["expected cast then scale; found scale then cast"]
 
 
 def test_wrong_eps_value_fails():
     r = check(torch.nn.LayerNorm(64, eps=1e-3), expect="torch_layernorm", shape=SHAPE)
-    assert "extreme/tiny variance 1e-12" in failed(r)
+    assert TINY_1E_12 in failed(r)
     assert "expected ε=1e-05; found ε=0.001" in r.differences
 
 
@@ -150,7 +157,11 @@ def test_report_json_and_junit(tmp_path):
     assert data["schema"] == "normscope.check/1" and data["ok"] is False
     assert data["counts"]["fail"] == len(r.failures) > 0
     f0 = data["findings"][0]
-    assert set(f0) == {"name", "section", "status", "measured", "expected", "tolerance", "why"}
+    assert set(f0) == {"name", "section", "status", "measured", "expected", "tolerance", "why", "id", "params"}
+    assert f0["id"] == "determinism.repeated_calls" and f0["params"] == {"dtype": "float32"}
+    assert {f["id"] for f in data["findings"] if f["status"] == "fail"} >= {"extreme.tiny_variance"}
+    back = Report.from_dict(data)  # the report loads back from its JSON, non-finite numbers included
+    assert back.to_dict() == data and back.keys("fail") == failed(r)
     path = tmp_path / "out.xml"
     r.to_junit(path)
     suite = ET.parse(path).getroot()
@@ -174,9 +185,29 @@ def test_pytest_fixture(assert_norm_conforms):
     assert_norm_conforms(torch.nn.RMSNorm(64), "torch_rmsnorm", shape=SHAPE)
 
 
-@pytest.mark.normscope(expect="torch_layernorm", shape=SHAPE)
-def test_pytest_marker():
+MARKED = """
+import pytest
+import torch
+
+
+@pytest.mark.normscope(expect="torch_layernorm", shape=(2, 8, 64))
+def test_conforms():
     return torch.nn.LayerNorm(64)
+
+
+@pytest.mark.normscope(expect="torch_layernorm", shape=(2, 8, 64))
+def test_wrong_eps():
+    return torch.nn.LayerNorm(64, eps=1e-3)
+"""
+
+
+def test_pytest_marker(pytester, request):
+    # the inner run loads plugins as this one did: with the plugin off, the wrong-ε test passes and this fails
+    pytester.makepyfile(MARKED)
+    off = [] if request.config.pluginmanager.has_plugin("normscope") else ["-p", "no:normscope"]
+    result = pytester.runpytest_inprocess(*off, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_wrong_eps*", "*extreme/tiny variance 1e-12*"])
 
 
 def test_quick_is_smaller():
@@ -196,9 +227,9 @@ def test_module_is_untouched_by_check():
 def test_hidden_size_grid_for_functions():
     r = check(lambda x: torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5), expect=NormSpec.preset(
         "torch_layernorm", affine=False), shape=SHAPE, framework="torch")
-    shapes = {f.name for f in r.findings if f.name.startswith("forward")}
+    shapes = {f.params["shape"] for f in r.find("reference.forward")}
     for h in (3, 123, 1000, 4097):
-        assert any(f"{h})" in s for s in shapes), shapes
+        assert any(s[-1] == h for s in shapes), shapes
     assert r.ok, r.text()
     assert np.isfinite([f.measured for f in r.findings if isinstance(f.measured, float)]).all()
 
@@ -226,7 +257,7 @@ def test_onnxruntime_layernorm_passes_with_its_rounding_order():
 
 def test_onnxruntime_deviates_from_the_onnx_function_body_only_in_rounding_order():
     r = check(_onnx_layernorm(), expect="onnx_layernorm", shape=SHAPE)
-    assert failed(r) == {"reference/rounding at float16"}, r.text()
+    assert failed(r) == {"reference.rounding[dtype=float16]"}, r.text()
     assert r.differences == ["expected cast then scale; found scale then cast"]
 
 
@@ -242,10 +273,10 @@ def test_flax_layernorm_passes_its_one_pass_contract():
 
 
 @pytest.mark.parametrize("target, finding", [
-    (zoo.DoubledWeightLayerNorm(), "affine/γ is the target's parameter"),
-    (zoo.HalfWithoutEpsLayerNorm(), "extreme/constant vector at float16"),
-    (zoo.NoGradLayerNorm(), "reference/backward float32"),
-    (zoo.ContiguousOnlyLayerNorm(), "reference/non-contiguous input float32"),
+    (zoo.DoubledWeightLayerNorm(), "affine.is_parameter[parameter=gamma]"),
+    (zoo.HalfWithoutEpsLayerNorm(), "extreme.constant_vector[dtype=float16]"),
+    (zoo.NoGradLayerNorm(), "reference.backward[dtype=float32]"),
+    (zoo.ContiguousOnlyLayerNorm(), "reference.noncontiguous[dtype=float32]"),
 ], ids=["doubled-weight", "half-without-eps", "no-grad", "contiguous-only"])
 def test_wrong_modules_fail_the_right_finding(target, finding):
     r = check(target, expect="torch_layernorm", shape=SHAPE, explain_failures=False)
@@ -263,8 +294,8 @@ def test_promoted_output_dtype_is_reported_not_failed():
                                                   self.bias.float(), self.eps)
 
     r = check(Promoting(64), expect="torch_layernorm", shape=SHAPE, explain_failures=False)
-    skipped = {f.name: f for f in r.findings if f.status == "skip"}
-    assert skipped["output dtype at bfloat16"].measured == "float32"
+    (out,) = r.find("reference.output_dtype", dtype="bfloat16")
+    assert out.status == "skip" and out.measured == "float32"
 
 
 def test_two_element_groups_pass_backward():
@@ -276,14 +307,14 @@ def test_two_element_groups_pass_backward():
 def test_large_hidden_size_with_values_whose_squares_overflow_float32():
     r = check(torch.nn.LayerNorm(1024), expect="torch_layernorm", shape=(2, 4, 1024), quick=True)
     assert r.ok, r.text()
-    big = next(f for f in r.findings if f.name == "large values 1e+18")
+    (big,) = r.find("extreme.large_values", scale=1e18)
     assert big.status == "skip"  # float32 statistics themselves overflow there: the contract says so
 
 
 @pytest.mark.parametrize("fn", [lambda x: x * 0, lambda x: torch.zeros_like(x) + 0.5], ids=["zeros", "constant"])
 def test_an_output_that_ignores_the_input_fails(fn):
     r = check(fn, expect="torch_layernorm", shape=SHAPE, framework="torch", explain_failures=False)
-    assert "affine/the output follows the input" in failed(r)
+    assert "affine.follows_input[dtype=float32]" in failed(r)
 
 
 def test_tuple_outputs_and_in_place_inputs_are_handled():
@@ -306,24 +337,15 @@ def test_single_element_groups_are_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------------------- the registry
-def _expect(expect):
-    return NormSpec.preset(expect[0], **expect[1]) if isinstance(expect, tuple) else expect
-
-
-@pytest.mark.parametrize("case", sorted(zoo.CHECK_CASES))
+@pytest.mark.parametrize("case", registry.CHECK_CASES, ids=lambda c: c.name)
 def test_zoo_registry_verdicts(case):
-    make, expect, shape, kw, must_fail, must_skip = zoo.CHECK_CASES[case]
-    r = check(make(), expect=_expect(expect), shape=shape, quick=True, explain_failures=False, **kw)
-    assert failed(r) == must_fail, r.text()
-    skipped = {f"{f.section}/{f.name}" for f in r.findings if f.status == "skip"}
-    assert must_skip <= skipped, skipped
+    r = check(case.make(), expect=case.expect, shape=case.shape, quick=True, explain_failures=False, **case.kwargs)
+    assert failed(r) == case.fails, r.text()
+    assert case.skips <= r.keys("skip"), r.keys("skip")
     for f in r.findings:  # the table never contradicts itself: a pass's measured number is within its tolerance
         if isinstance(f.measured, float) and isinstance(f.tolerance, float) and f.status == "pass":
-            assert f.measured <= f.tolerance, (f.name, f.measured, f.tolerance)
-    asked = kw.get("dtypes")
-    tried = (asked.split(",") if isinstance(asked, str) else list(asked)) if asked else [
-        "float32", "float16", "bfloat16"]
-    assert list(r.dtypes) == tried  # the header lists every dtype tried; findings say which could not run
+            assert f.measured <= f.tolerance, (f.key, f.measured, f.tolerance)
+    assert list(r.dtypes) == case.tried  # the header lists every dtype tried; findings say which could not run
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])  # seed 7 once failed: the old rule compared two noise-sized distances
@@ -331,9 +353,9 @@ def test_variance_algorithm_rule_separates_beyond_noise(seed):
     one_pass = NormSpec.preset("torch_layernorm", affine=False, variance_algorithm="one_pass", stats_dtype="input")
     kw = dict(shape=SHAPE, dtypes=("float32",), quick=True, seed=seed, explain_failures=False)
     r = check(zoo.one_pass_layernorm, expect=one_pass, framework="torch", **kw)
-    f = next(f for f in r.findings if f.name == "one-pass variance at offset")
+    (f,) = r.find("extreme.variance_algorithm", algorithm="one_pass")
     assert f.status == "pass" and f.measured < 0.01, f.why  # thousands of two-pass bounds away
     r = check(lambda x: torch.nn.functional.layer_norm(x, (64,)), expect=one_pass, framework="torch", **kw)
-    assert "extreme/one-pass variance at offset" in failed(r)
+    assert "extreme.variance_algorithm[algorithm=one_pass; dtype=float32]" in failed(r)
     r = check(zoo.one_pass_layernorm, expect=one_pass.replace(variance_algorithm="two_pass"), framework="torch", **kw)
-    assert "extreme/two-pass variance at offset" in failed(r)
+    assert "extreme.variance_algorithm[algorithm=two_pass; dtype=float32]" in failed(r)

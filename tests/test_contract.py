@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from normscope import NormSpec, cli
-from normscope.contract import ModelContract, compare, contract
-from normscope.contract.command import add_parser
+from normscope.artifacts import ModelContract, compare, contract
 from normscope.errors import InputError
 
 gguf = pytest.importorskip("gguf")
@@ -514,7 +513,6 @@ def test_reading_modifies_nothing(checkpoints):
 
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, add_parser])
     monkeypatch.setenv("COLUMNS", "240")
 
     def run(*argv):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import zoo
-from infer_cases import CASES, assert_contract, inferred, onnx_model, trained_batchnorm
+from registry import INFER_BY_NAME, assert_contract, batchnorm_three_steps, inferred, onnx_model
 
 import normscope
 from normscope import NormSpec, NotANormalization, TargetError
@@ -19,10 +19,10 @@ IMAGE = (2, 4, 5, 5)
 
 
 # --------------------------------------------------------------------------------------------- the registry
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(INFER_BY_NAME))
 def test_registry_case(name):
-    """Every case of tests/infer_cases.py: its contract, field by field, and the confidences it declares."""
-    case = CASES[name]
+    """Every INFER_CASES entry of tests/registry.py: its contract, field by field, and the confidences it declares."""
+    case = INFER_BY_NAME[name]
     _, r = inferred(name)
     if case.expect is not None:
         assert_contract(r, case.expect, len(case.shape), case.exact)
@@ -217,7 +217,7 @@ def _same(a, b):
 
 
 def test_module_state_is_unchanged_after_inference_and_after_failure():
-    bn = trained_batchnorm()
+    bn = batchnorm_three_steps()
     bn.weight.requires_grad_(False)
     before = _state(bn)
     infer(bn, shape=IMAGE)
@@ -371,7 +371,7 @@ def test_stats_dtype_decisive_only_where_candidates_separate():
 
 @pytest.mark.parametrize("shape", [(2, 4, 5, 5), (8, 4, 3, 3), (2, 4, 16, 16)])
 def test_batchnorm_training_statistics_dtype_does_not_flip_with_the_shape(shape):
-    r = infer(trained_batchnorm(), shape=shape)
+    r = infer(batchnorm_three_steps(), shape=shape)
     assert r.spec.stats_dtype == "input"
     assert r.evidence["stats_dtype"].confidence is Confidence.DECISIVE
 

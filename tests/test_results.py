@@ -36,3 +36,19 @@ def test_norm_params_feed_the_reference_and_the_error_model():
         NormParams(gamma=[1.0, 2.0]).check_shapes(spec, x.shape)
     with pytest.raises(InputError, match="beta=False"):
         NormParams(beta=[1.0, 2.0, 3.0]).check_shapes(spec, x.shape)
+
+
+def test_finding_ids_keys_and_status():
+    from normscope.results.check import Finding, Status
+
+    f = Finding("tiny variance 1e-12 at float16", "extreme", "fail", 0.5, None, 0.1, "why",
+                "extreme.tiny_variance", {"variance": 1e-12, "dtype": "float16"})
+    assert f.status is Status.FAIL and f.status == "fail" and f"{f.status}" == "fail"
+    assert f.key == "extreme.tiny_variance[variance=1e-12; dtype=float16]"
+    g = Finding("forward (2, 8, 64) float32", "reference", "pass", id="reference.forward",
+                params={"shape": (2, 8, 64), "dtype": "float32"})
+    assert g.key == "reference.forward[shape=(2, 8, 64); dtype=float32]"
+    back = Finding.from_dict(g.to_dict())  # the shape comes back as a list; the key is the same
+    assert back.key == g.key and back.status is Status.PASS
+    with pytest.raises(ValueError):
+        Finding("x", "s", "passed")  # a closed set: a typo is an error, not a fourth status

@@ -2,11 +2,16 @@
 
 State the contract of a normalization as data (:class:`NormSpec`), compute it with a float64 reference
 (:mod:`normscope.reference`), and build modules from it (:mod:`normscope.nn`).
+
+The public names are imported on first use, so ``normscope --help`` and ``normscope explain`` do not load
+the probes (and nothing loads torch unless a torch target is used).
 """
 
 from __future__ import annotations
 
-from . import reference
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import (
     InputError,
     MissingExtraError,
@@ -14,11 +19,27 @@ from .errors import (
     NotANormalization,
     SpecError,
     TargetError,
+    TargetTimeout,
 )
-from .presets import presets
+from .presets import presets  # the function; cheap (no NumPy), so imported eagerly
 from .spec import NormSpec
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Finding": ".probe.checks",
+    "Report": ".probe.checks",
+    "check": ".probe.checks",
+    "Inference": ".probe.infer",
+    "infer": ".probe.infer",
+    "scan": ".sites",
+    "ModelScan": ".sites",
+    "Site": ".sites",
+    "contract": ".artifacts",
+    "ModelContract": ".artifacts",
+    "ContractDiff": ".artifacts",
+}
+_SUBMODULES = ("reference", "targets")
 
 __all__ = [
     "InputError",
@@ -28,13 +49,43 @@ __all__ = [
     "NotANormalization",
     "SpecError",
     "TargetError",
+    "TargetTimeout",
     "presets",
     "reference",
     "__version__",
+    "Finding",
+    "Inference",
+    "Report",
+    "check",
+    "infer",
+    "targets",
+    "scan",
+    "ModelScan",
+    "Site",
+    "contract",
+    "ModelContract",
+    "ContractDiff",
 ]
 
-from . import targets  # noqa: E402
-from .probe.checks import Finding, Report, check  # noqa: E402
-from .probe.infer import Inference, infer  # noqa: E402
 
-__all__ += ["Finding", "Inference", "Report", "check", "infer", "targets"]
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'normscope' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from . import reference, targets
+    from .artifacts import ContractDiff, ModelContract, contract
+    from .probe.checks import Finding, Report, check
+    from .probe.infer import Inference, infer
+    from .sites import ModelScan, Site, scan

@@ -22,9 +22,8 @@ class MissingExtraError(NormscopeError, ImportError):
     """An optional dependency is not installed."""
 
     def __init__(self, package: str, extra: str):
-        super().__init__(
-            f"{package} is not installed; install the extra with: pip install 'normscope[{extra}]'"
-        )
+        verb = "are" if " and " in package else "is"
+        super().__init__(f"{package} {verb} not installed; install the extra with: pip install 'normscope[{extra}]'")
         self.package = package
         self.extra = extra
 
@@ -35,3 +34,11 @@ class NotANormalization(NormscopeError):
 
 class InputError(NormscopeError, ValueError):
     """An array or argument handed to normscope does not fit the contract it is used with."""
+
+
+class TargetTimeout(NormscopeError, TimeoutError):
+    """A call of the target did not return within the per-call deadline (it hangs, or is far too slow).
+
+    Not a :class:`TargetError`: a target that hangs has not refused its input, and no probe may read a
+    timeout as a refusal.
+    """

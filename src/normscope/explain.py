@@ -46,10 +46,35 @@ def explain(values: Sequence[float] = (1.0, 2.0, 3.0), **kwargs) -> dict[str, An
     """Step-by-step LayerNorm/RMSNorm of ``values`` with the invariance and ε demonstrations, as data.
 
     Keywords: ``kind`` ("layernorm", "rmsnorm", "both"), ``eps``, ``gamma``, ``beta``. Values so large
-    that their squares overflow give infinities in the table, not warnings.
+    that a step overflows float64 (a sum, the squares, x + 10 or 5 · x) are refused with an InputError
+    naming that step: printing ∞ for a finite mean would be a wrong answer, and JSON has no ∞.
     """
     with np.errstate(all="ignore"):
-        return _explain(values, **kwargs)
+        data = _explain(values, **kwargs)
+    where = _first_nonfinite(data)
+    if where:
+        raise InputError(
+            f"the values are too large for a float64 hand calculation ({where} overflows); normalization is "
+            "unchanged by scaling the input (up to ε), so divide them by a power of ten, e.g. keep |x| below 1e150")
+    return data
+
+
+def _first_nonfinite(value, path: str = "") -> str:
+    """The path of the first non-finite number in nested dicts/lists ("" when all are finite)."""
+    if isinstance(value, float):
+        return "" if math.isfinite(value) else path or "a value"
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return ""
+    for key, v in items:
+        label = f"{path}{key}" if str(key).startswith("[") else (f"{path}.{key}" if path else str(key))
+        found = _first_nonfinite(v, label)
+        if found:
+            return found.split("[")[0]
+    return ""
 
 
 def _explain(

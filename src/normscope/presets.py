@@ -162,6 +162,54 @@ def presets() -> dict[str, NormSpec]:
     return {name: factory() for name, factory in PRESETS.items()}
 
 
+def knobs(name: str) -> dict[str, Any]:
+    """The preset's knobs (the implementation's own arguments) with their defaults."""
+    return {k: p.default for k, p in inspect.signature(PRESETS[name]).parameters.items()}
+
+
+def _knob_value(text: str) -> Any:
+    """A knob's value as written on the command line: a JSON number or bool (True/False too), else text."""
+    import json
+
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, int | float | bool) or value is None else text
+
+
+def preset_from_text(text: str, shape: tuple[int, ...] | None = None) -> NormSpec:
+    """``name`` or ``name:knob=value,knob=value`` (CLI ``--expect``); with ``shape``, ``spatial_dims`` follows it.
+
+    ``torch_batchnorm`` at shape (N, C) is BatchNorm1d's contract, at (N, C, D, H, W) BatchNorm3d's: a preset
+    with a ``spatial_dims`` knob that is not given takes the input's rank minus 2.
+    """
+    name, _, rest = text.partition(":")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise SpecError(f"--expect {text!r}: knobs are written name:knob=value,knob=value, e.g. "
+                            "torch_groupnorm:groups=32,eps=1e-6")
+        overrides[key.strip()] = _knob_value(value.strip())
+    spec_name = name.strip().lower().replace("-", "_")
+    if spec_name in PRESETS:
+        own = knobs(spec_name)
+        fields = set(NormSpec.__dataclass_fields__)
+        unknown = [k for k in overrides if k not in own and k not in fields]
+        if unknown:
+            raise SpecError(f"{spec_name} has no knob {unknown[0]!r}; its knobs are "
+                            f"{', '.join(f'{k}={v}' for k, v in own.items())} (or any NormSpec field)")
+        if shape is not None and "spatial_dims" in own and "spatial_dims" not in overrides and len(shape) >= 2:
+            overrides["spatial_dims"] = len(shape) - 2
+    try:
+        return preset(name, **overrides)
+    except TypeError as exc:  # a knob of the wrong type reaches the factory
+        raise SpecError(f"--expect {text!r}: {exc}") from None
+
+
 def describe(name: str) -> str:
     """The preset's one-line origin (its docstring's first line)."""
     return (PRESETS[name].__doc__ or "").strip().splitlines()[0]

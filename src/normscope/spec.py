@@ -273,6 +273,10 @@ class NormSpec:
         unknown = sorted(set(data) - names - {"schema", "kind"})
         if unknown:
             raise SpecError(f"unknown NormSpec fields {unknown}; valid fields are {sorted(names)}")
+        if "eps" not in data:  # a file that forgets ε would silently get 1e-5: say so instead
+            raise SpecError('the spec JSON has no "eps"; state it, e.g. "eps": 1e-5 (0 with "eps_placement": "none")')
+        if isinstance(data["eps"], bool) or not isinstance(data["eps"], int | float):
+            raise SpecError(f'"eps" must be a JSON number, e.g. 1e-5; got {data["eps"]!r}')
         spec = cls(**{k: v for k, v in data.items() if k in names})
         if "kind" in data and data["kind"] != spec.kind:
             raise SpecError(f"the file says kind {data['kind']!r} but its fields describe {spec.kind!r}")

@@ -11,7 +11,8 @@ With the pytest plugin (installed with normscope) the same is the ``assert_norm_
 
 from __future__ import annotations
 
-from .probe.checks import Report, check
+from .battery.check import check
+from .results.check import Report
 
 
 def assert_conforms(target, expect, *, shape, framework=None, dtypes=None, quick: bool = True, **kwargs) -> Report:

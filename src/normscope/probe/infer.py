@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 from ..errors import NotANormalization, TargetError
+from ..inputs import probe_shape, quiet
 from ..results.inference import SCHEMA, Confidence, Evidence, Inference
 from ..spec import NormSpec
 from ..targets import as_target
@@ -46,6 +47,7 @@ from .fields.variance_algorithm import variance_algorithm
 __all__ = ["SCHEMA", "VALIDATION_TOL", "Confidence", "Evidence", "Inference", "infer"]
 
 
+@quiet
 def infer(
     target,
     *,
@@ -64,9 +66,7 @@ def infer(
     """
     started = time.perf_counter()
     t = as_target(target, framework)
-    shape = tuple(int(s) for s in (shape if not isinstance(shape, int) else (shape,)))
-    if not shape or any(s < 1 for s in shape):
-        raise TargetError(f"shape must be positive sizes, e.g. 2,8,64; got {shape}")
+    shape = probe_shape(shape)
     calls_before, modified_before = t.calls, t.input_modifications
     probe = Probe.open(t, shape, check_dtype_list(dtypes), seed, progress)
 

@@ -117,15 +117,23 @@ def _verdict(change: float, unchanged: bool, nearly: bool = False) -> str:
     return f"[red]changed[/] ({fmt(change)})"
 
 
-def render_presets(rows: list[tuple[str, Any, str]], console: Console) -> None:
-    t = Table(title="Presets: NormSpec.preset(name, **overrides)", title_justify="left")
-    t.add_column("name", style="bold")
-    t.add_column("kind")
-    t.add_column("contract")
-    t.add_column("implementation")
-    for name, spec, origin in rows:
-        t.add_row(name, spec.kind, escape(spec.summary()), escape(origin))
-    console.print(t)
+def indented(console: Console, text: str, indent: int) -> None:
+    """Plain text wrapped at the console's width under an indent, with no trailing padding (CI logs)."""
+    import textwrap
+
+    width = max(console.width - indent, 30)
+    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]:
+        console.print(" " * indent + line, markup=False, highlight=False, soft_wrap=True)
+
+
+def render_presets(rows: list[tuple[str, Any, str, dict[str, Any]]], console: Console) -> None:
+    """One block per preset: name and origin, its knobs with defaults, the contract it states."""
+    console.print("[bold]Presets[/]: --expect NAME or NAME:knob=value,… on the command line; "
+                  "NormSpec.preset(name, **knobs or fields) in Python")
+    for name, spec, origin, knobs in rows:
+        console.print(f"\n[bold]{name}[/]  {escape(origin)}")
+        indented(console, "knobs: " + ", ".join(f"{k}={v}" for k, v in knobs.items()), 2)
+        indented(console, spec.summary(), 2)
 
 
 FIELD_ORDER = ("center", "axes", "eps", "eps_placement", "variance", "variance_algorithm", "gamma", "beta",
@@ -156,34 +164,30 @@ def compact(measured: Any, limit: int = 6) -> str:
 
 def render_inference(inf, console: Console) -> None:
     spec = inf.spec
-    console.print(f"[bold]{escape(inf.target)}[/] at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, "
-                  f"accepts {', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s")
-    console.print(f"[bold]contract:[/] {escape(spec.summary())}")
-    t = Table(show_lines=False)
-    t.add_column("field", style="bold")
-    t.add_column("value")
-    t.add_column("experiment and measured numbers", overflow="fold")
-    t.add_column("confidence")
+    indented(console, f"{inf.target} at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, accepts "
+                      f"{', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s", 0)
+    indented(console, f"contract: {spec.summary()}", 0)
     values = {
         "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
         "eps": f"{spec.eps:g}",
         "param_axes": f"{list(spec.param_axes)}",
     }
+    # one line per field (value, confidence), its experiment and numbers wrapped beneath: readable at any
+    # width and in CI logs, where a four-column table folds every cell into a narrow strip
     # findings about the target itself (determinism, an input modified in place) follow the contract's fields
-    for field in FIELD_ORDER + tuple(k for k in inf.evidence if k not in FIELD_ORDER):
+    fields = FIELD_ORDER + tuple(k for k in inf.evidence if k not in FIELD_ORDER)
+    width = max(len(f) for f in fields)
+    for field in fields:
         ev = inf.evidence.get(field)
         value = values.get(field, str(getattr(spec, field, "")))
-        if ev is None:
-            t.add_row(field, escape(value), "", "")
-            continue
-        text = ev.experiment
-        if ev.measured:
-            text += " — " + compact(ev.measured)
-        if ev.note:
-            text += f" [italic]({escape(ev.note)})[/]"
-        style = _CONFIDENCE_STYLE.get(ev.confidence, "")
-        t.add_row(field, escape(value), text if ev.note else escape(text), f"[{style}]{ev.confidence}[/]")
-    console.print(t)
+        confidence = ""
+        if ev is not None:
+            style = _CONFIDENCE_STYLE.get(ev.confidence, "")
+            confidence = f"  [{style}]{ev.confidence}[/]" if style else f"  {escape(ev.confidence)}"
+        console.print(f"[bold]{field:<{width}}[/]  {escape(value)}{confidence}")
+        if ev is not None:
+            text = ev.experiment + (" — " + compact(ev.measured) if ev.measured else "")
+            indented(console, text + (f" ({ev.note})" if ev.note else ""), 4)
     for name, values_ in inf.params.items():
         arr = list(values_.ravel()) if hasattr(values_, "ravel") else list(values_)
         console.print(f"{name} {tuple(getattr(values_, 'shape', ()))}: {vec(arr[:8])}{' …' if len(arr) > 8 else ''}")
@@ -197,31 +201,41 @@ def render_inference(inf, console: Console) -> None:
 _STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
 
 
-def render_check(report, console: Console, verbose: bool = False) -> None:
+def render_check(report, console: Console, verbose: bool = False, refused: dict[str, str] | None = None) -> None:
+    """The check report: counts per section, every failure and skip in full, passes folded.
+
+    ``verbose`` lists every finding. Plain lines that wrap at the console's width, so it reads the same in
+    a narrow terminal and in a CI log.
+    """
     c = report.counts()
-    console.print(f"[bold]{escape(report.target)}[/] at shape {tuple(report.shape)}, dtypes "
-                  f"{', '.join(report.dtypes)}; {report.calls} calls, {report.seconds:.2f} s")
-    console.print(f"[bold]expected:[/] {escape(report.expected.summary())}")
-    console.print(f"[bold]parameters:[/] {escape(report.params_source)}")
-    t = Table()
-    t.add_column("section")
-    t.add_column("finding")
-    t.add_column("", justify="center")
-    t.add_column("measured", justify="right")
-    t.add_column("tolerance", justify="right")
-    t.add_column("why", overflow="fold")
+    indented(console, f"{report.target} at shape {tuple(report.shape)}, dtypes {', '.join(report.dtypes)}; "
+                      f"{report.calls} calls, {report.seconds:.2f} s", 0)
+    for dtype, why in (refused or {}).items():
+        indented(console, f"not run at {dtype}: the target refused it: {why}", 2)
+    indented(console, f"expected: {report.expected.summary()}", 0)
+    indented(console, f"parameters: {report.params_source}", 0)
+    sections: dict[str, dict[str, int]] = {}
     for f in report.findings:
-        if f.status == "pass" and not verbose and f.section == "reference" and f.name.startswith(("forward", "backward")):
-            continue
-        t.add_row(f.section, escape(f.name), f"[{_STATUS_STYLE[f.status]}]{f.status}[/]", _cell(f.measured),
-                  _cell(f.tolerance), escape(f.why))
-    console.print(t)
-    hidden = sum(1 for f in report.findings if f.status == "pass" and f.section == "reference"
-                 and f.name.startswith(("forward", "backward")))
-    if hidden and not verbose:
-        console.print(f"[dim]{hidden} passing forward/backward grid points not shown (--verbose shows them)[/]")
-    verdict = "[bold green]PASS[/]" if report.ok else "[bold red]FAIL[/]"
-    console.print(f"{verdict}: {c['pass']} passed, {c['fail']} failed, {c['skip']} skipped")
+        sections.setdefault(f.section, {"pass": 0, "fail": 0, "skip": 0})[f.status] += 1
+    width = max((len(s) for s in sections), default=7)
+    console.print()
+    for section, n in sections.items():
+        parts = [f"{n['pass']} passed"] + [f"[{_STATUS_STYLE[k]}]{n[k]} {w}[/]" for k, w in
+                                          (("fail", "failed"), ("skip", "skipped")) if n[k]]
+        console.print(f"  {escape(section):<{width}}  " + ", ".join(parts))
+    shown = [f for f in report.findings if verbose or f.status != "pass"]
+    if shown:
+        console.print()
+    for f in shown:
+        numbers = ", ".join(f"{label} {_plain(v)}" for label, v in
+                            (("measured", f.measured), ("expected", f.expected), ("tolerance", f.tolerance))
+                            if v is not None)
+        indented(console, f"{f.status.upper()} {f.section} / {f.name}" + (f": {numbers}" if numbers else ""), 0)
+        if f.why:
+            indented(console, f.why, 5)
+    folded = "" if verbose or not c["pass"] else " (passes folded; --verbose lists every finding)"
+    indented(console, f"{'PASS' if report.ok else 'FAIL'}: {c['pass']} passed, {c['fail']} failed, "
+                      f"{c['skip']} skipped{folded}", 0)
     if report.differences:
         console.print("[bold]the target's inferred contract differs:[/]")
         for d in report.differences:
@@ -232,9 +246,5 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
         console.print(f"[bold]inference could not explain the failure:[/] {escape(report.inference_error)}")
 
 
-def _cell(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return fmt(v)
-    return escape(compact(v, 4))
+def _plain(v) -> str:
+    return fmt(v) if isinstance(v, float) else compact(v, 4)

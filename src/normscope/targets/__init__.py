@@ -68,7 +68,7 @@ def as_target(obj, framework: str | None = None) -> Target:
 
         if isinstance(obj, _t.nn.Module):
             return torch(obj)
-    if isinstance(obj, str | os.PathLike) and str(obj).endswith(".onnx"):
+    if isinstance(obj, str | os.PathLike) and str(obj).lower().endswith(".onnx"):
         return onnx(obj)
     if isinstance(obj, bytes | bytearray):
         return onnx(obj)

@@ -8,12 +8,15 @@ accepts, and, where the framework allows, exposes its parameters, train/eval mod
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import numpy as np
 
-from ..errors import TargetError
+from ..errors import TargetError, TargetTimeout
 from ..precision import DTYPES, dtype_name
+
+DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
 
 
 class Target:
@@ -23,6 +26,7 @@ class Target:
     differentiable: bool = False
     has_modes: bool = False  # train/eval behaviour (torch modules)
     supported_dtypes: tuple[str, ...] = DTYPES
+    timeout: float | None = DEFAULT_TIMEOUT  # per call; None waits forever (CLI: --timeout)
 
     def __init__(self, description: str):
         self.description = description
@@ -41,7 +45,7 @@ class Target:
         x = np.array(x, dtype=np.float64)  # a private copy: what the target does to its input stays there
         self.calls += 1
         with self.running_code(f"a {dtype} input of shape {x.shape}"):
-            out = self._run(x, dtype)
+            out = run_with_deadline(self, x, dtype)
         out = np.array(out, dtype=np.float64)  # and a copy of the output: the target may reuse its buffer
         if out.shape != x.shape:
             raise TargetError(
@@ -58,7 +62,7 @@ class Target:
         """
         try:
             yield
-        except (TargetError, KeyboardInterrupt):
+        except (TargetError, TargetTimeout, KeyboardInterrupt):
             raise
         except BaseException as exc:  # noqa: BLE001 - the implementation's own failure, whatever it raised
             words = (f"SystemExit({exc.code!r}): the target's code called sys.exit()" if isinstance(exc, SystemExit)
@@ -150,6 +154,40 @@ class Target:
         raise TargetError(f"{self.description} is not differentiable through normscope")
 
 
+def run_with_deadline(target: Target, x: np.ndarray, dtype: str):
+    """``target._run(x, dtype)``, in a worker thread when the target has a timeout.
+
+    A call still running at the deadline raises :class:`TargetTimeout`; its thread is a daemon and is
+    left behind (a thread cannot be stopped from outside), so a hung target never holds up the exit.
+    The worker runs in a copy of the caller's context (NumPy's errstate lives there).
+    """
+    if not target.timeout:
+        return target._run(x, dtype)
+    import contextvars
+    import threading
+
+    box: dict[str, object] = {}
+    context = contextvars.copy_context()
+
+    def work():
+        try:
+            box["out"] = context.run(target._run, x, dtype)
+        except BaseException as exc:  # handed to the caller's thread
+            box["exc"] = exc
+
+    worker = threading.Thread(target=work, name=f"normscope call {target.calls}", daemon=True)
+    worker.start()
+    worker.join(target.timeout)
+    if worker.is_alive():
+        raise TargetTimeout(
+            f"{target.description} did not return within {target.timeout:g} s (call {target.calls}, a {dtype} "
+            f"input of shape {x.shape}): it hangs or is far too slow; raise the limit with --timeout "
+            "(Python: target.timeout), or 0 to wait forever")
+    if "exc" in box:
+        raise box["exc"]  # type: ignore[misc]
+    return box["out"]
+
+
 def dtype_of(value) -> str | None:
     """The dtype name of an array-like output (None when it has no floating dtype normscope knows)."""
     from ..errors import InputError
@@ -167,7 +205,9 @@ def no_dtype_error(target: Target, tried) -> TargetError:
     same = all(r.split(" failed on ")[-1].split(": ", 1)[-1] == first.split(" failed on ")[-1].split(": ", 1)[-1]
                for r in reasons)
     detail = first if same else "; ".join(f"{d}: {r}" for d, r in zip(tried, reasons, strict=True))
-    hint = "" if "check --shape" in detail else " (check --shape)"
+    own_words = " ".join(r.split(" failed on ")[-1].split(": ", 1)[-1] for r in reasons)  # the target's message
+    about_shape = re.search(r"shape|size|dimension|\bdims?\b|broadcast|mismatch", own_words, re.IGNORECASE)
+    hint = "" if "check --shape" in detail or not about_shape else " (check --shape)"
     return TargetError(f"{target.description} ran on none of {', '.join(tried)}: {detail}{hint}")
 
 
@@ -176,7 +216,7 @@ def check_dtype_list(dtypes) -> tuple[str, ...] | None:
         return None
     if isinstance(dtypes, str):
         dtypes = [d.strip() for d in dtypes.split(",") if d.strip()]
-    out = tuple(dtype_name(d) for d in dtypes)
+    out = tuple(dict.fromkeys(dtype_name(d) for d in dtypes))  # a repeated dtype is run once
     if not out:
         from ..errors import InputError
 

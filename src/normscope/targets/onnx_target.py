@@ -24,7 +24,7 @@ def _onnx():
         import onnx
         import onnxruntime
     except ImportError as exc:
-        raise MissingExtraError("onnx and onnxruntime", "onnx") from exc
+        raise MissingExtraError(exc.name or "onnx and onnxruntime", "onnx") from exc
     return onnx, onnxruntime
 
 
@@ -69,8 +69,9 @@ class OnnxTarget(Target):
         if elem not in _ELEM:
             raise TargetError(f"the ONNX input {self.input.name!r} is not a float tensor (element type {elem})")
         self.dtype = _ELEM[elem]
+        tensor = self.input.type.tensor_type  # no declared shape at all: any --shape is tried
         self.fixed_dims = [d.dim_value if d.HasField("dim_value") else None
-                           for d in self.input.type.tensor_type.shape.dim]
+                           for d in tensor.shape.dim] if tensor.HasField("shape") else None
         self._ort = ort
         self._sessions: dict[str, object] = {}
         super().__init__(description or default)
@@ -110,6 +111,8 @@ class OnnxTarget(Target):
         return self._sessions[dtype]
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
+        if self.fixed_dims is None:
+            return
         if len(self.fixed_dims) != len(shape) or any(
             d is not None and d != s for d, s in zip(self.fixed_dims, shape, strict=False)
         ):

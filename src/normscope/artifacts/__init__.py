@@ -6,17 +6,36 @@ contract JSON without executing anything; ``compare(a, b)`` lists every differen
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
-from .diff import ContractDiff, DiffItem, compare
-from .ggufread import read_gguf
-from .hf import read_hf, read_json_object
-from .model import SCHEMA, ContractSite, ModelContract
-from .onnxread import read_onnx
+
+_LAZY = {
+    "ContractDiff": ".diff", "DiffItem": ".diff", "compare": ".diff",
+    "read_gguf": ".ggufread", "read_hf": ".hf", "read_json_object": ".hf", "read_onnx": ".onnxread",
+    "SCHEMA": ".model", "ContractSite": ".model", "ModelContract": ".model",
+}
 
 __all__ = ["SCHEMA", "ContractDiff", "ContractSite", "DiffItem", "ModelContract", "compare", "contract",
-           "read_gguf", "read_hf", "read_onnx"]
+           "read_gguf", "read_hf", "read_json_object", "read_onnx"]
+
+
+def __getattr__(name: str):  # readers import NumPy and their formats' packages: loaded on first use
+    if name not in _LAZY:
+        raise AttributeError(f"module 'normscope.artifacts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+if TYPE_CHECKING:
+    from .diff import ContractDiff, DiffItem, compare
+    from .ggufread import read_gguf
+    from .hf import read_hf, read_json_object
+    from .model import SCHEMA, ContractSite, ModelContract
+    from .onnxread import read_onnx
 
 
 def contract(path: str | Path) -> ModelContract:
@@ -25,6 +44,11 @@ def contract(path: str | Path) -> ModelContract:
     A directory or ``.json`` is an HF config (a saved ``normscope.contract/1`` JSON is read back as is); a
     file starting with ``GGUF`` is a GGUF model; ``.onnx`` is an ONNX graph.
     """
+    from .ggufread import read_gguf
+    from .hf import read_hf, read_json_object
+    from .model import SCHEMA, ModelContract
+    from .onnxread import read_onnx
+
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file or directory")

@@ -7,8 +7,10 @@ listed but do not fail), 1 the two artifacts mismatch, 2 bad input (one clear li
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
-from rich.console import Console
+if TYPE_CHECKING:  # the command line registers this parser without loading rich
+    from rich.console import Console
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
 

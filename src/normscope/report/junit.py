@@ -1,0 +1,31 @@
+"""JUnit XML of a check report, one testcase per finding, for CI systems."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from ..results.check import Report, Status
+from .text import short
+
+
+def write(report: Report, path: str | Path) -> None:
+    """Write ``report`` as a JUnit ``testsuite`` to ``path``: failures and skips carry the finding's reason."""
+    c = report.counts()
+    suite = ET.Element("testsuite", name=f"normscope check {report.target}", tests=str(len(report.findings)),
+                       failures=str(c["fail"]), skipped=str(c["skip"]), time=f"{report.seconds:.3f}")
+    for f in report.findings:
+        case = ET.SubElement(suite, "testcase", classname=f"normscope.{f.section}", name=f.name)
+        detail = (f"measured: {short(f.measured)}; expected: {short(f.expected)}; tolerance: "
+                  f"{short(f.tolerance)}")
+        if f.status == Status.FAIL:
+            el = ET.SubElement(case, "failure", message=f.why)
+            el.text = detail + ("\n" + "\n".join(report.differences) if report.differences else "")
+        elif f.status == Status.SKIP:
+            ET.SubElement(case, "skipped", message=f.why)
+        else:
+            ET.SubElement(case, "system-out").text = detail
+    ET.ElementTree(ET.Element("testsuites")).getroot().append(suite)
+    tree = ET.ElementTree(suite)
+    ET.indent(tree)
+    tree.write(str(path), encoding="utf-8", xml_declaration=True)

@@ -1,0 +1,538 @@
+"""``scan(model, inputs)``: every norm site of a live model, with its contract, role and placement.
+
+One forward is recorded (:mod:`.trace`); sites are found by class, by behaviour and as functional calls;
+roles and placements come from the dataflow (:mod:`.dataflow`); each site's contract is inferred on a
+private copy at its real input shape and checked against the activation recorded there. The model is left
+as it was: parameters, buffers, modes and ``requires_grad`` flags are restored (and hooks are never
+registered on it — the recorder uses process-wide hooks), also when the scan fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import reference
+from ..errors import InputError, NormscopeError, NotANormalization, TargetError
+from ..precision import dtype_name
+from ..probe.infer import VALIDATION_TOL, infer
+from ..targets.base import check_dtype_list
+from .dataflow import Dataflow, Role, block_modules
+from .result import ModelScan, Site
+from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
+
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+_KNOWN_TORCH = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm,
+                torch.nn.modules.instancenorm._InstanceNorm) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm")
+                                                               else ())
+_KNOWN_NAME = re.compile(r"(RMS|Rms|Layer|Group|Batch|Instance)Norm(\dd)?$")
+# f(16x) vs f(64x): a normalization does not see the scale (ε is negligible at those scales)
+_SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
+_BIG_MODEL_BYTES = 1 << 30
+# float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
+# change their ε there (torch RMSNorm(eps=None)).
+DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
+
+Progress = Callable[[str], None]
+
+
+def known_class(module: torch.nn.Module) -> bool:
+    """torch's normalization classes and the classes named like one (LlamaRMSNorm, T5LayerNorm, …)."""
+    if isinstance(module, _KNOWN_TORCH):
+        return True
+    return any(_KNOWN_NAME.search(k.__name__) for k in type(module).__mro__[:-1])
+
+
+def private_copy(module: torch.nn.Module, training: bool = False) -> torch.nn.Module:
+    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it)."""
+    try:
+        m = copy.deepcopy(module)
+    except Exception as exc:
+        raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
+    for sub in m.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            d = getattr(sub, attr, None)
+            if d is not None:
+                d.clear()
+    return m.cpu().train(training)
+
+
+class FunctionalNorm(torch.nn.Module):
+    """A functional normalization call as a module: the recorded arguments, tensors held as its own parameters
+    (γ/β) and buffers (running statistics), so ``infer`` can probe it like any module."""
+
+    def __init__(self, name: str, args: dict[str, Any]):
+        super().__init__()
+        self.fn_name = name
+        self.fn = next(f for f, (n, _) in NORM_FUNCTIONS.items() if n == name)
+        self.static: dict[str, Any] = {}
+        self.tensors: list[str] = []
+        for k, v in args.items():
+            if k in ("input", "cudnn_enable", "cudnn_enabled"):
+                continue
+            if isinstance(v, torch.Tensor):
+                if k.startswith("running_"):
+                    self.register_buffer(k, v.detach().clone())
+                else:
+                    self.register_parameter(k, torch.nn.Parameter(v.detach().clone(), requires_grad=False))
+                self.tensors.append(k)
+            else:
+                self.static[k] = v
+        self.batch = name in ("batch_norm", "instance_norm")
+
+    def forward(self, x):
+        kw = dict(self.static)
+        for k in self.tensors:
+            kw[k] = getattr(self, k)
+        if self.fn_name == "batch_norm":
+            kw["training"] = self.training
+        if self.fn_name == "instance_norm" and kw.get("running_mean") is not None:
+            kw["use_input_stats"] = self.training
+        return self.fn(x, **kw)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Restore modes, ``requires_grad`` flags, parameters and buffers (values and objects) on exit."""
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    slots = [(dict(m._parameters), dict(m._buffers)) for m in modules]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = [(p, p.detach().clone()) for p in model.parameters()] if size <= _BIG_MODEL_BYTES else []
+    versions = [(n, p, p._version) for n, p in model.named_parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (ps, bs) in zip(modules, slots, strict=True):
+                if m._parameters != ps:
+                    m._parameters.clear()
+                    m._parameters.update(ps)
+                if m._buffers != bs:
+                    m._buffers.clear()
+                    m._buffers.update(bs)
+            for m, was in zip(modules, modes, strict=True):
+                m.training = was
+            for p, req in grads:
+                p.requires_grad_(req)
+            for p, saved in params:
+                if not torch.equal(p, saved):
+                    p.copy_(saved)
+            for b, saved in buffers:
+                if b.shape == saved.shape and not torch.equal(b, saved):
+                    b.copy_(saved)
+        if not params:
+            changed = [n for n, p, v in versions if p._version != v]
+            if changed:
+                raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
+                                  "too large to have been copied, so the scan could not undo it")
+
+
+def _hf_inputs(model: torch.nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None and config is not None and hasattr(config, "get_text_config"):
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    if config is None or not isinstance(vocab, int) or vocab < 2 or main != "input_ids":
+        raise InputError(
+            f"{type(model).__name__} needs inputs: pass scan(model, inputs) with a tensor (positional), a tuple "
+            "(positional) or a dict (keyword arguments); only Hugging Face text models get input_ids by default")
+    g = torch.Generator().manual_seed(0)
+    lo = min(4, vocab - 1)
+    ids = torch.randint(lo, min(vocab, 1000), (2, 8), generator=g)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    kwargs: dict[str, Any] = {"input_ids": ids.to(device)}
+    params = inspect.signature(model.forward).parameters
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = ids[:, :4].to(device)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, tuple | list):
+        return type(obj)(_clone(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def _arguments(model, inputs) -> tuple[tuple, dict[str, Any]]:
+    if inputs is None:
+        return (), _hf_inputs(model)
+    if isinstance(inputs, torch.Tensor):
+        return (inputs.detach().clone(),), {}
+    if isinstance(inputs, tuple):
+        return _clone(inputs), {}
+    if isinstance(inputs, dict):
+        if not all(isinstance(k, str) for k in inputs):
+            raise InputError("inputs as a dict are keyword arguments: its keys must be strings")
+        return (), _clone(inputs)
+    raise InputError(f"inputs must be a tensor (passed positionally), a tuple (positional arguments) or a dict "
+                     f"(keyword arguments); got a {type(inputs).__name__}")
+
+
+def _describe(args, kwargs) -> dict[str, Any]:
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+        return repr(v)[:40]
+    return {"args": [one(a) for a in args], "kwargs": {k: one(v) for k, v in kwargs.items()}}
+
+
+def config_eps(config) -> dict[str, float]:
+    """The ε values an HF config states (also in nested sub-configs such as ``text_config``)."""
+    if config is None:
+        return {}
+    try:
+        data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    except Exception:
+        return {}
+    out: dict[str, float] = {}
+
+    def walk(d: dict, prefix: str, depth: int) -> None:
+        for k, v in d.items():
+            if k in EPS_KEYS and isinstance(v, int | float) and not isinstance(v, bool):
+                out[prefix + k] = float(v)
+            elif isinstance(v, dict) and depth < 3:
+                walk(v, f"{prefix}{k}.", depth + 1)
+    walk(data, "", 0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+def _ancestors(trace: Trace, call: int | None) -> set[int]:
+    out = set()
+    while call is not None:
+        out.add(call)
+        call = trace.calls[call].parent
+    return out
+
+
+def _site_name(path: str) -> str:
+    return path or "(model)"
+
+
+class _Candidate:
+    def __init__(self, kind: str, name: str, cls: str, x: torch.Tensor, y: torch.Tensor, xv: int, yv: int,
+                 call: int | None, order: int, make: Callable[[], torch.nn.Module]):
+        self.kind, self.name, self.cls = kind, name, cls
+        self.x, self.y, self.xv, self.yv = x, y, xv, yv
+        self.call, self.order, self.make = call, order, make
+
+
+def _discover(trace: Trace, progress: Progress) -> tuple[list[_Candidate], list[dict[str, Any]], dict[str, int]]:
+    calls = trace.calls
+    norm_shaped = [c for c in calls if c.x is not None and c.y is not None and c.output is not None
+                   and c.output != c.input and c.x.is_floating_point()]
+    class_calls = [c for c in norm_shaped if known_class(c.module)]
+    class_ids = {c.index for c in class_calls}
+    norm_ops = [op for op in trace.ops if op.norm is not None and "y" in op.norm]
+    op_anc = {op.index: _ancestors(trace, op.call) for op in norm_ops}
+    class_anc = {c.index: _ancestors(trace, c.parent) for c in class_calls}
+
+    def label(c: ModuleCall) -> str:
+        return _site_name(c.path) + (f"#{c.number}" if c.number else "")
+
+    out: list[_Candidate] = []
+    rejected: list[dict[str, Any]] = []
+    for c in class_calls:
+        out.append(_Candidate("module", label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
+                              c.first_op, _maker(c)))
+    counters: dict[tuple[str, str], int] = {}
+    for op in norm_ops:
+        if op_anc[op.index] & class_ids:
+            continue  # the implementation of a module site
+        path = calls[op.call].path if op.call is not None else ""
+        fname = op.norm["function"]
+        k = counters.get((path, fname), 0)
+        counters[(path, fname)] = k + 1
+        x = op.norm["args"].get("input")
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not op.outputs or not op.inputs:
+            continue
+        out.append(_Candidate("functional", f"{_site_name(path)}:{fname}#{k}", fname, x, op.norm["y"], op.inputs[0],
+                              op.outputs[0], op.call, op.index, _functional_maker(op)))
+    # behaviour: any other norm-shaped call with no norm inside, innermost first
+    containers = set()
+    for c in class_calls:
+        containers |= class_anc[c.index]
+    for op in norm_ops:
+        containers |= op_anc[op.index]
+    tested = 0
+    accepted: set[int] = set()
+    for c in sorted((c for c in norm_shaped if c.index not in class_ids and c.index not in containers),
+                    key=lambda c: -c.depth):
+        if _ancestors(trace, c.index) & accepted or any(c.index in _ancestors(trace, a) for a in accepted):
+            continue
+        tested += 1
+        verdict, measured = _scale_invariant(c)
+        if not verdict:
+            continue
+        progress(f"behaviour: {label(c)} looks scale-invariant (f(16x) vs f(64x): {measured:.2g})")
+        out.append(_Candidate("behaviour", label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
+                              c.first_op, _maker(c)))
+        accepted.add(c.index)
+    out.sort(key=lambda s: s.order)
+    return out, rejected, {"behaviour_candidates_tested": tested}
+
+
+def _maker(c: ModuleCall) -> Callable[[], torch.nn.Module]:
+    return lambda: private_copy(c.module, training=False)
+
+
+def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
+    def make():
+        m = FunctionalNorm(op.norm["function"], op.norm["args"])
+        training = bool(op.norm["args"].get("training", False) or (
+            op.norm["function"] == "instance_norm" and op.norm["args"].get("running_mean") is None))
+        return m.train(training)
+    return make
+
+
+def _scale_invariant(c: ModuleCall) -> tuple[bool, float]:
+    """The cheap test on the real activation: f(16x) ≈ f(64x) on a private copy."""
+    try:
+        m = private_copy(c.module)
+        x = c.x.cpu()
+        with torch.no_grad():
+            a, b = m(x * 16), m(x * 64)
+    except Exception:
+        return False, math.inf
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == x.shape == b.shape):
+        return False, math.inf
+    a, b = a.double(), b.double()
+    scale = float(a.square().mean().sqrt())
+    if not math.isfinite(scale) or scale == 0:
+        return False, math.inf
+    d = float((a - b).abs().max()) / scale
+    tol = _SCALE_TOL.get(dtype_name(str(c.x.dtype).replace("torch.", "")), 5e-2)
+    return d <= tol, d
+
+
+# ---------------------------------------------------------------------------------------------- contracts
+def _activation_check(spec, params, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """The contract against the real activation recorded at the site."""
+    d = dtype_name(str(x.dtype).replace("torch.", ""))
+    x64 = x.detach().double().cpu().numpy()
+    y64 = y.detach().double().cpu().numpy()
+    emulate = d if d in ("bfloat16", "float16") else None
+    yr = reference.forward(x64, spec, gamma=params.get("gamma"), beta=params.get("beta"),
+                           running_mean=params.get("running_mean"), running_var=params.get("running_var"),
+                           dtype=emulate)
+    with np.errstate(all="ignore"):
+        scale = max(1.0, float(np.sqrt(np.mean(yr ** 2))))
+        diff = np.abs(y64 - yr)
+        err = float(diff.max() / scale) if np.all(np.isfinite(diff)) else math.inf
+    tol = VALIDATION_TOL.get(d, 1e-2)
+    return {"max_relative_error": err, "tolerance": tol, "dtype": d, "ok": bool(err <= tol),
+            "experiment": "reference.forward(recorded input, inferred contract, recovered γ/β) vs the recorded output"}
+
+
+def _gamma_stats(spec, params) -> dict[str, float] | None:
+    g = params.get("gamma")
+    if g is None or not spec.gamma:
+        return None
+    g = np.asarray(g, dtype=np.float64)
+    return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
+
+
+def _redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept)."""
+    m = copy.deepcopy(module)
+    rng = np.random.default_rng(0)
+    vectors = [p for p in m.parameters() if p.is_floating_point() and p.numel() >= 2]
+    if not vectors:
+        return None
+    with torch.no_grad():
+        for p in vectors:
+            v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
+            p.copy_(torch.from_numpy(v))
+    return m
+
+
+def _real_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
+    params = result.params.to_dict()
+    named = dict(module.named_parameters())
+    sources = {}
+    for field in ("gamma", "beta"):
+        ev = result.evidence.get(field)
+        name = ev.measured.get("parameter") if ev is not None else None
+        if field not in params:
+            continue
+        sources[field] = "recovered by probing"
+        if isinstance(name, str) and name in named:
+            w = named[name].detach().double().cpu().numpy()
+            if w.size == np.asarray(params[field]).size:
+                params[field] = w.reshape(np.asarray(params[field]).shape)
+                sources[field] = f"the module's parameter {name!r}"
+    return params, sources
+
+
+def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | None, dict[str, Any] | None]:
+    started = time.perf_counter()
+    shape = tuple(cand.x.shape)
+    base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
+                shape=shape, dtype=str(cand.x.dtype).replace("torch.", ""), order=cand.order)
+
+    def run(m):
+        return infer(m, shape=shape, dtypes=dtypes, seed=0, progress=lambda msg: progress(f"{cand.name}: {msg}"))
+
+    note = None
+    try:
+        module = cand.make()
+        try:
+            result = run(module)
+        except NotANormalization as first:
+            # Trained weights can hide the structure (γ ≈ 0 on some channels moves no output there): the
+            # contract does not depend on γ/β's values, so probe a copy with re-drawn vector parameters and
+            # hold the contract to the real ones on the real activation below.
+            other = _redrawn(module)
+            if other is None:
+                raise
+            try:
+                result = run(other)
+            except NotANormalization as second:
+                raise NotANormalization(f"{first} (and with re-drawn parameters: {second})") from None
+            note = (f"probed on a copy with re-drawn γ/β because the module's own parameters made the probe "
+                    f"fail ({first})")
+    except NotANormalization as exc:
+        return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}
+    except NormscopeError as exc:
+        return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None
+    params, sources = _real_params(module, result)
+    activation = _activation_check(result.spec, params, cand.x, cand.y)
+    activation["parameters"] = sources
+    evidence = {k: v.to_dict() for k, v in result.evidence.items()}
+    evidence["validation"] = result.validation
+    if note:
+        evidence["parameters_probed"] = {"experiment": "re-drawn vector parameters", "measured": {},
+                                         "confidence": "decisive", "note": note}
+    return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
+                evidence=evidence, calls=result.calls, seconds=time.perf_counter() - started), None
+
+
+def _eps_findings(sites: list[Site], stated: dict[str, float]) -> list[dict[str, Any]]:
+    if not stated:
+        return []
+    out = []
+    by_eps: dict[float, list[Site]] = {}
+    for s in sites:
+        if s.spec is None:
+            continue
+        if not any(math.isclose(s.spec.eps, v, rel_tol=0.01) for v in stated.values()):
+            by_eps.setdefault(s.spec.eps, []).append(s)
+    config = ", ".join(f"{k}={v:g}" for k, v in stated.items())
+    for eps, bad in by_eps.items():
+        names = [s.name for s in bad]
+        shown = ", ".join(names[:3]) + (f" … ({len(names)} sites)" if len(names) > 3 else "")
+        out.append({"kind": "eps_mismatch", "sites": names, "measured": eps, "config": stated,
+                    "message": f"measured ε={eps:g} at {shown}; the config states {config}"})
+    return out
+
+
+def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -> ModelScan:
+    """Every norm site of ``model`` with its contract, role and placement.
+
+    ``inputs``: a tensor (passed positionally), a tuple (positional arguments) or a dict (keyword arguments);
+    ``None`` builds a small ``input_ids`` batch for Hugging Face text models. ``dtypes`` restricts the dtypes
+    ``infer`` tries at each site. ``progress``: True shows a status line on stderr, a callable receives the
+    messages, False is silent. The forward runs in evaluation mode under ``torch.no_grad()``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"scan takes a torch.nn.Module; got a {type(model).__name__}")
+    started = time.perf_counter()
+    dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
+    args, kwargs = _arguments(model, inputs)
+    with _progress(progress) as say:
+        with untouched(model):
+            model.eval()
+            say("recording one forward")
+            try:
+                with torch.no_grad():
+                    trace, _ = record(model, lambda: model(*args, **kwargs))
+            except NormscopeError:
+                raise
+            except Exception as exc:
+                raise TargetError(f"the forward of {type(model).__name__} failed on the scan inputs "
+                                  f"({_describe(args, kwargs)}): {type(exc).__name__}: {exc}") from exc
+            trace.release()
+            blocks = block_modules(model)
+        flow = Dataflow(trace, blocks)
+        say("finding norm sites")
+        candidates, rejected, stats = _discover(trace, say)
+        sites: list[Site] = []
+        roles: list[tuple[Role, int, int]] = []
+        calls = 0
+        for i, cand in enumerate(candidates):
+            say(f"[{i + 1}/{len(candidates)}] {cand.name}")
+            site, rej = _infer_site(cand, dtypes, say)
+            if rej is not None:
+                rejected.append(rej)
+                continue
+            role = flow.role(cand.xv, cand.yv, cand.call)
+            site.role, site.role_evidence = role.role, role.why
+            site.layer = flow.layer(cand.call)
+            sites.append(site)
+            roles.append((role, cand.xv, cand.yv))
+            calls += site.calls
+        placement, block_records = flow.placements(roles)
+    stated = config_eps(getattr(model, "config", None))
+    findings = _eps_findings(sites, stated)
+    for s in sites:
+        if s.spec is None:
+            findings.append({"kind": "not_inferred", "sites": [s.name], "message": f"{s.name}: {s.error}"})
+        elif not s.activation.get("ok", True):
+            findings.append({"kind": "activation_mismatch", "sites": [s.name],
+                             "message": f"{s.name}: the inferred contract reproduces the recorded activation only to "
+                                        f"{s.activation['max_relative_error']:.3g} (tolerance "
+                                        f"{s.activation['tolerance']:g})"})
+    for r in rejected:
+        if r["kind"] != "behaviour":
+            findings.append({"kind": "not_a_normalization", "sites": [r["name"]],
+                             "message": f"{r['name']} ({r['class']}) looks like a normalization but behaves like none: "
+                                        f"{r['reason']}"})
+    stats.update({"ops": len(trace.ops), "module_calls": len(trace.calls), "residual_adds": len(flow.residuals),
+                  "infer_calls": calls})
+    return ModelScan(model=type(model).__name__, inputs=_describe(args, kwargs), sites=sites, placement=placement,
+                     blocks=block_records, config_eps=stated, findings=findings, rejected=rejected,
+                     dtypes=dtypes,
+                     seconds=time.perf_counter() - started, stats=stats)
+
+
+@contextlib.contextmanager
+def _progress(progress) -> Iterator[Progress]:
+    if callable(progress):
+        yield progress
+        return
+    if not progress:
+        yield lambda _msg: None
+        return
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield lambda _msg: None
+        return
+    with console.status("scanning…") as status:
+        yield lambda msg: status.update(f"scanning: {msg}")

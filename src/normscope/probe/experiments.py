@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..precision import UNIT_ROUNDOFF
+from ..dtypes import UNIT_ROUNDOFF
 from .groups import Groups
 
 

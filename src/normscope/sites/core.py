@@ -372,7 +372,7 @@ def _redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
 
 def _real_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
-    params = dict(result.params)
+    params = result.params.to_dict()
     named = dict(module.named_parameters())
     sources = {}
     for field in ("gamma", "beta"):

@@ -72,3 +72,12 @@ TINY_VARIANCE = 1e-12
 BELOW_KNEE = 0.01
 #: No knee points below this variance: float32 inputs of that size are subnormal or zero.
 KNEE_FLOOR = 1e-36
+
+# ---------------------------------------------------------------------------------------------- separation
+#: Two contracts' emulations separate only when the farther mean distance (ulps) is this many times the nearer.
+SEPARATION_RATIO = 1.5
+#: ... and the nearer one is closer at clearly more elements: a sign test of at least this z (few outliers
+#: cannot decide).
+SEPARATION_Z = 5.0
+#: ... with both means floored at this many ulps (sub-0.05-ulp differences are the flooring of ulps near 0).
+SEPARATION_FLOOR_ULPS = 0.05

@@ -10,6 +10,7 @@ battery to *check* that a target sits nearer its contract than any alternative.
 - :func:`distance`: the mean distance (ulps) from outputs to the nearest faithful emulation of one contract,
   over the formulas (x/σ, x·(1/σ), folded affine) and the dtypes γ/β may be stored in;
 - :func:`score`: :func:`distance` for each (stats dtype, affine order) candidate of a contract;
+- :func:`separates`: whether outputs sit nearer one contract than another beyond noise;
 - :func:`separation`: whether float32 and input-dtype statistics separate beyond noise at one dtype;
 - :func:`faithful_formulas`, :func:`offset_groups`: the formulas a faithful kernel may use, and the input
   layout that makes statistics held in the input dtype visible.
@@ -25,12 +26,13 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from ..numerics import constants as C
 from ..results.params import NormParams
 from ..spec import NormSpec
 from .experiments import ulps
 from .groups import Groups
 
-__all__ = ["STATS_DTYPES", "AFFINE_ORDERS", "CANDIDATES", "Distance", "distance", "score", "separation",
+__all__ = ["STATS_DTYPES", "AFFINE_ORDERS", "CANDIDATES", "Distance", "distance", "score", "separates", "separation",
            "faithful_formulas", "offset_groups"]
 
 STATS_DTYPES = ("float32", "input")
@@ -105,27 +107,42 @@ def score(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: Norm
     return out
 
 
+def separates(near: Distance, far: Distance, repeat: float) -> dict[str, Any]:
+    """Whether outputs sit nearer one contract's emulation (``near``) than another's (``far``) beyond noise.
+
+    ``repeat`` is the target's call-to-call difference in ulps. Beyond noise: the farther mean error is 1.5× the
+    nearer one (both floored at 0.05 ulps and twice the call-to-call noise), their difference exceeds that
+    floor, and the nearer one is closer by ½ ulp or more at clearly more elements (sign test, z ≥ 5: a few
+    outlying elements cannot decide).
+    """
+    diff = far.elements - near.elements
+    diff = diff[np.isfinite(diff)]
+    n_near, n_far = int(np.sum(diff >= 0.5)), int(np.sum(diff <= -0.5))
+    sign_z = (n_near - n_far) / math.sqrt(max(n_near + n_far, 1))
+    lo, hi = near.mean, far.mean
+    floor = max(C.SEPARATION_FLOOR_ULPS, 2 * repeat)
+    ratio = (hi + floor) / (lo + floor) if math.isfinite(hi) else math.inf
+    return {"near": lo, "far": hi, "floor": floor, "ratio": ratio, "closer_elements": [n_near, n_far],
+            "sign_z": sign_z,
+            "beyond_noise": bool(ratio >= C.SEPARATION_RATIO and hi - lo > floor and sign_z >= C.SEPARATION_Z)}
+
+
 def separation(scores: Mapping[tuple[str, str], Distance], repeat: float) -> dict[str, Any]:
     """How far float32 and input-dtype statistics separate at one dtype, and whether beyond noise.
 
     ``scores`` are :func:`score`'s for every candidate; ``repeat`` is the target's call-to-call difference in
-    ulps. Beyond noise: the worse candidate's mean error is 1.5× the better one's (both floored at 0.05 ulps
-    and twice the call-to-call noise), their difference exceeds that floor, and the better one is closer at
-    clearly more elements (sign test, z ≥ 5: a few outlying elements cannot decide). The winner reproduces
-    the target when it is within 2 ulps (mean) plus that noise.
+    ulps; "beyond noise" is :func:`separates` between the best candidate of each statistics dtype. The winner
+    reproduces the target when it is within 2 ulps (mean) plus that noise.
     """
     best = {st: min((c for c in scores if c[0] == st), key=lambda c: scores[c].mean) for st in STATS_DTYPES}
-    diff = scores[best["input"]].elements - scores[best["float32"]].elements
-    diff = diff[np.isfinite(diff)]
-    n_f, n_i = int(np.sum(diff >= 0.5)), int(np.sum(diff <= -0.5))  # fp32 (input) closer by ≥ ½ ulp
-    sign_z = (n_f - n_i) / math.sqrt(max(n_f + n_i, 1))
     s_f, s_i = scores[best["float32"]].mean, scores[best["input"]].mean
     winner = "float32" if s_f <= s_i else "input"
-    lo, hi = sorted((s_f, s_i))
-    floor = max(0.05, 2 * repeat)
-    ratio = (hi + floor) / (lo + floor) if math.isfinite(hi) else math.inf
-    agrees = sign_z >= 5 if winner == "float32" else sign_z <= -5
-    return {"float32": s_f, "input": s_i, "winner": winner, "floor": floor, "ratio": ratio,
-            "closer_elements": {"float32": n_f, "input": n_i}, "sign_z": sign_z, "repeat_noise_ulps": repeat,
-            "beyond_noise": bool(ratio >= 1.5 and hi - lo > floor and agrees),
-            "reproduces": bool(lo <= 2.0 + repeat)}
+    loser = "input" if winner == "float32" else "float32"
+    sep = separates(scores[best[winner]], scores[best[loser]], repeat)
+    n_win, n_lose = sep["closer_elements"]
+    closer = {winner: n_win, loser: n_lose}
+    sign_z = sep["sign_z"] if winner == "float32" else -sep["sign_z"]
+    return {"float32": s_f, "input": s_i, "winner": winner, "floor": sep["floor"], "ratio": sep["ratio"],
+            "closer_elements": {"float32": closer["float32"], "input": closer["input"]}, "sign_z": sign_z,
+            "repeat_noise_ulps": repeat, "beyond_noise": sep["beyond_noise"],
+            "reproduces": bool(min(s_f, s_i) <= 2.0 + repeat)}

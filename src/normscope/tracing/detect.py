@@ -7,7 +7,8 @@ its series when
   zeros (no history needed: a NaN is never normal);
 - it jumps relative to the series' own recent history: with ``m`` and ``MAD`` the median and median absolute
   deviation of the last ``window`` finite values and ``s = max(1.4826·MAD, floor·|m|)``, an upward metric breaks
-  at ``v ≥ m + z·s`` and a downward one (attention entropy) at ``v ≤ m − z·s``. Jumps are judged only once a
+  at ``v ≥ m + z·s`` (with the defaults at least twice its median) and a downward one (attention entropy) at
+  ``v ≤ m − z·s'`` with ``s' = max(1.4826·MAD, floor_down·|m|)`` (at least halved). Jumps are judged only once a
   series has ``min_history`` values: the early transient of training (fast-falling loss, large first Adam
   updates) is learned, not flagged.
 
@@ -205,10 +206,10 @@ def _baseline(hist, z: float, floor: float) -> tuple[float, float]:
 
 
 def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int = 8, z: float = 10.0,
-             floor: float = 0.1) -> Diagnosis:
+             floor: float = 0.1, floor_down: float = 0.05) -> Diagnosis:
     """Read ``run_dir`` (also while it is being written) and localize the first anomaly of the chain."""
     headers, records, ends = read_run(run_dir)
-    settings = {"window": window, "min_history": min_history, "z": z, "floor": floor}
+    settings = {"window": window, "min_history": min_history, "z": z, "floor": floor, "floor_down": floor_down}
     series: dict[tuple, _Series] = {}
     pooled: dict[str, deque] = {}
     pooled_broken: set[str] = set()
@@ -239,9 +240,11 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                     verdict = (True, m, f"{metric} {v:.4g} vs median {m:.4g} of the last {len(s.hist)} recorded "
                                         f"steps (+{(v - m) / sc:.1f} robust σ, ×{v / m:.3g})" if m else
                                         f"{metric} {v:.4g} vs median 0")
-                elif metric in _DOWN and v <= m - z * sc:
-                    verdict = (True, m, f"{metric} {v:.4g} vs median {m:.4g} of the last {len(s.hist)} recorded "
-                                        f"steps (−{(m - v) / sc:.1f} robust σ)")
+                elif metric in _DOWN:
+                    m, sd = _baseline(s.hist, z, floor_down)
+                    if v <= m - z * sd:
+                        verdict = (True, m, f"{metric} {v:.4g} vs median {m:.4g} of the last {len(s.hist)} recorded "
+                                            f"steps (−{(m - v) / sd:.1f} robust σ, ×{v / m:.3g})")
             s.hist.append(v)
         if verdict:
             s.broken = True

@@ -95,7 +95,8 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
     def finish(fig, ax, title, log=True):
         if a is not None:
             ax.axvline(a.step, color="red", lw=1.2, ls="--", label=f"first anomaly (step {a.step})")
-        if log:
+        lo, hi = ax.get_ylim()
+        if log and lo > 0 and hi / lo > 20:  # a log axis only where the values span decades
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -378,3 +378,26 @@ def test_ddp_two_gloo_ranks(tmp_path):
             assert e["max"] == max(mine[0]["max"], mine[1]["max"])
         if "max_logit" in e:
             assert e["max_logit"] == [max(a, b) for a, b in zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)]
+
+
+def test_hugging_face_llama_left_padding(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 12))
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding: the 4 padding queries of sample 1 see no key
+    with trace(model, tmp_path) as tr:
+        out = model(input_ids=ids, attention_mask=attention_mask, labels=ids)
+        out.loss.backward()
+        tr.step(0, loss=out.loss.item())
+    assert tr.block_names == ["model.layers.0", "model.layers.1"] and not tr.disabled
+    entries = diagnose(tmp_path).records[0]["entries"]
+    sites = {(e["stage"], e["layer"], e["site"]) for e in entries}
+    assert {("norm_output", 0, "input_layernorm"), ("sublayer_output", 1, "attn"), ("residual_sum", 1, "mlp"),
+            ("norm_output", None, "model.norm"), ("grad", 0, "self_attn")} <= sites
+    att = [e for e in entries if e["stage"] == "attention_logits"]
+    assert [e["layer"] for e in att] == [0, 1] and all(e["masked_rows"] == [4, 4, 4, 4] for e in att)

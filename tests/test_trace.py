@@ -374,10 +374,11 @@ def test_ddp_two_gloo_ranks(tmp_path):
         mine = [next(x for x in loc if (x["stage"], x["layer"], x["site"]) == (e["stage"], e["layer"], e["site"]))
                 for loc in local]
         if "sumsq" in e:
-            assert e["sumsq"] == pytest.approx(mine[0]["sumsq"] + mine[1]["sumsq"], rel=1e-9)
-            assert e["max"] == max(mine[0]["max"], mine[1]["max"])
+            assert e["sumsq"] == pytest.approx(mine[0]["sumsq"] + mine[1]["sumsq"], rel=1e-6)  # stored: 7 digits
+            assert e["max"] == pytest.approx(max(mine[0]["max"], mine[1]["max"]), rel=1e-6)
         if "max_logit" in e:
-            assert e["max_logit"] == [max(a, b) for a, b in zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)]
+            both = zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)
+            assert e["max_logit"] == pytest.approx([max(a, b) for a, b in both], rel=1e-6)
 
 
 def test_hugging_face_llama_left_padding(tmp_path):

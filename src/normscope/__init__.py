@@ -37,6 +37,10 @@ _LAZY = {
     "Site": ".sites",
     "diff": ".divergence",
     "Diff": ".divergence",
+    "trace": ".tracing",
+    "diagnose": ".tracing",
+    "Diagnosis": ".tracing",
+    "Anomaly": ".tracing",
     "gradflow": ".gradient_flow",
     "GradFlow": ".gradient_flow",
     "Capabilities": ".targets",
@@ -73,6 +77,10 @@ __all__ = [
     "ContractDiff",
     "diff",
     "Diff",
+    "trace",
+    "diagnose",
+    "Diagnosis",
+    "Anomaly",
     "gradflow",
     "GradFlow",
     "Capabilities",
@@ -106,3 +114,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .probe.infer import Inference, infer
     from .results.check import Finding, Report
     from .sites import ModelScan, Site, scan
+    from .tracing import Anomaly, Diagnosis, diagnose, trace

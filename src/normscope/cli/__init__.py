@@ -20,6 +20,7 @@ from ..artifacts import command as _contract
 from ..divergence import command as _diff
 from ..errors import NormscopeError, TargetTimeout
 from ..sites import command as _scan
+from ..tracing import command as _diagnose
 from . import check, explain, infer, presets
 from .common import (
     EXIT_BROKEN_PIPE,
@@ -40,7 +41,7 @@ __all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_CODES", "EXIT_FAIL", "EXIT_INTE
 #: subcommand and sets ``run(args, console) -> exit code`` as its default (scan and contract live with their code).
 COMMANDS: list[Callable] = [explain.add_parser, presets.add_parser, infer.add_parser, check.add_parser,
                             _scan.add_parser, _contract.add_parser, _diff.add_parser,
-                            _gradflow.add_parser]
+                            _diagnose.add_parser, _gradflow.add_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,8 @@ EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
 EXIT_CODES = """exit codes:
   0    success (check: every finding passed)
   1    a check failed: a check finding, a contract mismatch between two
-       artifacts, a scan finding with --strict (never used for anything else)
+       artifacts, a finding of scan --strict or diagnose --strict (never used
+       for anything else)
   2    usage or input error: one line on stderr names the problem and the fix
   3    infer: the target is not a normalization
   4    the target hung: one call ran longer than --timeout

@@ -112,7 +112,7 @@ def separates(near: Distance, far: Distance, repeat: float) -> dict[str, Any]:
 
     ``repeat`` is the target's call-to-call difference in ulps. Beyond noise: the farther mean error is 1.5× the
     nearer one (both floored at 0.05 ulps and twice the call-to-call noise), their difference exceeds that
-    floor, and the nearer one is closer by ½ ulp or more at clearly more elements (sign test, z ≥ 5: a few
+    floor, and the nearer one is closer by ½ ulp or more at clearly more elements (sign test, z ≥ SEPARATION_Z = 4: a few
     outlying elements cannot decide).
     """
     diff = far.elements - near.elements

@@ -1,0 +1,59 @@
+"""``normscope diagnose RUN_DIR``: the command-line glue (``add_parser(subparsers)`` and ``run(args, console)``).
+
+Reads the ``trace.jsonl`` that ``normscope.trace`` writes (also while the run is still going) and prints the first
+anomaly of the chain and the table of all of them; ``--json`` prints the diagnosis (schema
+``normscope.diagnosis/1``), ``--html FILE`` writes a self-contained page with plots. Exit codes: 0 diagnosed,
+1 anomalies found with ``--strict``, 2 usage or input error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ..errors import InputError
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+
+
+def add_parser(subparsers) -> Any:
+    p = subparsers.add_parser(
+        "diagnose",
+        help="the first stage, layer and head where a traced training run went wrong",
+        description="Read RUN_DIR/trace.jsonl (written by normscope.trace, also while the run is going) and localize "
+                    "the first anomaly along the residual chain: data → layer input → norm → attention logits → "
+                    "sublayer → residual sum → loss → gradients → updates. Exit 0 diagnosed, 1 anomalies (with "
+                    "--strict), 2 usage error.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir given to normscope.trace (or its trace.jsonl)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diagnosis/1)")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots (default: none)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when there is an anomaly (default: exit 0 whatever it finds)")
+    p.add_argument("--window", type=int, default=20, help="recent values a jump is judged against (default 20)")
+    p.add_argument("--z", type=float, default=10.0, help="jump threshold in robust σ (default 10)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args, console: Console) -> int:
+    from .detect import diagnose
+    from .report import render_diagnosis, render_html
+
+    if args.window < 2 or args.z <= 0:
+        raise InputError("--window must be ≥ 2 and --z positive")
+    d = diagnose(args.run_dir, window=args.window, z=args.z)
+    if args.html:
+        out = Path(args.html)
+        if out.parent and not out.parent.exists():
+            raise InputError(f"--html {args.html}: folder {out.parent} does not exist")
+        out.write_text(render_html(d), encoding="utf-8")
+    if args.json:
+        print(d.to_json())
+    else:
+        render_diagnosis(d, console)
+        if args.html:
+            console.print(f"[dim]HTML report: {args.html}[/]")
+    return EXIT_FINDINGS if args.strict and d.anomalies else EXIT_OK

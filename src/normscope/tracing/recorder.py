@@ -1,0 +1,684 @@
+"""``normscope.trace(model, run_dir)``: record the residual chain of a training run, step by step.
+
+What is recorded at a recorded step (every ``every``-th), in chain order:
+
+- ``data``: the model's input per sample (a float input, else the output of the first embedding lookup);
+- per block (``layer``): ``layer_input`` (the stream entering the block), ``norm_input``/``norm_output`` of each
+  norm in it (with the norm's scale RMS and the smallest per-row RMS of its input), ``attention_logits`` per head
+  (max |logit|, fully masked query rows, softmax entropy), ``sublayer_output`` (attention, MLP: the branch of each
+  residual add) and ``residual_sum`` (the stream after each add);
+- ``loss`` (and per-sample losses where given), ``grad`` per layer and parameter group (local gradients, seen as
+  they are accumulated), ``update`` (RMS of the optimizer's change over RMS of the parameter, per group).
+
+Activations are summarised as sufficient statistics (sum of squares, count, max |x|, non-finite count), so the
+micro-batches of gradient accumulation and the ranks of a distributed run combine exactly (sums add, maxima take
+the max). Blocks come from :func:`normscope.sites.dataflow.block_modules`, norms from the scan's class discovery
+(:func:`normscope.sites.core.known_class`) plus functional norm calls, attention from a ``TorchFunctionMode`` that
+sees ``F.scaled_dot_product_attention`` and eager softmax over ``(batch, heads, query, key)`` logits; residual adds
+are the adds of the block's current stream (an identity test, no graph capture). The mode is active only during
+the model's forward at recorded steps. Any exception inside a probe is caught, logged once, and that probe is
+disabled; training never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import InputError
+from ..jsonable import jsonable
+from ..sites.core import known_class
+from ..sites.dataflow import block_modules
+from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX
+from .store import SCHEMA, TRACE_FILE
+
+log = logging.getLogger("normscope.trace")
+
+PROBES = ("data", "blocks", "norms", "attention", "residual", "grad", "update", "writer", "reduce")
+
+
+def act_stats(x: torch.Tensor) -> dict[str, float]:
+    """Sum of squares, count, max |x| and non-finite count of a tensor (finite entries only), in float32."""
+    x = x.detach()
+    if not x.is_floating_point():
+        x = x.float()
+    ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
+    mx = float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
+    bad = 0
+    if not (math.isfinite(ss) and math.isfinite(mx)):
+        fin = torch.isfinite(x)
+        bad = int(x.numel() - int(fin.sum()))
+        x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
+        ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
+        mx = float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
+    return {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
+
+
+def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
+    x = x.detach()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    flat = x.reshape(x.shape[0], -1)
+    if not flat.is_floating_point():
+        flat = flat.float()
+    fin = torch.isfinite(flat)
+    bad = (~fin).sum(1)
+    if bool(bad.any()):
+        flat = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype))
+    ss = torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2
+    mx = torch.linalg.vector_norm(flat, math.inf, dim=1, dtype=torch.float32)
+    return {"sumsq": ss.tolist(), "n": [flat.shape[1]] * flat.shape[0], "max": mx.tolist(), "nonfinite": bad.tolist()}
+
+
+def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
+    """Fold one observation into an accumulator: sums add, maxima max, minima min, per-head lists elementwise."""
+    for k, v in new.items():
+        if k not in acc:
+            acc[k] = list(v) if isinstance(v, list) else v
+            continue
+        old = acc[k]
+        if isinstance(v, list):
+            if k.startswith("max") or k.startswith("min"):
+                f = max if k.startswith("max") else min
+                acc[k] = [f(a, b) for a, b in zip(old, v, strict=False)] if len(old) == len(v) else old
+            else:
+                acc[k] = [a + b for a, b in zip(old, v, strict=False)] if len(old) == len(v) else old
+        elif k.startswith("max"):
+            acc[k] = max(old, v)
+        elif k.startswith("min"):
+            acc[k] = min(old, v)
+        elif isinstance(v, int | float):
+            acc[k] = old + v
+
+
+ENTROPY_ROWS = 32  # query rows per (sample, head) the softmax entropy is averaged over
+
+
+def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
+    """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum.
+
+    The maximum and the masked rows cover every query row; the entropy (a mean) is taken on at most
+    ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds its cost on long sequences.
+    """
+    lg = logits.detach()
+    masked = masked.expand(lg.shape)
+    if lg.dim() < 3:
+        lg, masked = lg.reshape(1, *lg.shape), masked.reshape(1, *masked.shape)
+    lg = lg.reshape(-1, *lg.shape[-3:])
+    masked = masked.reshape(lg.shape)
+    heads, tq = lg.shape[1], lg.shape[2]
+    live = lg.masked_fill(masked, 0)
+    mx = torch.linalg.vector_norm(live, math.inf, dim=(0, 2, 3), dtype=torch.float32)
+    bad = 0
+    if not bool(torch.isfinite(mx).all()):
+        nan = ~torch.isfinite(live)
+        bad = int(nan.sum())
+        mx = torch.linalg.vector_norm(live.masked_fill(nan, 0), math.inf, dim=(0, 2, 3), dtype=torch.float32)
+    full = masked.all(-1)  # (B, H, Tq)
+    stride = max(1, tq // ENTROPY_ROWS)
+    sub, msub = lg[:, :, ::stride].float(), masked[:, :, ::stride]
+    logp = torch.log_softmax(sub.masked_fill(msub, -math.inf), -1)
+    ent = -(logp.exp() * logp.masked_fill(msub, 0)).sum(-1)  # (B, H, rows)
+    ok = torch.isfinite(ent) & ~full[:, :, ::stride]
+    ent = ent.masked_fill(~ok, 0)
+    return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
+            "rows": [lg.shape[0] * tq] * heads, "entropy_sum": ent.sum(dim=(0, 2)).tolist(),
+            "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": bad}
+
+
+def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    b = dict(zip(names, args, strict=False))
+    b.update(kwargs)
+    q, k = b["query"].detach(), b["key"].detach()
+    if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = b.get("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    tq, tk = logits.shape[-2], logits.shape[-1]
+    masked = torch.zeros((), dtype=torch.bool).expand(logits.shape)
+    m = b.get("attn_mask")
+    if isinstance(m, torch.Tensor):
+        m = m.detach()
+        if m.dtype == torch.bool:
+            masked = masked | ~m
+        else:
+            logits = logits + m.float()
+            masked = masked | (logits == -math.inf)
+    if b.get("is_causal"):
+        causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+        masked = masked | ~causal
+    return logits, masked.expand(logits.shape)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, tracer: Tracer):
+        super().__init__()
+        self.tr = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tr = self.tr
+        if tr._busy:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if func is F.scaled_dot_product_attention and "attention" not in tr.disabled:
+            tr._guard("attention", tr._attention_sdpa, args, kwargs)
+        elif name in SOFTMAX and "attention" not in tr.disabled and args and isinstance(args[0], torch.Tensor):
+            tr._guard("attention", tr._attention_softmax, func, args, kwargs)
+        elif func in NORM_FUNCTIONS and "norms" not in tr.disabled and not tr._in_norm:
+            out = func(*args, **kwargs)
+            tr._guard("norms", tr._functional_norm, func, args, kwargs, out)
+            return out
+        elif name in EMBEDDING and tr._ids is not None and args and args[0] is tr._ids:
+            out = func(*args, **kwargs)
+            tr._guard("data", tr._embedding, out)
+            return out
+        out = func(*args, **kwargs)
+        if name in ADDS and tr._streams and "residual" not in tr.disabled:
+            tr._guard("residual", tr._residual, args, out)
+        return out
+
+
+class Tracer:
+    """The live recorder; use :func:`trace` (a context manager) rather than building one directly."""
+
+    def __init__(self, model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, layers=None,
+                 record_eval: bool = False, meta: dict[str, Any] | None = None):
+        if not isinstance(model, torch.nn.Module):
+            raise InputError(f"trace takes a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise InputError(f"every must be a positive integer (record every N-th step), got {every!r}")
+        self.model = model
+        self.run_dir = Path(run_dir)
+        self.every = every
+        self.record_eval = record_eval
+        self.meta = dict(meta or {})
+        self.disabled: set[str] = set()
+        self.errors: list[dict[str, Any]] = []
+        self._busy = False
+        self._in_norm = 0
+        self._handles: list[Any] = []
+        self._streams: list[dict[str, Any]] = []  # one per active block call
+        self._file = None
+        self._mode: _Mode | None = None
+        self._last_step = -1
+        self.recording = True  # step 0 is recorded
+        self._ids: torch.Tensor | None = None  # the token ids of the forward in flight
+        self._reset()
+        self.rank, self.world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self._discover(layers)
+        if hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+            # under torch.compile the probes run eagerly (a graph break each) instead of being traced into the graph
+            for name in ("_guard", "_root_pre", "_root_post", "_block_pre", "_block_post", "_norm_pre", "_norm_post"):
+                setattr(self, name, torch.compiler.disable(getattr(self, name), recursive=True))
+
+    # ------------------------------------------------------------------ discovery
+    def _discover(self, layers) -> None:
+        model = self.model
+        names = {id(m): n for n, m in model.named_modules()}
+        if layers is not None:
+            mods = []
+            for i, item in enumerate(layers):
+                if isinstance(item, str):
+                    try:
+                        item = model.get_submodule(item)
+                    except AttributeError:
+                        raise InputError(f"layers[{i}] = {item!r} names no submodule of the model; pass module "
+                                         "names as in model.named_modules() or the modules themselves") from None
+                if not isinstance(item, torch.nn.Module) or id(item) not in names:
+                    raise InputError(f"layers[{i}] is not a submodule of the traced model; pass its modules or names")
+                mods.append(item)
+        else:
+            found = block_modules(model)
+            inner = set()
+            for m in model.modules():
+                if id(m) in found:
+                    for sub in m.modules():
+                        if sub is not m and id(sub) in found:
+                            inner.add(id(sub))
+            mods = [m for m in model.modules() if id(m) in found and id(m) not in inner]
+        self.blocks = {id(m): i for i, m in enumerate(mods)}
+        self.block_names = [names[id(m)] for m in mods]
+        self.norms: dict[int, tuple[int | None, str]] = {}
+        prefixes = sorted(((names[id(m)] + ".", i) for m, i in zip(mods, range(len(mods)), strict=True)),
+                          key=lambda p: -len(p[0]))
+        self._prefixes = prefixes
+        for n, m in model.named_modules():
+            if m is model or not known_class(m):
+                continue
+            self.norms[id(m)] = self._locate(n)
+        # parameter groups: (layer, group) per parameter
+        self.param_group: dict[int, tuple[int | None, str]] = {}
+        self.param_order: list[tuple[int | None, str]] = []
+        for n, p in model.named_parameters():
+            key = self._locate(n.rsplit(".", 1)[0] if "." in n else n)
+            layer, rest = key
+            group = rest.split(".")[0] if rest else "params"
+            g = (layer, group)
+            self.param_group[id(p)] = g
+            if g not in self.param_order:
+                self.param_order.append(g)
+        self.params = [p for p in model.parameters()]
+        self.meta.update({"model": type(model).__name__, "blocks": self.block_names,
+                          "norms": sorted(f"{'' if lay is None else lay}:{s}" for lay, s in self.norms.values())})
+
+    def _locate(self, name: str) -> tuple[int | None, str]:
+        """(block index, name inside the block) of a module path; (None, full path) outside the blocks."""
+        for pre, i in self._prefixes:
+            if (name + ".").startswith(pre):
+                return i, name[len(pre):]
+        return None, name
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Tracer:
+        self.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def open(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            self._file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
+            self._write({"schema": SCHEMA, "kind": "header", "every": self.every, "world_size": self.world,
+                         "time": time.time(), **self.meta})
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
+        for m in root.modules():
+            if id(m) in self.blocks:
+                self._handles.append(m.register_forward_pre_hook(self._block_pre, with_kwargs=True))
+                self._handles.append(m.register_forward_hook(self._block_post, always_call=True))
+            if id(m) in self.norms:
+                self._handles.append(m.register_forward_pre_hook(self._norm_pre))
+                self._handles.append(m.register_forward_hook(self._norm_post, always_call=True))
+        for p in self.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._exit_mode()
+        if self._file is not None:
+            self._write({"kind": "end", "time": time.time(), "last_step": self._last_step,
+                         "disabled": sorted(self.disabled), "errors": self.errors})
+            self._file.close()
+            self._file = None
+
+    # ------------------------------------------------------------------ failure handling
+    def _guard(self, probe: str, fn, *args):
+        if probe in self.disabled:
+            return None
+        busy = self._busy
+        self._busy = True
+        try:
+            return fn(*args)
+        except Exception as exc:  # never break training
+            self._fail(probe, exc)
+            return None
+        finally:
+            self._busy = busy
+
+    def _fail(self, probe: str, exc: BaseException) -> None:
+        if probe in self.disabled:
+            return
+        self.disabled.add(probe)
+        msg = f"{type(exc).__name__}: {exc}"
+        self.errors.append({"probe": probe, "step": self._last_step + 1, "error": msg})
+        log.warning("normscope.trace: probe %r failed at step %d and is disabled (%s)", probe, self._last_step + 1, msg)
+
+    # ------------------------------------------------------------------ accumulation
+    def _reset(self) -> None:
+        self._acc: dict[tuple, dict[str, Any]] = {}
+        self._samples: dict[str, dict[str, list]] = {}
+        self._grads: dict[int, dict[str, float]] = {}
+        self._updates: dict[tuple, dict[str, float]] = {}
+        self._old: dict[int, torch.Tensor] = {}
+        self._counters: dict[tuple, int] = {}
+
+    def _add(self, stage: str, layer: int | None, site: str, stats: dict[str, Any]) -> None:
+        key = (stage, layer, site)
+        acc = self._acc.get(key)
+        if acc is None:
+            self._acc[key] = dict(stats)
+        else:
+            _merge(acc, stats)
+
+    def _active(self) -> bool:
+        return self.recording and (self.record_eval or torch.is_grad_enabled())
+
+    # ------------------------------------------------------------------ forward hooks
+    def _root_pre(self, module, args, kwargs):
+        if not self._active() or self._mode is not None:
+            return None
+        self._counters = {}
+        self._ids = None
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:  # keyword inputs: the usual names first, then the first tensor
+            named = [kwargs.get(k) for k in ("input_ids", "inputs_embeds", "pixel_values", "input", "x")]
+            x = next((v for v in named + list(kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        if "data" not in self.disabled and isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                self._guard("data", self._data, x, "input")
+            else:
+                self._ids = x  # the lookup of these ids is the data stage
+                self._guard("data", self._tokens, x)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return None
+
+    def _root_post(self, module, args, output):
+        self._exit_mode()
+        return None
+
+    def _exit_mode(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            self._streams.clear()
+            self._ids = None
+            try:
+                mode.__exit__(None, None, None)
+            except Exception as exc:  # a mode stack disturbed by user code: stop using the mode
+                self._fail("attention", exc)
+
+    def _data(self, x: torch.Tensor, site: str) -> None:
+        s = _per_sample(x)
+        cur = self._samples.setdefault(site, {k: [] for k in s})
+        for k, v in s.items():
+            cur[k].extend(v)
+
+    def _tokens(self, ids: torch.Tensor) -> None:
+        ids = ids.detach()
+        flat = ids.reshape(ids.shape[0], -1) if ids.dim() else ids.reshape(1, 1)
+        cur = self._samples.setdefault("tokens", {"min_id": [], "max_id": []})
+        cur["min_id"].extend(flat.amin(1).tolist())
+        cur["max_id"].extend(flat.amax(1).tolist())
+
+    def _embedding(self, out) -> None:
+        self._ids = None
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            self._data(out, "embedding")
+
+    def _block_pre(self, module, args, kwargs):
+        if self._mode is None or "blocks" in self.disabled:
+            return None
+        self._guard("blocks", self._enter_block, module, args, kwargs)
+        return None
+
+    def _enter_block(self, module, args, kwargs) -> None:
+        layer = self.blocks[id(module)]
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module})
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            self._add("layer_input", layer, "", act_stats(x))
+
+    def _block_post(self, module, args, output):
+        if self._streams and self._streams[-1]["module"] is module:
+            self._streams.pop()
+        return None
+
+    def _layer(self) -> int | None:
+        return self._streams[-1]["layer"] if self._streams else None
+
+    def _norm_pre(self, module, args):
+        if self._mode is None:
+            return None
+        self._in_norm += 1
+        if "norms" not in self.disabled and args and isinstance(args[0], torch.Tensor):
+            self._guard("norms", self._norm_in, self.norms[id(module)], args[0])
+        return None
+
+    def _norm_in(self, where: tuple[int | None, str], x: torch.Tensor) -> None:
+        layer, site = where
+        st = act_stats(x)
+        if x.dim() >= 1 and x.is_floating_point() and x.numel():
+            rows = torch.linalg.vector_norm(x.detach(), 2, dim=-1, dtype=torch.float32) / math.sqrt(x.shape[-1])
+            rows = rows[torch.isfinite(rows)]
+            if rows.numel():
+                st["min_row_rms"] = float(rows.min())
+        self._add("norm_input", layer, site, st)
+
+    def _norm_post(self, module, args, output):
+        if self._mode is None:
+            return None
+        self._in_norm = max(0, self._in_norm - 1)
+        if "norms" not in self.disabled and isinstance(output, torch.Tensor):
+            self._guard("norms", self._norm_out, module, args, output)
+        return None
+
+    def _norm_out(self, module, args, y: torch.Tensor) -> None:
+        layer, site = self.norms[id(module)]
+        st = act_stats(y)
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel():
+            st["max_scale_rms"] = float(torch.linalg.vector_norm(w.detach(), 2, dtype=torch.float32)) / math.sqrt(
+                w.numel())
+        self._add("norm_output", layer, site, st)
+        s = self._streams[-1] if self._streams else None
+        if s is not None and args and args[0] is s["stream"]:
+            s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads
+
+    def _functional_norm(self, func, args, kwargs, out) -> None:
+        fname = NORM_FUNCTIONS[func][0]
+        layer = self._layer()
+        k = self._counters.get((layer, fname), 0)
+        self._counters[(layer, fname)] = k + 1
+        site = f"{fname}#{k}"
+        x = args[0] if args else kwargs.get("input")
+        if isinstance(x, torch.Tensor):
+            self._norm_in((layer, site), x)
+        if isinstance(out, torch.Tensor):
+            self._add("norm_output", layer, site, act_stats(out))
+            s = self._streams[-1] if self._streams else None
+            if s is not None and x is s["stream"]:
+                s["alt"] = out
+
+    # ------------------------------------------------------------------ attention and residual adds
+    def _attention_sdpa(self, args, kwargs) -> None:
+        logits, masked = _sdpa_logits(args, kwargs)
+        self._logits(logits, masked)
+
+    def _attention_softmax(self, func, args, kwargs) -> None:
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if x.dim() != 4 or dim not in (-1, 3) or not x.is_floating_point():
+            return
+        lo = torch.finfo(x.dtype).min / 2
+        self._logits(x, x <= lo)
+
+    def _logits(self, logits: torch.Tensor, masked: torch.Tensor) -> None:
+        layer = self._layer()
+        if self._streams:
+            self._streams[-1]["attn"] = True
+        k = self._counters.get(("attn", layer), 0)
+        self._counters[("attn", layer)] = k + 1
+        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked))
+
+    def _residual(self, args, out) -> None:
+        s = self._streams[-1]
+        if len(args) < 2 or not isinstance(out, torch.Tensor):
+            return
+        a, b = args[0], args[1]
+        if a is s["stream"] or a is s["alt"]:
+            stream, branch = a, b
+        elif b is s["stream"] or b is s["alt"]:
+            stream, branch = b, a
+        else:
+            return
+        if (not isinstance(branch, torch.Tensor) or not isinstance(stream, torch.Tensor)
+                or branch.shape != stream.shape or not branch.is_floating_point()):
+            return
+        part = "attn" if s["attn"] else "mlp"
+        k = self._counters.get((s["layer"], part), 0)
+        self._counters[(s["layer"], part)] = k + 1
+        site = part if k == 0 else f"{part}#{k}"
+        self._add("sublayer_output", s["layer"], site, act_stats(branch))
+        self._add("residual_sum", s["layer"], site, act_stats(out))
+        s["stream"], s["alt"], s["attn"] = out, None, False
+
+    # ------------------------------------------------------------------ gradients and updates
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        if not self.recording or "grad" in self.disabled or p.grad is None:
+            return
+        busy = self._busy
+        self._busy = True
+        try:
+            self._grads[id(p)] = act_stats(p.grad)  # the accumulated gradient: the last call wins
+        except Exception as exc:
+            self._fail("grad", exc)
+        finally:
+            self._busy = busy
+
+    def _own(self, optimizer) -> list[torch.Tensor]:
+        ids = self.param_group
+        return [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
+
+    def _opt_pre(self, optimizer, args, kwargs) -> None:
+        if not self.recording or "update" in self.disabled:
+            return
+        try:
+            with torch.no_grad():
+                for p in self._own(optimizer):
+                    self._old[id(p)] = p.detach().clone()
+        except Exception as exc:
+            self._old.clear()
+            self._fail("update", exc)
+
+    def _opt_post(self, optimizer, args, kwargs) -> None:
+        if not self._old or "update" in self.disabled:
+            return
+        try:
+            with torch.no_grad():
+                for p in self._own(optimizer):
+                    old = self._old.pop(id(p), None)
+                    if old is None:
+                        continue
+                    st = act_stats(p.detach() - old)
+                    ps = act_stats(p)
+                    g = self.param_group[id(p)]
+                    acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
+                                                       "param_sumsq": 0.0})
+                    _merge(acc, {"sumsq": st["sumsq"], "n": st["n"], "max": st["max"],
+                                 "nonfinite": st["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]})
+        except Exception as exc:
+            self._fail("update", exc)
+        finally:
+            self._old.clear()
+
+    # ------------------------------------------------------------------ the step
+    def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:
+        """Close step ``step``: write its record (at recorded steps) and arm the next one. Never raises."""
+        try:
+            self._step(step, loss, sample_ids, losses)
+        except Exception as exc:
+            self._fail("writer", exc)
+        finally:
+            self._last_step = int(step) if isinstance(step, int) else self._last_step + 1
+            self.recording = (self._last_step + 1) % self.every == 0
+            self._reset()
+
+    def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
+        entries = []
+        for (stage, layer, site), st in self._acc.items():
+            entries.append({"stage": stage, "layer": layer, "site": site, **st})
+        samples = {k: {f: list(v) for f, v in d.items()} for k, d in self._samples.items()}
+        if loss is not None:
+            lv = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+            entries.append({"stage": "loss", "layer": None, "site": "", "sum": lv, "count": 1,
+                            "nonfinite": 0 if math.isfinite(lv) else 1})
+        if losses is not None:
+            t = torch.as_tensor(losses).detach().float().reshape(-1)
+            samples["loss"] = {"loss": t.tolist()}
+        grads: dict[tuple, dict[str, Any]] = {}
+        for p in self.params:
+            st = self._grads.get(id(p))
+            if st is not None:
+                g = self.param_group[id(p)]
+                if g in grads:
+                    _merge(grads[g], st)
+                else:
+                    grads[g] = dict(st)
+        for g in reversed(self.param_order):  # backward order: the last layer's gradients come first
+            if g in grads:
+                entries.append({"stage": "grad", "layer": g[0], "site": g[1], **grads[g]})
+        for g in self.param_order:
+            if g in self._updates:
+                entries.append({"stage": "update", "layer": g[0], "site": g[1], **self._updates[g]})
+        return entries, samples
+
+    def _step(self, step, loss, sample_ids, losses) -> None:
+        if not self.recording:
+            return
+        entries, samples = self._entries(loss, losses)
+        if self.world > 1 and "reduce" not in self.disabled:
+            from .distributed import reduce_record
+
+            try:
+                entries, samples, sample_ids = reduce_record(entries, samples, sample_ids)
+            except Exception as exc:
+                self._fail("reduce", exc)
+        if self.rank != 0 or self._file is None:
+            return
+        rec: dict[str, Any] = {"kind": "step", "step": int(step), "time": time.time(), "entries": entries,
+                               "samples": samples}
+        if sample_ids is not None:
+            if isinstance(sample_ids, torch.Tensor):
+                sample_ids = sample_ids.reshape(-1).tolist()
+            rec["sample_ids"] = [s if isinstance(s, int | str) else str(s) for s in sample_ids]
+        if self.disabled:
+            rec["disabled"] = sorted(self.disabled)
+        self._write(rec)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        self._file.write(_dumps(rec) + "\n")
+        self._file.flush()  # a killed process loses at most the step in flight
+
+
+def _short(v):
+    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length."""
+    if isinstance(v, float):
+        return float(f"{v:.7g}") if math.isfinite(v) else v
+    if isinstance(v, list):
+        return [_short(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _short(x) for k, x in v.items()}
+    return v
+
+
+def _dumps(rec) -> str:
+    import json
+
+    return json.dumps(jsonable(_short(rec)), separators=(",", ":"))
+
+
+def trace(model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, *, layers=None,
+          record_eval: bool = False, meta: dict[str, Any] | None = None) -> Tracer:
+    """Record the residual chain of ``model`` into ``run_dir`` (``trace.jsonl``, schema ``normscope.trace/1``).
+
+    Use as a context manager and call ``tr.step(step, loss=..., sample_ids=..., losses=...)`` once per optimizer
+    step, after it. ``every``: record every N-th step (others cost nothing but a flag test). ``layers``: the block
+    modules (or their names) when the repeated-module discovery does not find them. ``record_eval``: also record
+    forwards run with gradients disabled (evaluation); by default they are ignored.
+    """
+    return Tracer(model, run_dir, every=every, layers=layers, record_eval=record_eval, meta=meta)

@@ -1,0 +1,203 @@
+"""The console table and the self-contained HTML page of a :class:`~.detect.Diagnosis`."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .detect import Diagnosis
+
+MAX_ROWS = 25
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def summary_line(d: Diagnosis) -> str:
+    state = "complete" if d.complete else "still being written or interrupted"
+    line = (f"{d.run_dir}: {len(d.steps)} recorded steps (last {d.steps[-1] if d.steps else '—'}, every "
+            f"{d.header.get('every')}, {d.header.get('model')}, {len(d.header.get('blocks') or [])} blocks, "
+            f"world size {d.header.get('world_size')}), {state}")
+    return line
+
+
+def render_diagnosis(d: Diagnosis, console: Console) -> None:
+    console.print(f"[dim]{summary_line(d)}[/]")
+    for e in d.errors:
+        console.print(f"[yellow]probe {e['probe']} was disabled at step {e['step']}: {e['error']}[/]")
+    if not d.anomalies:
+        console.print(f"[green]no anomaly[/] in {len(d.steps)} recorded steps (jump threshold {d.settings['z']} "
+                      f"robust σ over the last {d.settings['window']} values; judged after "
+                      f"{d.settings['min_history']})")
+        return
+    a = d.first
+    console.print(f"[bold red]first anomaly[/]: step {a.step} · {a.where()} · {a.metric} = {_fmt(a.value)}"
+                  + (f" (baseline {_fmt(a.baseline)})" if a.baseline is not None else ""))
+    console.print(f"  evidence: {a.evidence}")
+    if a.sample_ids:
+        console.print(f"  samples: {a.sample_ids}")
+    console.print(f"  next: {a.next_check}")
+    t = Table(title=f"{len(d.anomalies)} anomalies, in chain order", title_justify="left")
+    for col in ("step", "stage", "layer", "site", "head", "metric", "value", "baseline", "samples"):
+        t.add_column(col, justify="right" if col in ("step", "layer", "head", "value", "baseline") else "left")
+    for x in d.anomalies[:MAX_ROWS]:
+        t.add_row(str(x.step), x.stage, _fmt(x.layer), x.site, _fmt(x.head), x.metric, _fmt(x.value),
+                  _fmt(x.baseline), ", ".join(map(str, x.sample_ids[:4])) + ("…" if len(x.sample_ids) > 4 else "")
+                  if x.sample_ids else "")
+    console.print(t)
+    if len(d.anomalies) > MAX_ROWS:
+        console.print(f"[dim]… {len(d.anomalies) - MAX_ROWS} more (--json lists all)[/]")
+
+
+# ---------------------------------------------------------------------- HTML
+def _by_layer(d: Diagnosis, stage: str, pick) -> dict[Any, tuple[list[int], list[float]]]:
+    """layer → (steps, value) with value = pick(entries of that stage and layer at a step)."""
+    out: dict[Any, tuple[list[int], list[float]]] = {}
+    for rec in d.records:
+        groups: dict[Any, list[dict]] = {}
+        for e in rec["entries"]:
+            if e["stage"] == stage:
+                groups.setdefault(e["layer"], []).append(e)
+        for layer, es in groups.items():
+            v = pick(es)
+            if v is not None:
+                xs, ys = out.setdefault(layer, ([], []))
+                xs.append(rec["step"])
+                ys.append(v)
+    return out
+
+
+def _rms(es) -> float | None:
+    n = sum(e["n"] for e in es)
+    return math.sqrt(sum(e["sumsq"] for e in es) / n) if n else None
+
+
+def _figures(d: Diagnosis) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    a = d.first
+    figs = []
+
+    def finish(fig, ax, title, log=True):
+        if a is not None:
+            ax.axvline(a.step, color="red", lw=1.2, ls="--", label=f"first anomaly (step {a.step})")
+        lo, hi = ax.get_ylim()
+        if log and lo > 0 and hi / lo > 20:  # a log axis only where the values span decades
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2, loc="best")
+        ax.set_title(title, fontsize=10)
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=90)
+        plt.close(fig)
+        figs.append((title, base64.b64encode(buf.getvalue()).decode()))
+
+    def positive(ys):
+        return [y if isinstance(y, float | int) and math.isfinite(y) and y > 0 else float("nan") for y in ys]
+
+    # loss
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    xs, ys = d.series("loss", "loss")
+    ax.plot(xs, ys, color="black", lw=1.2, label="loss")
+    px, py = [], []
+    for rec in d.records:
+        ls = (rec.get("samples") or {}).get("loss", {}).get("loss")
+        if ls:
+            fin = [v for v in ls if math.isfinite(v)]
+            if fin:
+                px.append(rec["step"])
+                py.append(max(fin))
+    if px:
+        ax.plot(px, py, color="tab:orange", lw=0.8, label="max per-sample loss")
+    finish(fig, ax, "loss", log=False)
+    # residual RMS by layer
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    for layer, (xs, ys) in sorted(_by_layer(d, "layer_input", _rms).items(), key=lambda t: (t[0] is None, t[0] or 0)):
+        ax.plot(xs, positive(ys), lw=1, label=f"layer {layer}")
+    finish(fig, ax, "residual stream RMS entering each layer")
+    # max logit per head
+    att = [a2 for a2 in d.anomalies if a2.stage == "attention_logits"]
+    layers = sorted({e["layer"] for rec in d.records for e in rec["entries"] if e["stage"] == "attention_logits"},
+                    key=lambda v: (v is None, v or 0))
+    if layers:
+        layer = att[0].layer if att and att[0].layer in layers else layers[0]
+        if not att:  # the layer with the largest logit
+            best = -1.0
+            for rec in d.records:
+                for e in rec["entries"]:
+                    if e["stage"] == "attention_logits" and max(e["max_logit"], default=0) > best:
+                        best, layer = max(e["max_logit"]), e["layer"]
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        heads = next((len(e["max_logit"]) for rec in d.records for e in rec["entries"]
+                      if e["stage"] == "attention_logits" and e["layer"] == layer), 0)
+        for h in range(heads):
+            xs, ys = d.series("attention_logits", "max_logit", layer=layer, head=h)
+            ax.plot(xs, positive(ys), lw=1, label=f"head {h}")
+        finish(fig, ax, f"max |attention logit| per head, layer {layer}")
+    # gradients and updates by layer
+    for stage, title, pick in (
+            ("grad", "gradient RMS by layer", _rms),
+            ("update", "update RMS / parameter RMS by layer",
+             lambda es: (math.sqrt(sum(e["sumsq"] for e in es) / max(sum(e["param_sumsq"] for e in es), 1e-300))))):
+        series = _by_layer(d, stage, pick)
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 3.2))
+        for layer, (xs, ys) in sorted(series.items(), key=lambda t: (t[0] is None, t[0] or 0)):
+            ax.plot(xs, positive(ys), lw=1, label="outside blocks" if layer is None else f"layer {layer}")
+        finish(fig, ax, title)
+    return figs
+
+
+def render_html(d: Diagnosis) -> str:
+    """One self-contained page: summary, the first anomaly, plots (inline PNG) and the anomaly table."""
+    esc = html.escape
+    a = d.first
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>normscope diagnose</title><style>",
+             "body{font-family:system-ui,sans-serif;margin:24px;max-width:1400px;color:#222}"
+             "h1{font-size:20px}table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}th{background:#f3f3f3}"
+             ".first{background:#fde8e8;border:1px solid #e99;padding:10px;margin:12px 0}"
+             ".ok{background:#e8f6e8;border:1px solid #9c9;padding:10px;margin:12px 0}"
+             ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid img{border:1px solid #ddd}",
+             "</style></head><body>", "<h1>normscope diagnose</h1>", f"<p>{esc(summary_line(d))}</p>"]
+    for e in d.errors:
+        parts.append(f"<p>probe <b>{esc(e['probe'])}</b> was disabled at step {e['step']}: {esc(e['error'])}</p>")
+    if a is None:
+        parts.append(f"<div class='ok'><b>No anomaly</b> in {len(d.steps)} recorded steps.</div>")
+    else:
+        parts.append(f"<div class='first'><b>First anomaly: step {a.step} · {esc(a.where())}</b> — {esc(a.metric)} = "
+                     f"{esc(_fmt(a.value))} (baseline {esc(_fmt(a.baseline))})<br>evidence: {esc(a.evidence)}<br>"
+                     + (f"samples: {esc(', '.join(map(str, a.sample_ids)))}<br>" if a.sample_ids else "")
+                     + f"next: {esc(a.next_check)}</div>")
+    parts.append("<div class='grid'>")
+    for title, b64 in _figures(d):
+        parts.append(f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{b64}'></figure>")
+    parts.append("</div>")
+    if d.anomalies:
+        parts.append(f"<h2>{len(d.anomalies)} anomalies, in chain order</h2><table><tr>")
+        cols = ("step", "stage", "layer", "site", "head", "metric", "value", "baseline", "samples", "evidence")
+        parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+        for x in d.anomalies[:200]:
+            row = (x.step, x.stage, _fmt(x.layer), x.site, _fmt(x.head), x.metric, _fmt(x.value), _fmt(x.baseline),
+                   ", ".join(map(str, x.sample_ids or [])), x.evidence)
+            parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
+        parts.append("</table>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

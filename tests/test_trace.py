@@ -1,0 +1,404 @@
+"""normscope.trace / normscope.diagnose: a fault of each kind injected into a small decoder is localized to the
+step, stage, layer and head where it entered the chain; a clean run has no anomaly; the store, the command line,
+DDP and the never-break guarantees."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from trace_models import GPT, layer_groups
+
+from normscope.errors import InputError, NormscopeError
+from normscope.tracing import command, diagnose, read_run, trace
+from normscope.tracing.store import TRACE_FILE
+
+STEPS, FAULT, B, T, V = 24, 16, 4, 16, 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def train(run_dir, fault=None, steps=STEPS, every=1, eager=False, accumulate=1, embeds=False, **kw):
+    """A small AdamW training run on random tokens; ``fault(model, opt, step, batch)`` may change the step."""
+    torch.manual_seed(0)
+    model = GPT(vocab=V, t=T, eager=eager)
+    opt = torch.optim.AdamW(layer_groups(model, 3e-3))
+    g = torch.Generator().manual_seed(1)
+    with trace(model, run_dir, every=every, **kw) as tr:
+        for step in range(steps):
+            for _ in range(accumulate):
+                targets = torch.randint(0, V, (B, T), generator=g)
+                batch = {"embeds": torch.randn(B, T, 32, generator=g)} if embeds else {"idx": targets}
+                undo = fault(model, opt, step, batch) if fault else None
+                logits = model(**batch)
+                losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+                (losses.mean() / accumulate).backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step(step, loss=losses.mean().item(), sample_ids=[f"s{step}-{i}" for i in range(B)], losses=losses)
+            if undo:
+                undo()
+    return model, tr
+
+
+def first(run_dir):
+    d = diagnose(run_dir)
+    assert d.first is not None, "no anomaly found"
+    a = d.first
+    return d, (a.step, a.stage, a.layer, a.head)
+
+
+def test_clean_run_has_no_anomaly_and_every_stage(tmp_path):
+    _, tr = train(tmp_path)
+    assert not tr.disabled and not tr.errors
+    d = diagnose(tmp_path)
+    assert d.anomalies == [], [a.evidence for a in d.anomalies]
+    assert d.steps == list(range(STEPS)) and d.complete
+    stages = {e["stage"] for e in d.records[-1]["entries"]}
+    assert stages == {"layer_input", "norm_input", "norm_output", "attention_logits", "sublayer_output",
+                      "residual_sum", "loss", "grad", "update"}
+    assert set(d.records[-1]["samples"]) == {"tokens", "embedding", "loss"}
+    sites = {(e["stage"], e["layer"], e["site"]) for e in d.records[-1]["entries"]}
+    for layer in range(3):
+        assert {("sublayer_output", layer, "attn"), ("sublayer_output", layer, "mlp"), ("norm_input", layer, "ln_1"),
+                ("residual_sum", layer, "mlp"), ("grad", layer, "attn"), ("update", layer, "mlp")} <= sites
+    # the residual sum after the MLP is the next layer's input: the identity tracking followed the stream
+    r = next(e for e in d.records[-1]["entries"] if e["stage"] == "residual_sum" and e["layer"] == 0
+             and e["site"] == "mlp")
+    n = next(e for e in d.records[-1]["entries"] if e["stage"] == "layer_input" and e["layer"] == 1)
+    assert r["sumsq"] == pytest.approx(n["sumsq"], rel=1e-6)
+    att = next(e for e in d.records[-1]["entries"] if e["stage"] == "attention_logits" and e["layer"] == 2)
+    assert len(att["max_logit"]) == 4 and att["masked_rows"] == [0, 0, 0, 0]
+    ent = att["entropy_sum"][0] / att["entropy_rows"][0]
+    assert 0 < ent < math.log(T)  # causal rows: entropy ≤ log(keys seen)
+
+
+def test_corrupted_sample_is_named(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:  # one sample arrives as garbage
+            batch["embeds"][2] *= 30.0
+
+    train(tmp_path, fault, embeds=True)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "data", None, None)
+    assert d.first.sample_ids == [f"s{FAULT}-2"]
+    assert d.first.value > 20 * d.first.baseline
+
+
+def test_one_head_logits_blow_up(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            w = model.h[1].attn.c_attn.weight  # rows 0..31 are the queries; head 3 is rows 24..31
+            with torch.no_grad():
+                w[24:32] *= 40.0
+
+    train(tmp_path, fault)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "attention_logits", 1, 3), d.first
+    assert d.first.metric == "max_logit" and d.first.value > 10 * d.first.baseline
+
+
+def test_learning_rate_spike_on_one_layer(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            opt.param_groups[2]["lr"] *= 300
+
+            def undo():
+                opt.param_groups[2]["lr"] /= 300
+            return undo
+
+    train(tmp_path, fault)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "update", 2, None), d.first
+    assert d.first.metric == "ratio" and d.first.value > 50 * d.first.baseline
+    assert {a.layer for a in d.anomalies if a.step == FAULT} == {2}
+
+
+def test_fully_masked_row(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T).clone()
+            mask[1, 0, 5, :] = False  # sample 1, query 5 sees no key
+            batch["mask"] = mask
+
+    train(tmp_path, fault)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "attention_logits", 0, None), d.first  # every head carries it
+    assert d.first.metric == "masked_rows" and d.first.value == 1
+
+
+def test_eager_softmax_masked_row_and_head(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T).clone()
+            mask[0, 0, 7, :] = False
+            batch["mask"] = mask
+
+    train(tmp_path, fault, eager=True, steps=FAULT + 1)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "attention_logits", 0, None) and d.first.metric == "masked_rows"
+
+
+def test_nonfinite_gradient(tmp_path):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            def poison(h):
+                h.register_hook(lambda g: g * float("nan"))
+                return h
+            model.h[1].mlp.fault = poison
+
+            def undo():
+                model.h[1].mlp.fault = None
+            return undo
+
+    train(tmp_path, fault, steps=FAULT + 1)
+    d, where = first(tmp_path)
+    assert where == (FAULT, "grad", 1, None), d.first
+    # the MLP input projection (32·128 + 128 of the group's 8352 parameters) is behind the NaN, its output one is not
+    assert d.first.site == "mlp" and d.first.metric == "nonfinite" and d.first.value == pytest.approx(4224 / 8352)
+
+
+def test_every_and_accumulation(tmp_path):
+    train(tmp_path, steps=6, every=3, accumulate=2)
+    d = diagnose(tmp_path)
+    assert d.steps == [0, 3]
+    rec = d.records[0]
+    assert len(rec["samples"]["embedding"]["max"]) == 2 * B  # both micro-batches
+    li = next(e for e in rec["entries"] if e["stage"] == "layer_input" and e["layer"] == 0)
+    assert li["n"] == 2 * B * T * 32
+
+
+def test_no_grad_eval_and_autocast(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(vocab=V, t=T)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(0, V, (B, T))
+    with trace(model, tmp_path) as tr:
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(idx).float().transpose(1, 2), idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model(idx)  # evaluation: not recorded
+            tr.step(step, loss=loss)
+    assert not tr.disabled
+    d = diagnose(tmp_path)
+    rec = d.records[-1]
+    assert len(rec["samples"]["embedding"]["max"]) == B
+    sub = [e for e in rec["entries"] if e["stage"] == "sublayer_output"]
+    assert len(sub) == 6 and all(e["nonfinite"] == 0 and e["sumsq"] > 0 for e in sub)
+
+
+def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
+    import normscope.tracing.recorder as rec
+
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(rec, "_logit_stats", broken)
+    with caplog.at_level("WARNING", logger="normscope.trace"):
+        _, tr = train(tmp_path, steps=4)
+    assert len(calls) == 1 and tr.disabled == {"attention"}
+    assert sum("boom" in r.getMessage() for r in caplog.records) == 1
+    d = diagnose(tmp_path)
+    assert d.disabled == ["attention"] and d.errors[0]["probe"] == "attention" and d.errors[0]["step"] == 0
+    assert not any(e["stage"] == "attention_logits" for e in d.records[-1]["entries"])
+    assert any(e["stage"] == "residual_sum" for e in d.records[-1]["entries"])
+
+
+def test_layers_override_and_bad_arguments(tmp_path):
+    model = GPT(layers=2)
+    tr = trace(model, tmp_path, layers=["h.1"])
+    assert tr.block_names == ["h.1"]
+    with pytest.raises(InputError, match="names no submodule"):
+        trace(model, tmp_path, layers=["h.9"])
+    with pytest.raises(InputError, match="positive integer"):
+        trace(model, tmp_path, every=0)
+    with pytest.raises(InputError, match="no such folder"):
+        diagnose(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError, match="no trace.jsonl in it"):
+        diagnose(tmp_path / "empty")
+
+
+def test_store_reads_a_run_being_written(tmp_path):
+    train(tmp_path, steps=3)
+    path = tmp_path / TRACE_FILE
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-2]) + lines[-2][: len(lines[-2]) // 2])  # step 2 in flight, no end line
+    _, steps, ends = read_run(tmp_path)
+    assert [s["step"] for s in steps] == [0, 1] and ends == []
+    assert not diagnose(tmp_path).complete
+
+
+def test_sigkill_loses_at_most_the_step_in_flight(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        torch.set_num_threads(1)
+        from trace_models import GPT
+        import normscope.tracing as nt
+        m = GPT(layers=1)
+        idx = torch.randint(0, 64, (2, 16))
+        tr = nt.trace(m, {str(tmp_path)!r}).__enter__()
+        for step in range(5):
+            loss = m(idx).logsumexp(-1).mean(); loss.backward()
+            tr.step(step, loss=loss.item())
+        m(idx)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -9, r.stderr.decode()[-2000:]
+    d = diagnose(tmp_path)
+    assert d.steps == [0, 1, 2, 3, 4] and not d.complete
+
+
+def _cli(argv, capsys):
+    parser = argparse.ArgumentParser(prog="normscope")
+    command.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    try:
+        code = args.run(args, Console(width=200, highlight=False))
+    except NormscopeError as exc:
+        return 2, "", str(exc)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_diagnose_command(tmp_path, capsys):
+    def fault(model, opt, step, batch):
+        if step == FAULT:
+            opt.param_groups[0]["lr"] *= 300
+
+            def undo():
+                opt.param_groups[0]["lr"] /= 300
+            return undo
+
+    train(tmp_path, fault, steps=FAULT + 2)
+    code, out, _ = _cli(["diagnose", str(tmp_path), "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["schema"] == "normscope.diagnosis/1"
+    assert (data["first"]["step"], data["first"]["stage"], data["first"]["layer"]) == (FAULT, "update", 0)
+    html = tmp_path / "report.html"
+    code, out, _ = _cli(["diagnose", str(tmp_path), "--html", str(html), "--strict"], capsys)
+    assert code == 1
+    assert "first anomaly" in out and "update" in out and f"step {FAULT}" in out
+    page = html.read_text()
+    assert page.count("data:image/png;base64,") >= 4 and "<script src" not in page and "update" in page
+    code, _, err = _cli(["diagnose", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "no such folder" in err
+
+
+_DDP = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist, torch.nn.functional as F
+    rank, world, run_dir, port = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+    sys.path.insert(0, sys.argv[4])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from trace_models import GPT
+    import normscope.tracing as nt
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(GPT(layers=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(10 + rank)
+    import json, normscope.tracing.distributed as D
+    reduce = D.reduce_record
+
+    def spy(entries, samples, ids):  # keep each rank's own statistics for the test
+        with open(f"{run_dir}/rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps(entries) + "\\n")
+        return reduce(entries, samples, ids)
+    D.reduce_record = spy
+    with nt.trace(model, run_dir) as tr:
+        for step in range(3):
+            idx = torch.randint(0, 64, (2, 16), generator=g)
+            if step == 2 and rank == 1:
+                idx = idx[:1]  # rank 1 carries one sample only
+            losses = F.cross_entropy(model(idx).transpose(1, 2), idx, reduction="none").mean(1)
+            losses.mean().backward(); opt.step(); opt.zero_grad()
+            tr.step(step, loss=losses.mean().item(), losses=losses,
+                    sample_ids=[f"r{rank}-{i}" for i in range(len(idx))])
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_two_gloo_ranks(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _DDP, str(r), str(tmp_path), port, str(Path(__file__).parent)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-3000:]
+    headers, steps, ends = read_run(tmp_path)
+    assert len(headers) == 1 and headers[0]["world_size"] == 2 and len(ends) == 1  # rank 0 alone writes
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    last = steps[2]
+    assert last["sample_ids"] == ["r0-0", "r0-1", "r1-0"] and len(last["samples"]["loss"]["loss"]) == 3
+    li = next(e for e in last["entries"] if e["stage"] == "layer_input" and e["layer"] == 1)
+    assert li["n"] == 3 * 16 * 32  # element counts summed over ranks
+    loss = next(e for e in last["entries"] if e["stage"] == "loss")
+    assert loss["count"] == 2
+    att = next(e for e in last["entries"] if e["stage"] == "attention_logits" and e["layer"] == 0)
+    assert att["rows"] == [3 * 16] * 4
+    assert not diagnose(tmp_path).anomalies
+    local = [[json.loads(x) for x in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()][2] for r in range(2)]
+    for e in last["entries"]:
+        mine = [next(x for x in loc if (x["stage"], x["layer"], x["site"]) == (e["stage"], e["layer"], e["site"]))
+                for loc in local]
+        if "sumsq" in e:
+            assert e["sumsq"] == pytest.approx(mine[0]["sumsq"] + mine[1]["sumsq"], rel=1e-6)  # stored: 7 digits
+            assert e["max"] == pytest.approx(max(mine[0]["max"], mine[1]["max"]), rel=1e-6)
+        if "max_logit" in e:
+            both = zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)
+            assert e["max_logit"] == pytest.approx([max(a, b) for a, b in both], rel=1e-6)
+
+
+def test_hugging_face_llama_left_padding(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (2, 12))
+    attention_mask = torch.ones(2, 12, dtype=torch.long)
+    attention_mask[1, :4] = 0  # left padding: the 4 padding queries of sample 1 see no key
+    with trace(model, tmp_path) as tr:
+        out = model(input_ids=ids, attention_mask=attention_mask, labels=ids)
+        out.loss.backward()
+        tr.step(0, loss=out.loss.item())
+    assert tr.block_names == ["model.layers.0", "model.layers.1"] and not tr.disabled
+    entries = diagnose(tmp_path).records[0]["entries"]
+    sites = {(e["stage"], e["layer"], e["site"]) for e in entries}
+    assert {("norm_output", 0, "input_layernorm"), ("sublayer_output", 1, "attn"), ("residual_sum", 1, "mlp"),
+            ("norm_output", None, "model.norm"), ("grad", 0, "self_attn")} <= sites
+    att = [e for e in entries if e["stage"] == "attention_logits"]
+    assert [e["layer"] for e in att] == [0, 1] and all(e["masked_rows"] == [4, 4, 4, 4] for e in att)

@@ -1,0 +1,81 @@
+"""A nanoGPT-style decoder for the trace tests: SDPA (or eager softmax) attention, pre-norm blocks in a
+ModuleList, token ids or float embeddings as input, an optional attention mask."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int, eager: bool = False):
+        super().__init__()
+        self.heads, self.eager = heads, eager
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x, mask=None):
+        B, T, D = x.shape
+        q, k, v = self.c_attn(x).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
+        if self.eager:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            keep = torch.ones(T, T, dtype=torch.bool).tril() if mask is None else mask
+            att = att.masked_fill(~keep, float("-inf"))
+            y = F.softmax(att, dim=-1) @ v
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, D))
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.fault = None  # a callable applied to the hidden activation (fault injection)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        if self.fault is not None:
+            h = self.fault(h)
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, eager: bool = False):
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(d), Attention(d, heads, eager)
+        self.ln_2, self.mlp = nn.LayerNorm(d), Mlp(d)
+
+    def forward(self, x, mask=None):
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 3, t: int = 16,
+                 eager: bool = False):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(t, d)
+        self.h = nn.ModuleList(Block(d, heads, eager) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx=None, embeds=None, mask=None):
+        x = self.wte(idx) if embeds is None else embeds
+        x = x + self.wpe(torch.arange(x.shape[1]))
+        for b in self.h:
+            x = b(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+
+def layer_groups(model: GPT, lr: float) -> list[dict]:
+    """One optimizer param group per block (and one for the rest): what a per-layer learning rate needs."""
+    inner = {id(p) for b in model.h for p in b.parameters()}
+    return ([{"params": list(b.parameters()), "lr": lr} for b in model.h]
+            + [{"params": [p for p in model.parameters() if id(p) not in inner], "lr": lr}])

@@ -37,6 +37,7 @@ _LAZY = {
     "Site": ".sites",
     "diff": ".divergence",
     "Diff": ".divergence",
+    "load": ".results",
     "trace": ".tracing",
     "diagnose": ".tracing",
     "Diagnosis": ".tracing",
@@ -77,6 +78,7 @@ __all__ = [
     "ContractDiff",
     "diff",
     "Diff",
+    "load",
     "trace",
     "diagnose",
     "Diagnosis",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .divergence import Diff, diff
     from .gradient_flow import GradFlow, gradflow
     from .probe.infer import Inference, infer
+    from .results import load
     from .results.check import Finding, Report
     from .sites import ModelScan, Site, scan
     from .tracing import Anomaly, Diagnosis, diagnose, trace

@@ -9,7 +9,6 @@ the probes (and nothing loads torch unless a torch target is used).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from .errors import (
@@ -21,6 +20,7 @@ from .errors import (
     TargetError,
     TargetTimeout,
 )
+from .lazy import lazy_exports
 from .presets import presets  # the function; cheap (no NumPy), so imported eagerly
 from .spec import NormSpec
 
@@ -92,19 +92,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module 'normscope' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, _SUBMODULES)
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly

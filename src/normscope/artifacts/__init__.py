@@ -6,11 +6,11 @@ contract JSON without executing anything; ``compare(a, b)`` lists every differen
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InputError
+from ..lazy import lazy_exports
 
 _LAZY = {
     "ContractDiff": ".diff", "DiffItem": ".diff", "compare": ".diff",
@@ -22,13 +22,7 @@ __all__ = ["SCHEMA", "ContractDiff", "ContractSite", "DiffItem", "ModelContract"
            "read_gguf", "read_hf", "read_json_object", "read_onnx"]
 
 
-def __getattr__(name: str):  # readers import NumPy and their formats' packages: loaded on first use
-    if name not in _LAZY:
-        raise AttributeError(f"module 'normscope.artifacts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .diff import ContractDiff, DiffItem, compare

@@ -8,8 +8,9 @@ loading torch.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _LAZY = {
     "DEFAULT_DTYPES": ".core",
@@ -24,13 +25,7 @@ _LAZY = {
 __all__ = ["DEFAULT_DTYPES", "PLACEMENTS", "ROLES", "SCHEMA", "ModelScan", "Site", "scan"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'normscope.sites' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .core import DEFAULT_DTYPES, scan

@@ -8,8 +8,9 @@ broke. The names are imported on first use, so the command line can register ``d
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _LAZY = {
     "trace": ".recorder",
@@ -25,13 +26,7 @@ _LAZY = {
 __all__ = ["SCHEMA", "STAGES", "Anomaly", "Diagnosis", "Tracer", "diagnose", "read_run", "trace"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'normscope.tracing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .detect import STAGES, Anomaly, Diagnosis, diagnose

@@ -9,9 +9,10 @@ anomaly of the chain and the table of all of them; ``--json`` prints the diagnos
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+if TYPE_CHECKING:  # the command line registers this parser without loading rich
+    from rich.console import Console
 
 from ..errors import InputError
 

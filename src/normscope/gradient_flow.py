@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import InputError, TargetError
-from .jsonable import jsonable
+from .jsonable import document, jsonable, parse
 
 SCHEMA = "normscope.gradflow/1"
 COLUMNS = ("attention", "mlp", "norm")
@@ -97,10 +97,7 @@ class GradFlow:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GradFlow:
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            got = d.get("schema") if isinstance(d, dict) else type(d).__name__
-            raise InputError(f"expected a JSON object with schema {SCHEMA!r}, got {got!r}; is this a normscope "
-                             "gradflow file?")
+        d = document(d, SCHEMA, "gradflow JSON")
         d = _floats(d)
         try:
             snaps = [Snapshot(**s) for s in d["snapshots"]]
@@ -111,11 +108,7 @@ class GradFlow:
 
     @classmethod
     def from_json(cls, text: str) -> GradFlow:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"not valid JSON ({exc})") from None
-        return cls.from_dict(d)
+        return cls.from_dict(parse(text, "gradflow JSON"))
 
 
 def _floats(v: Any) -> Any:

@@ -20,3 +20,25 @@ def jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     return v
+
+
+def document(data: Any, schema: str, what: str) -> dict[str, Any]:
+    """``data`` when it is a JSON object with ``"schema": schema``; else one clear InputError naming ``what``."""
+    from .errors import InputError
+
+    got = data.get("schema") if isinstance(data, dict) else type(data).__name__
+    if not isinstance(data, dict) or got != schema:
+        raise InputError(f"not a {what}: expected a JSON object with schema {schema!r}, got {got!r}")
+    return data
+
+
+def parse(text: str, what: str) -> Any:
+    """The JSON value in ``text``; one clear InputError naming ``what`` when it is not valid JSON."""
+    import json
+
+    from .errors import InputError
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not a {what}: not valid JSON ({exc.msg} at line {exc.lineno})") from None

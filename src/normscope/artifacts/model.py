@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from ..jsonable import jsonable
+from ..jsonable import document, jsonable, parse
 from .names import canonicalize, placement_of
 
 SCHEMA = "normscope.contract/1"
@@ -146,10 +146,7 @@ class ModelContract:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelContract:
-        if not isinstance(data, dict):
-            raise InputError(f"a contract JSON must be an object; got {type(data).__name__}")
-        if data.get("schema") != SCHEMA:
-            raise InputError(f"expected schema {SCHEMA!r}, got {data.get('schema')!r}; is this a normscope contract?")
+        data = document(data, SCHEMA, "normscope contract JSON")
         sites = data.get("sites")
         if not isinstance(sites, list):
             raise InputError("a contract JSON needs a list of sites")
@@ -160,11 +157,7 @@ class ModelContract:
 
     @classmethod
     def from_json(cls, text: str) -> ModelContract:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse(text, "normscope contract JSON"))
 
     @classmethod
     def from_scan(cls, scan: Any, source: str | None = None) -> ModelContract:

@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..jsonable import jsonable
+from ..jsonable import document, jsonable
 from ..spec import NormSpec
 
 __all__ = ["SCHEMA", "Status", "Finding", "Report"]
@@ -153,11 +153,8 @@ class Report:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
         """A report loaded back from :meth:`to_dict` (``ok`` and ``counts`` are derived, not read)."""
-        from ..errors import InputError
 
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise InputError(f"not a check report: schema {got!r}, expected {SCHEMA!r}")
+        data = document(data, SCHEMA, "check report")
         seconds = data.get("seconds", 0.0)
         return cls(
             target=data["target"],

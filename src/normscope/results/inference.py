@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from ..errors import InputError
-from ..jsonable import jsonable
+from ..jsonable import document, jsonable
 from ..spec import NormSpec
 from .params import NormParams
 
@@ -98,9 +98,7 @@ class Inference:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Inference:
         """An Inference from its JSON (:meth:`to_dict`); an :class:`InputError` for another schema."""
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-            raise InputError(f"not a saved inference: expected schema {SCHEMA!r}, got {got!r}")
+        data = document(data, SCHEMA, "saved inference")
         if "spec" not in data:  # `normscope infer --json` of a target that is not a normalization
             raise InputError(f"the saved inference of {data.get('target', '?')!r} has no contract: "
                              f"{data.get('not_a_normalization', 'no spec field')}")

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from ..errors import InputError, SpecError
-from ..jsonable import jsonable
+from ..jsonable import document, jsonable, parse
 from ..spec import NormSpec
 
 SCHEMA = "normscope.scan/1"
@@ -123,10 +123,7 @@ class ModelScan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelScan:
-        if not isinstance(d, dict):
-            raise InputError(f"a scan JSON is an object with \"schema\": {SCHEMA!r}; got a {type(d).__name__}")
-        if d.get("schema") != SCHEMA:
-            raise InputError(f"expected schema {SCHEMA!r}, got {d.get('schema')!r}; is this a normscope scan file?")
+        d = document(d, SCHEMA, "scan JSON")
         try:
             sites = [Site.from_dict(s) for s in d["sites"]]
             return cls(model=d["model"], inputs=d.get("inputs") or {}, sites=sites, placement=d["placement"],
@@ -141,11 +138,7 @@ class ModelScan:
 
     @classmethod
     def from_json(cls, text: str) -> ModelScan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"not a scan JSON ({exc.msg} at line {exc.lineno})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(parse(text, "scan JSON"))
 
 
 def layer_ranges(layers: list[int]) -> str:

@@ -128,6 +128,24 @@ def loss_for(model, tokens: str | None, shape: str | None):
     return hf_loss, lambda: fallback[0] if fallback else what
 
 
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot path that could not be written, before minutes of measuring rather than after."""
+    from pathlib import Path
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise InputError(f"--plot {path}: the folder {p.parent} does not exist; create it or pick another path")
+    if p.is_dir():
+        raise InputError(f"--plot {path} is a folder; give a file name such as {p / 'gradflow.png'}")
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if p.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: the file name must end in one of .{', .'.join(sorted(formats))} "
+                         "(e.g. .png)")
+
+
 _COLUMNS = ("attention", "mlp", "norm", "stream_grad", "input_rms")
 
 
@@ -153,6 +171,8 @@ def run(args, console: Console) -> int:
         raise InputError(f"--steps must be ≥ 0; got {args.steps}")
     if not args.lr > 0:
         raise InputError(f"--lr must be positive; got {args.lr}")
+    if args.plot:
+        _check_plot_path(args.plot)
     model, origin = load_target(args)
     loss_fn, describe = loss_for(model, args.tokens, args.shape)
     cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD

@@ -433,15 +433,14 @@ def test_loading_silences_transformers_and_restores_the_users_settings(capfd):
     hf_logging.set_verbosity_info()
     hf_logging.enable_progress_bar()
     try:
-        args = argparse.Namespace(target=str(pkg.get_model_path()), args=None, kwargs=None, layers=2, vocab=512)
         capfd.readouterr()
-        model, origin = command.load_target(args)
+        model, origin = command.load_model(str(pkg.get_model_path()))
         out, err = capfd.readouterr()
         assert type(model).__name__ == "BertModel" and origin.startswith("weights from")
         assert "Loading weights" not in err + out and "%|" not in err + out and err == "", err
         assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a user who turned bars off keeps them off
-        command.load_target(args)
+        command.load_model(str(pkg.get_model_path()))
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.set_verbosity(before)

@@ -165,7 +165,7 @@ def run(args, console: Console) -> int:
 
     from .gradient_flow import gradflow
     from .report.console import indented
-    from .sites.command import load_target
+    from .sites.command import load_model
 
     if args.steps < 0:
         raise InputError(f"--steps must be ≥ 0; got {args.steps}")
@@ -173,7 +173,7 @@ def run(args, console: Console) -> int:
         raise InputError(f"--lr must be positive; got {args.lr}")
     if args.plot:
         _check_plot_path(args.plot)
-    model, origin = load_target(args)
+    model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
     loss_fn, describe = loss_for(model, args.tokens, args.shape)
     cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
     torch.manual_seed(0)  # dropout in training mode: the same command prints the same numbers

@@ -68,12 +68,14 @@ def quiet_libraries() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_target(args) -> tuple[Any, str]:
-    """(model, origin) for the TARGET, --args/--kwargs and --layers/--vocab of scan and gradflow, loaded quietly."""
-    from ..sources import load_model
+def load_model(target: str, args_json: str | None = None, kwargs_json: str | None = None, layers: int = 2,
+               vocab: int = 512) -> tuple[Any, str]:
+    """(model, origin) for a TARGET of scan, gradflow and diff (``normscope.sources.load_model``), loaded with the
+    libraries' progress bars and logging silenced."""
+    from ..sources import load_model as load
 
     with quiet_libraries():
-        return load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
+        return load(target, args_json, kwargs_json, layers, vocab)
 
 
 def run(args, console: Console) -> int:
@@ -84,7 +86,7 @@ def run(args, console: Console) -> int:
     from .core import scan
     from .render import render_scan
 
-    model, origin = load_target(args)
+    model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
     inputs = None
     if args.shape:
         shape = parse_shape(args.shape)

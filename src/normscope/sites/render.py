@@ -77,12 +77,11 @@ def render_scan(result: ModelScan, console: Console) -> None:
         console.print("config ε: " + ", ".join(f"{k}={v:g}" for k, v in result.config_eps.items()))
     for r in result.rejected:
         if r["kind"] == "behaviour":
-            console.print(f"[dim]not a normalization: {escape(r['name'])} ({escape(r['class'])}): "
-                          f"{escape(r['reason'])}[/]")
+            indented(console, f"not a normalization: {r['name']} ({r['class']}): {r['reason']}", 0)
     if result.findings:
         console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
         for f in result.findings:
-            console.print(f"  • {escape(f['message'])}")
+            indented(console, f"• {f['message']}", 2)
     else:
         checked = "every site reproduces its real activation"
         if result.config_eps:

@@ -55,9 +55,9 @@ def _gamma(g: list[ContractSite]) -> tuple[str, str]:
     if not stats:
         return _UNKNOWN, _UNKNOWN
     means = [st["mean"] for st in stats]
-    mean = fmt(means[0]) if len(set(means)) == 1 else f"{fmt(min(means))} … {fmt(max(means))}"
+    mean = fmt(means[0]) if len(set(means)) == 1 else f"{fmt(min(means))}…{fmt(max(means))}"
     lo, hi = min(st["min"] for st in stats), max(st["max"] for st in stats)
-    return mean, f"{fmt(lo)} … {fmt(hi)}"
+    return mean, f"{fmt(lo)}…{fmt(hi)}"
 
 
 def _fields(s: ContractSite, g: list[ContractSite]) -> str:
@@ -107,7 +107,7 @@ def _cell(v: Any) -> str:
         return f"{v:g}"
     if isinstance(v, dict) and "offset" in v:  # γ: stored statistics and the offset they act with
         off = v["offset"] or 0.0
-        stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])} … {fmt(v['max'])})" if "mean" in v else "w"
+        stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])}…{fmt(v['max'])})" if "mean" in v else "w"
         return f"{fmt(off)} + {stored}" if off else stored
     return str(v)
 

@@ -544,3 +544,35 @@ def test_cli_exit_codes_and_output(run_cli, checkpoints, configs, tmp_path):
     bad.write_bytes(HOSTILE["lying tensor count"][0])
     rc, out, err = run_cli(bad)
     assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err and str(bad) in err
+
+
+def _names_every_site(c: ModelContract, out: str) -> None:
+    """Every site of c is in out: by its name, or inside a 'layers i–j slot' run."""
+    import re
+
+    from normscope.artifacts.names import slot_of
+
+    runs = [(int(a), int(b), slot) for a, b, slot in re.findall(r"^ *layers (\d+)–(\d+) (\S+)", out, re.M)]
+    for s in c.sites:
+        assert re.search(rf"^ *{re.escape(s.name)}\b", out, re.M) or any(
+            a <= s.layer <= b and slot == slot_of(s.name) for a, b, slot in runs), (s.name, out)
+
+
+def test_cli_output_at_80_columns(monkeypatch, capsys, checkpoints):
+    monkeypatch.setenv("COLUMNS", "80")
+    rc = cli.main(["contract", str(checkpoints["gemma3.gguf"])])
+    out = capsys.readouterr().out
+    assert rc == 0 and max(map(len, out.splitlines())) <= 80, out
+    c = contract(checkpoints["gemma3.gguf"])
+    _names_every_site(c, out)
+    assert out.count("rmsnorm, ε=1e-06 inside √") == 7 and "(2 sites)" in out
+    rc = cli.main(["contract", str(checkpoints["llama"]), str(checkpoints["llama-missing.gguf"])])
+    out = capsys.readouterr().out
+    assert rc == 1 and max(map(len, out.splitlines())) <= 80, out
+    _names_every_site(contract(checkpoints["llama"]), out)
+    flat = " ".join(line.strip() for line in out.splitlines())
+    assert "MISMATCH site at layers.1.ffn_norm A: model.layers.1.post_attention_layernorm; B: —" in flat, flat
+    rc = cli.main(["contract", str(checkpoints["llama"]), str(checkpoints["llama-eps.gguf"])])
+    flat = " ".join(line.strip() for line in capsys.readouterr().out.splitlines())
+    assert rc == 1 and ("MISMATCH eps at 5 sites: attn_norm in layers 0–1; ffn_norm in layers 0–1; final_norm "
+                        "A: 1e-05; B: 1e-06") in flat, flat

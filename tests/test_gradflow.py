@@ -333,3 +333,56 @@ def test_command(capsys, tmp_path):
     assert code == 2 and "vocab_size" in err
     code, out, _ = _cli(["gradflow", "normscope.nn.blocks:Block", "--args", "[32, 4]", "--shape", "2,5,32"], capsys)
     assert code == 0 and "mean square" in out
+
+
+def test_command_at_80_columns_and_from_a_config(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2).to_json_file(str(tmp_path / "config.json"))
+    parser = argparse.ArgumentParser(prog="normscope")
+    command.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["gradflow", str(tmp_path / "config.json"), "--layers", "0", "--steps", "1"])
+    import io
+
+    buf = io.StringIO()
+    assert args.run(args, Console(file=buf, width=80, force_terminal=False, highlight=False)) == 0
+    out = buf.getvalue()
+    assert max(map(len, out.splitlines())) <= 80, out
+    for k in range(3):  # every block in both snapshots, its name whole
+        assert out.count(f"model.layers.{k}\n") == 2, out
+    assert "the model's loss on input_ids" in out and out.count("step ") == 2
+
+
+def test_loss_named_as_taken():
+    transformers = pytest.importorskip("transformers")
+    from normscope.gradient_flow_command import loss_for
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                          num_attention_heads=4, intermediate_size=64)).eval()
+    fn, describe = loss_for(bert, None, None)
+    assert "the model's loss" in describe()  # before a call: what was asked
+    loss = fn(bert)
+    assert describe().startswith("mean square of the output (BertModel returns no loss)"), describe()
+    with torch.no_grad():
+        plain = float(bert(**_hf_ids(bert)).last_hidden_state.pow(2).mean())
+    assert float(loss.detach()) == pytest.approx(plain, rel=1e-5)
+    fn, describe = loss_for(bert, "2,6", None)
+    fn(bert)
+    assert "no logits over the 64-token vocabulary" in describe()
+
+
+def _hf_ids(model):
+    from normscope.sites.core import _hf_inputs
+
+    return _hf_inputs(model)
+
+
+def test_unwritable_plot_path_is_refused_before_measuring(capsys, tmp_path):
+    kw = '{"vocab_size": 64, "d": 32, "n_layers": 2}'
+    for plot, words in [(tmp_path / "none" / "p.png", "does not exist"), (tmp_path, "is a folder"),
+                        (tmp_path / "p.xyz", "must end in one of")]:
+        code, out, err = _cli(["gradflow", "normscope.nn.blocks:TinyLM", "--kwargs", kw, "--tokens", "2,8",
+                               "--plot", str(plot)], capsys)
+        assert code == 2 and words in err and out == "", (plot, err)
+    assert list(tmp_path.iterdir()) == []

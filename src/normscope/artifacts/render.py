@@ -1,24 +1,24 @@
-"""Rich tables for static contracts and their differences. Nothing here computes a verdict."""
+"""Plain-text rendering of static contracts and their differences. Nothing here computes a verdict."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
-from ..report.console import fmt
+from ..report.console import fmt, indented
+from ..sites.result import layer_ranges
 from .diff import ContractDiff
 from .model import ContractSite, ModelContract
 from .names import slot_of
 
 _PLACEMENT = {"inside_sqrt": "inside √", "outside_sqrt": "outside √ (std+ε)", "clamp": "clamp", "none": "none"}
-_UNKNOWN = "[dim]?[/]"
+_UNKNOWN = "?"
 
 
 def _v(value: Any, text: str | None = None) -> str:
-    return _UNKNOWN if value is None else escape(text if text is not None else str(value))
+    return _UNKNOWN if value is None else (text if text is not None else str(value))
 
 
 def _key(s: ContractSite) -> tuple:
@@ -55,43 +55,49 @@ def _gamma(g: list[ContractSite]) -> tuple[str, str]:
     if not stats:
         return _UNKNOWN, _UNKNOWN
     means = [st["mean"] for st in stats]
-    mean = fmt(means[0]) if len(set(means)) == 1 else f"{fmt(min(means))} … {fmt(max(means))}"
+    mean = fmt(means[0]) if len(set(means)) == 1 else f"{fmt(min(means))}…{fmt(max(means))}"
     lo, hi = min(st["min"] for st in stats), max(st["max"] for st in stats)
-    return mean, f"{fmt(lo)} … {fmt(hi)}"
+    return mean, f"{fmt(lo)}…{fmt(hi)}"
+
+
+def _fields(s: ContractSite, g: list[ContractSite]) -> str:
+    """One site group's contract as a line of text (? where the artifact does not say)."""
+    mean, span = _gamma(g)
+    eps = "?" if s.eps is None else f"{s.eps:g}"
+    placement = "" if s.eps_placement is None else " " + _PLACEMENT.get(s.eps_placement, s.eps_placement)
+    parts = [f"role {_v(s.role)}", _v(s.family), f"ε={eps}{placement}",
+             f"axes {_v(s.axes, None if s.axes is None else str(list(s.axes)))}", f"size {_v(s.size)}",
+             f"β {_v(s.beta, None if s.beta is None else ('yes' if s.beta else 'no'))}",
+             f"γ offset {_v(s.gamma_offset, None if s.gamma_offset is None else f'{s.gamma_offset:g}')}"]
+    if s.groups:
+        parts.append(f"{s.groups} groups")
+    if mean != "?":
+        parts.append(f"γ mean {mean}, range {span}")
+    return ", ".join(parts)
 
 
 def render_contract(c: ModelContract, console: Console) -> None:
-    head = [f"[bold]{escape(c.source)}[/] ({c.kind})"]
+    """Plain lines wrapped at the console's width (a terminal of 80 columns, a CI log): a header, then one line per
+    run of consecutive layers with the same slot and contract, the contract beneath it; ? = not stated."""
+    head = [f"{c.source} ({c.kind})"]
     if c.architecture:
-        head.append(f"architecture {escape(c.architecture)}")
+        head.append(f"architecture {c.architecture}")
     if c.placement:
         head.append(f"placement {c.placement}")
     if c.eps is not None:
-        head.append(f"ε = {c.eps:g}" + (f" ({escape(c.eps_key)})" if c.eps_key else ""))
+        head.append(f"ε={c.eps:g}" + (f" ({c.eps_key})" if c.eps_key else ""))
     if c.n_layers:
         head.append(f"{c.n_layers} blocks")
-    console.print(", ".join(head))
-    t = Table(title=f"{len(c.sites)} norm sites", title_justify="left")
-    for col, just in (("sites", "left"), ("n", "right"), ("role", "left"), ("family", "left"), ("ε", "right"),
-                      ("ε placement", "left"), ("axes", "left"), ("size", "right"), ("β", "left"),
-                      ("γ offset", "right"), ("γ mean", "right"), ("γ min … max", "right")):
-        t.add_column(col, justify=just)
+    head.append(f"{len(c.sites)} norm site{'s' * (len(c.sites) != 1)}")
+    indented(console, ", ".join(head), 0)
     for g in _groups(c.sites):
-        s = g[0]
-        mean, span = _gamma(g)
-        t.add_row(
-            escape(_layers(g)), str(len(g)), _v(s.role), _v(s.family), _v(s.eps, None if s.eps is None else f"{s.eps:g}"),
-            _v(s.eps_placement, _PLACEMENT.get(s.eps_placement or "", s.eps_placement)),
-            _v(s.axes, None if s.axes is None else str(list(s.axes))),
-            _v(s.size), _v(s.beta, None if s.beta is None else ("yes" if s.beta else "no")),
-            _v(s.gamma_offset, None if s.gamma_offset is None else f"{s.gamma_offset:g}"), mean, span,
-        )
-    console.print(t)
+        indented(console, _layers(g) + (f" ({len(g)} sites)" if len(g) > 1 else ""), 2)
+        indented(console, _fields(g[0], g), 4)
     for note in c.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        indented(console, f"note: {note}", 0)
     for s in c.sites:
         for note in s.notes:
-            console.print(f"[dim]{escape(s.name)}: {escape(note)}[/]")
+            indented(console, f"{s.name}: {note}", 2)
 
 
 def _cell(v: Any) -> str:
@@ -101,33 +107,46 @@ def _cell(v: Any) -> str:
         return f"{v:g}"
     if isinstance(v, dict) and "offset" in v:  # γ: stored statistics and the offset they act with
         off = v["offset"] or 0.0
-        stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])} … {fmt(v['max'])})" if "mean" in v else "w"
+        stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])}…{fmt(v['max'])})" if "mean" in v else "w"
         return f"{fmt(off)} + {stored}" if off else stored
-    return escape(str(v))
+    return str(v)
 
 
 def _sites(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{len(names)} sites: {names[0]} … {names[-1]}"
+    """Every site name, consecutive layers of one slot folded: 'attn_norm in layers 0–3, 5; final_norm'."""
+    slots: dict[str, list[int]] = {}
+    for name in names:
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if m:
+            slots.setdefault(m.group(2), []).append(int(m.group(1)))
+        else:
+            slots.setdefault(name, [])
+    parts = []
+    for slot, layers in slots.items():
+        if len(layers) == 1:
+            parts.append(f"layers.{layers[0]}.{slot}")
+        else:
+            parts.append(f"{slot} in layers {layer_ranges(layers)}" if layers else slot)
+    return "; ".join(parts)
 
 
 def render_diff(diff: ContractDiff, console: Console) -> None:
-    console.print(f"A = [bold]{escape(diff.a)}[/]\nB = [bold]{escape(diff.b)}[/]")
-    if diff.items:
-        t = Table(title="differences", title_justify="left")
-        for col in ("site", "field", "A", "B", "verdict", "detail"):
-            t.add_column(col)
-        rows: list[tuple[list[str], Any]] = []  # identical differences at several sites share one row
-        fields = list(dict.fromkeys(i.field for i in diff.items))
-        for i in sorted(diff.items, key=lambda i: fields.index(i.field)):
-            if rows and (rows[-1][1].field, rows[-1][1].a, rows[-1][1].b, rows[-1][1].message) == \
-                    (i.field, i.a, i.b, i.message):
-                rows[-1][0].append(i.site)
-            else:
-                rows.append(([i.site], i))
-        for sites, i in rows:
-            verdict = "[red]mismatch[/]" if i.status == "mismatch" else "[yellow]unverified[/]"
-            t.add_row(escape(_sites(sites)), i.field, _cell(i.a), _cell(i.b), verdict, escape(i.message))
-        console.print(t)
+    """Every difference as plain lines (verdict, field, where, A and B, then the reason), wrapped at the console's
+    width; identical differences at several sites share one entry that names every site."""
+    indented(console, f"A = {diff.a}", 0)
+    indented(console, f"B = {diff.b}", 0)
+    rows: list[tuple[list[str], Any]] = []
+    fields = list(dict.fromkeys(i.field for i in diff.items))
+    for i in sorted(diff.items, key=lambda i: fields.index(i.field)):
+        if rows and (rows[-1][1].field, rows[-1][1].a, rows[-1][1].b, rows[-1][1].message) == \
+                (i.field, i.a, i.b, i.message):
+            rows[-1][0].append(i.site)
+        else:
+            rows.append(([i.site], i))
+    for sites, i in rows:
+        where = f"{len(sites)} sites: {_sites(sites)}" if len(sites) > 1 else sites[0]
+        indented(console, f"{i.status.upper()} {i.field} at {where}", 2)
+        indented(console, f"A: {_cell(i.a)}; B: {_cell(i.b)}; {i.message}", 4)
     summary = (f"{len(diff.matched)} sites in both, {diff.compared_fields} fields compared: "
                f"{len(diff.mismatches)} mismatches, {len(diff.unverified)} unverified")
     colour = "green" if diff.ok else "red"

@@ -7,9 +7,8 @@ from collections import Counter
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from ..report.console import fmt
+from ..report.console import fmt, indented
 from .result import ModelScan, layer_ranges
 
 
@@ -36,7 +35,21 @@ def _names(sites) -> str:
     return "\n".join(patterns)
 
 
+def _activation(sites, spec) -> str:
+    """The worst real-activation error of a group against its tolerance, and whether the contract reproduces it."""
+    measured = [s.activation for s in sites if s.activation and "max_relative_error" in s.activation]
+    if not measured:
+        return "not measured"
+    worst = max(measured, key=lambda a: a["max_relative_error"])
+    ok = spec is not None and all(a.get("ok", False) for a in measured) and len(measured) == len(sites)
+    verdict = "reproduced" if ok else "NOT reproduced"
+    return (f"{verdict}, max relative error {fmt(worst['max_relative_error'])} "
+            f"(tolerance {fmt(worst['tolerance'])}, {worst.get('dtype', '?')})")
+
+
 def render_scan(result: ModelScan, console: Console) -> None:
+    """Plain lines wrapped at the console's width, one paragraph per group of sites with the same contract: every
+    field and every name stays readable in a narrow terminal and in a CI log (a wide table drops columns)."""
     n = len(result.sites)
     kinds = Counter(s.kind for s in result.sites)
     found = ", ".join(f"{v} by {k}" for k, v in kinds.items())
@@ -44,24 +57,19 @@ def render_scan(result: ModelScan, console: Console) -> None:
     console.print(f"[bold]{escape(result.model)}[/]: {n} norm site{'s' * (n != 1)} ({found or 'none'}), "
                   f"placement [bold]{result.placement}[/] over {len(blocks)} block{'s' * (len(blocks) != 1)}; "
                   f"{result.seconds:.2f} s, {result.stats.get('infer_calls', 0)} probe calls")
-    t = Table(show_header=True, header_style="bold")
-    t.add_column("sites", justify="right")
-    t.add_column("contract", min_width=28)
-    t.add_column("role")
-    t.add_column("layers")
-    t.add_column("γ (stored)")
-    t.add_column("real activation", justify="right")
-    t.add_column("names", overflow="fold", min_width=24)
     for g in result.groups():
         sites = g["sites"]
         layers = [s.layer for s in sites if s.layer is not None]
-        worst = max((s.activation.get("max_relative_error", 0.0) for s in sites if s.activation), default=None)
-        ok = all(s.activation.get("ok", False) for s in sites) and g["spec"] is not None
-        act = "—" if worst is None else f"{'[green]' if ok else '[red]'}{fmt(worst)}[/]"
-        t.add_row(f"{len(sites)} × {escape(g['class'])}" + ("" if g["kind"] == "module" else f" ({g['kind']})"),
-                  escape(g["summary"]), g["role"], layer_ranges(layers) if layers else "—", _gamma(sites), act,
-                  escape(_names(sites)))
-    console.print(t)
+        kind = "" if g["kind"] == "module" else f" ({g['kind']})"
+        where = f", layers {layer_ranges(layers)}" if layers else ""
+        console.print()
+        console.print(f"[bold]{len(sites)} × {escape(g['class'])}[/]{escape(kind)}: role {g['role']}{where}")
+        for name in _names(sites).split("\n"):
+            indented(console, name, 2)
+        indented(console, f"contract: {g['summary']}", 4)
+        indented(console, f"γ (stored): {_gamma(sites)}", 4)
+        indented(console, f"real activation: {_activation(sites, g['spec'])}", 4)
+    console.print()
     per_block = Counter(b["placement"] for b in result.blocks)
     if per_block:
         console.print("blocks: " + ", ".join(f"{v} × {k}" for k, v in per_block.items()))
@@ -69,12 +77,11 @@ def render_scan(result: ModelScan, console: Console) -> None:
         console.print("config ε: " + ", ".join(f"{k}={v:g}" for k, v in result.config_eps.items()))
     for r in result.rejected:
         if r["kind"] == "behaviour":
-            console.print(f"[dim]not a normalization: {escape(r['name'])} ({escape(r['class'])}): "
-                          f"{escape(r['reason'])}[/]")
+            indented(console, f"not a normalization: {r['name']} ({r['class']}): {r['reason']}", 0)
     if result.findings:
         console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
         for f in result.findings:
-            console.print(f"  • {escape(f['message'])}")
+            indented(console, f"• {f['message']}", 2)
     else:
         checked = "every site reproduces its real activation"
         if result.config_eps:

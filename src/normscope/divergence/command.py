@@ -76,7 +76,7 @@ def parse_inputs(text: str | None, vocab: int | None = None):
 def run(args, console: Console) -> int:
     import torch
 
-    from ..sites.command import load_model
+    from ..sources import load_model
     from .core import _is_onnx, diff
     from .render import plot_diff, render_diff
 

@@ -32,7 +32,7 @@ from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
 from ..sites.core import _arguments, _describe, _progress, _redrawn, known_class, private_copy, untouched
 from ..sites.dataflow import block_modules
-from . import metrics
+from . import contracts, metrics
 from .result import Diff, SiteDiff
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
@@ -407,6 +407,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
         first: dict[str, Any] = {}
         state = {"nonfinite": None}
         recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        site_contracts = contracts.Contracts()
 
         def pre(module, path, number, a):
             if frames:
@@ -493,6 +494,17 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                     s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
                     _remember(first, s, module, r.module, f["args"], y, yc, keep)
                     return
+                if kind == "norm":
+                    v = contracts.judge(site_contracts, module, r.module, f["args"][0], y, yc, ref_dtype, cand_dtype) \
+                        if f["args"] and isinstance(f["args"][0], torch.Tensor) else {"error": "no tensor input"}
+                    if "error" not in v:
+                        s.elementwise = v
+                        s.bound, s.bound_rule = None, contracts.rule(v, cand_dtype)
+                        s.status = "within" if v["ok"] else "diverged"
+                        if s.status == "diverged":
+                            _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                        return
+                    s.note = f"judged by the dtype-derived rule: {v['error']}"
                 tw = None
                 if twin is not None and path in twin_modules:
                     if twin is cand_model and r.module is twin_modules[path]:
@@ -587,6 +599,12 @@ def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
         reason = s.note
     elif s.status == "shape":
         reason = s.note
+    elif s.elementwise is not None:
+        v = s.elementwise
+        faithful = "" if v.get("worst_faithful") is None else f", a faithful one errs by {v['worst_faithful']:.3g}"
+        reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
+                  f"{v['worst_bound']:.3g}{faithful} ({v['outside']} of {v['total']} elements outside; "
+                  f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
         reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
@@ -598,7 +616,10 @@ def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     from ..spec import differences
 
     try:
-        ref_spec = _infer(info["ref"], info["shape"])
+        from ..spec import NormSpec
+
+        ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else \
+            _infer(info["ref"], info["shape"])
         cand_spec = _infer(info["cand"], info["shape"])
     except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
         out["contracts_error"] = f"{type(exc).__name__}: {exc}"

@@ -40,11 +40,14 @@ def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), _e(s.bound), _e(s.propagated_error),
+        bound = _e(s.bound) if s.elementwise is None else \
+            f"{s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), bound, _e(s.propagated_error),
                   _db(s.propagated), f"[{style}]{status}[/]" if style else status)
     console.print(t)
     console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
-                  "the reference's input; propagated = the candidate's own forward[/]")
+                  "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
+                  "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
     for n in d.notes:
         console.print(f"[yellow]note:[/] {escape(n)}")
     if d.first_divergence is None:

@@ -33,6 +33,14 @@ def _unnum(v):
     return v
 
 
+def _deep(v, f):
+    if isinstance(v, dict):
+        return {k: _deep(x, f) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_deep(x, f) for x in v]
+    return f(v)
+
+
 def _metrics_out(d: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if d is None else {k: _num(v) for k, v in d.items()}
 
@@ -59,6 +67,8 @@ class SiteDiff:
     bound: float | None = None
     bound_rule: str = ""
     note: str = ""
+    # at a norm site judged by the error model: the contract, the worst element's error and bound, elements outside
+    elementwise: dict[str, Any] | None = None
 
     @property
     def own_error(self) -> float | None:
@@ -72,6 +82,7 @@ class SiteDiff:
         d = dataclasses.asdict(self)
         d["own"], d["propagated"] = _metrics_out(self.own), _metrics_out(self.propagated)
         d["twin"], d["bound"] = _num(self.twin), _num(self.bound)
+        d["elementwise"] = _deep(self.elementwise, _num)
         return d
 
     @classmethod
@@ -79,6 +90,7 @@ class SiteDiff:
         d = dict(d)
         d["own"], d["propagated"] = _metrics_in(d.get("own")), _metrics_in(d.get("propagated"))
         d["twin"], d["bound"] = _unnum(d.get("twin")), _unnum(d.get("bound"))
+        d["elementwise"] = _deep(d.get("elementwise"), _unnum)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 

@@ -154,6 +154,53 @@ def test_norm_fault_visible_only_element_wise(llama):
     assert all(t.status in ("within", "propagated") for t in d.sites[:s.order])
 
 
+class _DetachedStatsRMSNorm(torch.nn.Module):
+    """A LlamaRMSNorm whose statistics are detached: the forward is exact, the backward misses the term through
+    the mean square (a stop-gradient written by hand)."""
+
+    def __init__(self, src):
+        super().__init__()
+        self.weight, self.variance_epsilon = src.weight, src.variance_epsilon
+
+    def forward(self, x):
+        h = x.float()
+        v = h.pow(2).mean(-1, keepdim=True).detach()
+        return self.weight * (h * torch.rsqrt(v + self.variance_epsilon)).to(x.dtype)
+
+
+def test_grad_same_model_bf16_is_no_divergence(llama):
+    snap = _snapshot(llama)
+    d = diff(llama, None, _hf_inputs(), candidate_dtype="bfloat16", grad=True, progress=False)
+    assert d.grad and d.grad_first_divergence is None and not d.diverged, d.summary()
+    own = [s for s in d.grad_sites if s.own is not None]
+    assert len(own) >= 20 and all(s.status == "within" for s in own)
+    norms = [s for s in own if s.kind == "norm"]
+    assert len(norms) == 5 and all(s.elementwise is not None and 0 < s.elementwise["max_ratio"] <= 1 for s in norms)
+    # backward order: the head's gradient first, the embedding's last
+    assert d.grad_sites[0].name == "lm_head" and d.grad_sites[-1].name == "model.embed_tokens"
+    assert {p["name"] for p in d.param_grads} >= {"lm_head.weight", f"{SITE}.weight"}
+    assert all(p.grad is None for p in llama.parameters())  # nothing accumulated into the user's model
+    _unchanged(llama, snap)
+    assert Diff.from_json(d.to_json()).grad_sites[3].to_dict() == d.grad_sites[3].to_dict()
+
+
+def test_grad_fault_only_in_the_backward_is_named(llama):
+    cand = copy.deepcopy(llama)
+    parent, _, leaf = SITE.rpartition(".")
+    setattr(cand.get_submodule(parent), leaf, _DetachedStatsRMSNorm(cand.get_submodule(SITE)))
+    d = diff(llama, cand, _hf_inputs(), candidate_dtype="bfloat16", grad=True, progress=False)
+    assert d.first_divergence is None, d.summary()  # the forward is faithful
+    assert d.grad_first_divergence == SITE, d.summary()
+    s = next(s for s in d.grad_sites if s.name == SITE)
+    assert s.elementwise["gradient"] == "dx" and s.elementwise["max_ratio"] > 2, s.bound_rule
+    # every site after it in the forward (before it in the backward) is within
+    assert all(t.status in ("within", "propagated") for t in d.grad_sites[:s.order])
+    assert d.diverged and "gradients: first divergence at " + SITE in d.summary()
+    out = io.StringIO()
+    render_diff(d, Console(file=out, width=200))
+    assert "gradients, first divergence: " + SITE in out.getvalue() and "dx " in out.getvalue()
+
+
 class _LayerNormAsRMS(torch.nn.Module):
     """A LlamaRMSNorm ported as a LayerNorm (mean subtracted)."""
 
@@ -264,6 +311,10 @@ def test_bad_inputs(llama):
         diff("model", None, IDS, candidate_dtype="bfloat16", progress=False)
     with pytest.raises(InputError, match="candidate must be"):
         diff(ref, 3, IDS, progress=False)
+    with pytest.raises(InputError, match="ONNX candidate has no backward"):
+        diff(ref, b"onnx bytes", IDS, grad=True, progress=False)
+    with pytest.raises(InputError, match="loss_fn must be callable"):
+        diff(ref, None, IDS, candidate_dtype="bfloat16", grad=True, loss_fn=3, progress=False)
     # mismatched architectures: a candidate with one block fewer
     short = Stack(["pre"]).eval()
     d = diff(ref, short, IDS, progress=False)

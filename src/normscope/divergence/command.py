@@ -40,6 +40,8 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--kwargs", help="JSON object of keyword arguments for the factories")
     p.add_argument("--layers", type=int, default=2, help="config.json only: number of layers built (default 2)")
     p.add_argument("--vocab", type=int, default=512, help="config.json only: vocabulary cap (default 512)")
+    p.add_argument("--grad", action="store_true",
+                   help="also compare the gradients of the sum of the output (activation and parameter gradients)")
     p.add_argument("--plot", metavar="PNG", help="write a plot of the errors against depth")
     p.add_argument("--all", action="store_true", help="list every site (default: sites with a measured own error)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diff/1)")
@@ -99,7 +101,8 @@ def run(args, console: Console) -> int:
         inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
         if "use_cache" in inspect.signature(reference.forward).parameters:
             inputs["use_cache"] = False
-    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, progress=not args.json)
+    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype,
+                  grad=getattr(args, "grad", False), progress=not args.json)
     result.inputs["model"] = origin
     if args.plot:
         plot_diff(result, args.plot)

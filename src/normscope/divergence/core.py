@@ -303,15 +303,16 @@ def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
 
 
 # ---------------------------------------------------------------------------------------------- diff
-def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: bool = False,
-         progress=True) -> Diff:
+def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: bool = False, loss_fn=None,
+         keep: bool = False, progress=True) -> Diff:
     """Compare two executions of ``reference`` site by site; see the module docstring.
 
     ``candidate``: another torch module with the same architecture (aligned by module name, else by execution
     order and output shapes), an ONNX model (path, bytes or ``ModelProto``, run on onnxruntime), or None: the
     reference itself at ``candidate_dtype`` (a private copy). ``candidate_dtype`` ('bfloat16', 'float16',
     'float32') also runs a torch candidate as a private copy at that dtype. ``inputs`` as in ``scan``.
-    ``keep=True`` keeps the
+    ``grad=True`` also compares the gradients of a scalar loss (the sum of the primary output, or
+    ``loss_fn(output)``) site by site (:mod:`.gradients`; torch candidates only). ``keep=True`` keeps the
     first divergent site's input and outputs in ``Diff.tensors``.
     """
     started = time.perf_counter()
@@ -331,6 +332,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
                          f"None; got a {type(candidate).__name__}")
+    if onnx_cand and grad:
+        raise InputError("grad=True compares two torch executions; an ONNX candidate has no backward here")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(f"loss_fn must be callable (output -> scalar tensor); got a {type(loss_fn).__name__}")
     if onnx_cand and candidate_dtype not in (None, "float32"):
         raise InputError("an ONNX candidate runs as exported; candidate_dtype applies to torch candidates only")
     args, kwargs = _arguments(reference, inputs)
@@ -562,6 +567,18 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                 tensors = first[culprit.name].get("tensors")
         elif any(n.startswith("the candidate's forward raised") for n in notes):
             divergence = {"site": None, "reason": notes[0]}
+        g = {"sites": [], "first": None, "divergence": None, "params": []}
+        if grad:
+            if mode != "name":
+                notes.append("gradients are compared by module name; the candidate's names differ from the "
+                             "reference's, so gradient sites are unmatched")
+            from . import gradients
+
+            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype,
+                              ref_dtype=ref_dtype, cand_dtype=cand_dtype, loss_fn=loss_fn,
+                              own_site=lambda m, flag: flag and id(m) not in block_or_above,
+                              site_contracts=site_contracts, say=say)
+            notes.extend(g["notes"][:5])
     return Diff(reference=type(reference).__name__, candidate=cand_desc, reference_dtype=ref_dtype,
                 candidate_dtype=cand_dtype, inputs=_describe(args, kwargs), sites=sites,
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
@@ -569,7 +586,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                 stats={"alignment": mode, "sites": len(sites),
                        "own_measured": sum(s.own is not None for s in sites),
                        "candidate_cache_bytes": int(cand_bytes)},
-                seconds=time.perf_counter() - started, tensors=tensors)
+                seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
+                grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])
 
 
 def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bool) -> None:

@@ -421,3 +421,24 @@ def test_registering_the_command_loads_neither_torch_nor_rich():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": src}).stdout
     assert out.strip() == "[]"
+
+
+def test_metrics_one_pass_matches_the_torch_passes(monkeypatch):
+    """The numba kernel and the torch fallback give the same numbers (bf16 candidate, fp32 reference)."""
+    from normscope.divergence import metrics
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(4, 8, 96, generator=g)
+    c = (r + 1e-2 * torch.randn(4, 8, 96, generator=g)).bfloat16()
+    fast = metrics.errors(c, r)
+    monkeypatch.setattr(metrics, "_KERNELS", [None])
+    slow = metrics.errors(c, r)
+    for k in ("max_abs", "max_rel", "mean_abs", "normalized", "max_normalized", "sqnr_db", "rms"):
+        assert fast[k] == pytest.approx(slow[k], rel=1e-4), k
+    assert fast["cosine"] == pytest.approx(slow["cosine"], abs=1e-6)
+    assert 5e-3 < fast["normalized"] < 2e-2
+    inf = c.clone()
+    inf[0, 0, 0] = float("inf")
+    monkeypatch.setattr(metrics, "_KERNELS", [])
+    assert not metrics.errors(inf, r)["finite"] and metrics.errors(c, r.clone().fill_(float("nan")))[
+        "reference_finite"] is False

@@ -361,6 +361,11 @@ def test_json_render_plot_and_cli(tmp_path, llama, capsys):
                               "--json"])
     assert command.run(args, Console()) == 0
     assert json.loads(capsys.readouterr().out)["first_divergence"] is None
+    args = parser.parse_args(["diff", "scan_models:pre_model", "--candidate-dtype", "bf16", "--inputs", "ids:2,6",
+                              "--json", "--grad"])
+    assert command.run(args, Console()) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["grad"] and data["grad_first_divergence"] is None and data["grad_sites"] and data["param_grads"]
     with pytest.raises(InputError, match="--candidate-dtype"):
         command.run(parser.parse_args(["diff", "scan_models:pre_model"]), Console())
 

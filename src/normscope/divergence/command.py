@@ -35,12 +35,16 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--inputs",
                    help="a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple "
                         "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
-    p.add_argument("--candidate-dtype", dest="candidate_dtype", help="bfloat16, float16 or float32")
-    p.add_argument("--args", help="JSON list of positional arguments for the factories")
-    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factories")
+    p.add_argument("--candidate-dtype", dest="candidate_dtype",
+                   help="bfloat16, float16 or float32 (default: none, the candidate runs as given)")
+    p.add_argument("--args", help="JSON list of positional arguments for the factories (default: none)")
+    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factories (default: none)")
     p.add_argument("--layers", type=int, default=2, help="config.json only: number of layers built (default 2)")
     p.add_argument("--vocab", type=int, default=512, help="config.json only: vocabulary cap (default 512)")
-    p.add_argument("--plot", metavar="PNG", help="write a plot of the errors against depth")
+    p.add_argument("--grad", action="store_true",
+                   help="also compare the gradients of the sum of the output, activation and parameter gradients "
+                        "(default: forward only)")
+    p.add_argument("--plot", metavar="PNG", help="write a plot of the errors against depth (default: no plot)")
     p.add_argument("--all", action="store_true", help="list every site (default: sites with a measured own error)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diff/1)")
     p.set_defaults(run=run)
@@ -76,7 +80,7 @@ def parse_inputs(text: str | None, vocab: int | None = None):
 def run(args, console: Console) -> int:
     import torch
 
-    from ..sites.command import load_model
+    from ..sources import load_model
     from .core import _is_onnx, diff
     from .render import plot_diff, render_diff
 
@@ -99,7 +103,8 @@ def run(args, console: Console) -> int:
         inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
         if "use_cache" in inspect.signature(reference.forward).parameters:
             inputs["use_cache"] = False
-    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, progress=not args.json)
+    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype,
+                  grad=getattr(args, "grad", False), progress=not args.json)
     result.inputs["model"] = origin
     if args.plot:
         plot_diff(result, args.plot)

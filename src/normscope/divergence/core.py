@@ -32,7 +32,7 @@ from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
 from ..sites.core import _arguments, _describe, _progress, _redrawn, known_class, private_copy, untouched
 from ..sites.dataflow import block_modules
-from . import metrics
+from . import contracts, metrics
 from .result import Diff, SiteDiff
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
@@ -303,15 +303,16 @@ def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
 
 
 # ---------------------------------------------------------------------------------------------- diff
-def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: bool = False,
-         progress=True) -> Diff:
+def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: bool = False, loss_fn=None,
+         keep: bool = False, progress=True) -> Diff:
     """Compare two executions of ``reference`` site by site; see the module docstring.
 
     ``candidate``: another torch module with the same architecture (aligned by module name, else by execution
     order and output shapes), an ONNX model (path, bytes or ``ModelProto``, run on onnxruntime), or None: the
     reference itself at ``candidate_dtype`` (a private copy). ``candidate_dtype`` ('bfloat16', 'float16',
     'float32') also runs a torch candidate as a private copy at that dtype. ``inputs`` as in ``scan``.
-    ``keep=True`` keeps the
+    ``grad=True`` also compares the gradients of a scalar loss (the sum of the primary output, or
+    ``loss_fn(output)``) site by site (:mod:`.gradients`; torch candidates only). ``keep=True`` keeps the
     first divergent site's input and outputs in ``Diff.tensors``.
     """
     started = time.perf_counter()
@@ -331,6 +332,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
                          f"None; got a {type(candidate).__name__}")
+    if onnx_cand and grad:
+        raise InputError("grad=True compares two torch executions; an ONNX candidate has no backward here")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(f"loss_fn must be callable (output -> scalar tensor); got a {type(loss_fn).__name__}")
     if onnx_cand and candidate_dtype not in (None, "float32"):
         raise InputError("an ONNX candidate runs as exported; candidate_dtype applies to torch candidates only")
     args, kwargs = _arguments(reference, inputs)
@@ -407,6 +412,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
         first: dict[str, Any] = {}
         state = {"nonfinite": None}
         recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        site_contracts = contracts.Contracts()
 
         def pre(module, path, number, a):
             if frames:
@@ -493,6 +499,17 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                     s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
                     _remember(first, s, module, r.module, f["args"], y, yc, keep)
                     return
+                if kind == "norm":
+                    v = contracts.judge(site_contracts, module, r.module, f["args"][0], y, yc, ref_dtype, cand_dtype) \
+                        if f["args"] and isinstance(f["args"][0], torch.Tensor) else {"error": "no tensor input"}
+                    if "error" not in v:
+                        s.elementwise = v
+                        s.bound, s.bound_rule = None, contracts.rule(v, cand_dtype)
+                        s.status = "within" if v["ok"] else "diverged"
+                        if s.status == "diverged":
+                            _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                        return
+                    s.note = f"judged by the dtype-derived rule: {v['error']}"
                 tw = None
                 if twin is not None and path in twin_modules:
                     if twin is cand_model and r.module is twin_modules[path]:
@@ -550,6 +567,18 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                 tensors = first[culprit.name].get("tensors")
         elif any(n.startswith("the candidate's forward raised") for n in notes):
             divergence = {"site": None, "reason": notes[0]}
+        g = {"sites": [], "first": None, "divergence": None, "params": []}
+        if grad:
+            if mode != "name":
+                notes.append("gradients are compared by module name; the candidate's names differ from the "
+                             "reference's, so gradient sites are unmatched")
+            from . import gradients
+
+            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype,
+                              ref_dtype=ref_dtype, cand_dtype=cand_dtype, loss_fn=loss_fn,
+                              own_site=lambda m, flag: flag and id(m) not in block_or_above,
+                              site_contracts=site_contracts, say=say)
+            notes.extend(g["notes"][:5])
     return Diff(reference=type(reference).__name__, candidate=cand_desc, reference_dtype=ref_dtype,
                 candidate_dtype=cand_dtype, inputs=_describe(args, kwargs), sites=sites,
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
@@ -557,7 +586,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, keep: 
                 stats={"alignment": mode, "sites": len(sites),
                        "own_measured": sum(s.own is not None for s in sites),
                        "candidate_cache_bytes": int(cand_bytes)},
-                seconds=time.perf_counter() - started, tensors=tensors)
+                seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
+                grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])
 
 
 def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bool) -> None:
@@ -587,6 +617,12 @@ def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
         reason = s.note
     elif s.status == "shape":
         reason = s.note
+    elif s.elementwise is not None:
+        v = s.elementwise
+        faithful = "" if v.get("worst_faithful") is None else f", a faithful one errs by {v['worst_faithful']:.3g}"
+        reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
+                  f"{v['worst_bound']:.3g}{faithful} ({v['outside']} of {v['total']} elements outside; "
+                  f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
         reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
@@ -598,7 +634,10 @@ def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     from ..spec import differences
 
     try:
-        ref_spec = _infer(info["ref"], info["shape"])
+        from ..spec import NormSpec
+
+        ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else \
+            _infer(info["ref"], info["shape"])
         cand_spec = _infer(info["cand"], info["shape"])
     except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
         out["contracts_error"] = f"{type(exc).__name__}: {exc}"

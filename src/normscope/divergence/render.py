@@ -29,7 +29,36 @@ def _db(m) -> str:
 
 
 def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
-    """The table; by default the sites with a measured own error, the culprit and anything not compared."""
+    """The table; by default the sites with a measured own error, the culprit and anything not compared; with
+    ``grad=True`` the gradient table after it."""
+    _render_forward(d, console, all_sites)
+    if d.grad:
+        _render_grad(d, console, all_sites)
+
+
+def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
+    t = Table(show_lines=False, header_style="bold", title="gradients (backward order)")
+    for col in ("#", "site", "class", "own dx err", "bound", "propagated dy", "status"):
+        t.add_column(col, justify="right" if col in ("#", "own dx err", "bound", "propagated dy") else "left")
+    for s in d.grad_sites:
+        if not (all_sites or s.own is not None or s.status != "propagated"):
+            continue
+        style = _STYLE.get(s.status, "")
+        status = s.status + (" ◀ first" if s.name == d.grad_first_divergence else "")
+        bound = _e(s.bound) if s.elementwise is None else \
+            f"{s.elementwise['gradient']} {s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), bound, _e(s.propagated_error),
+                  f"[{style}]{status}[/]" if style else status)
+    console.print(t)
+    if d.grad_first_divergence is None:
+        console.print(f"[green]gradients: no divergence ({sum(s.own is not None for s in d.grad_sites)} sites' own "
+                      f"gradient errors within the bound)[/]")
+    else:
+        console.print(f"[bold red]gradients, first divergence:[/] {escape(d.grad_first_divergence)} — "
+                      f"{escape((d.grad_divergence or {}).get('reason', ''))}")
+
+
+def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
     console.print(f"[bold]{escape(d.reference)}[/] ({d.reference_dtype}) vs [bold]{escape(d.candidate)}[/] "
                   f"({d.candidate_dtype}): {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
     t = Table(show_lines=False, header_style="bold")
@@ -40,15 +69,18 @@ def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), _e(s.bound), _e(s.propagated_error),
+        bound = _e(s.bound) if s.elementwise is None else \
+            f"{s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), bound, _e(s.propagated_error),
                   _db(s.propagated), f"[{style}]{status}[/]" if style else status)
     console.print(t)
     console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
-                  "the reference's input; propagated = the candidate's own forward[/]")
+                  "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
+                  "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
     for n in d.notes:
         console.print(f"[yellow]note:[/] {escape(n)}")
     if d.first_divergence is None:
-        console.print(f"[green]{escape(d.summary())}[/]")
+        console.print(f"[green]{escape(d._forward_summary())}[/]")
         return
     v = d.divergence or {}
     console.print(f"[bold red]first divergence:[/] {escape(d.first_divergence)} ({escape(v.get('class', ''))}) — "

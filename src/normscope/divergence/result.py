@@ -33,6 +33,14 @@ def _unnum(v):
     return v
 
 
+def _deep(v, f):
+    if isinstance(v, dict):
+        return {k: _deep(x, f) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_deep(x, f) for x in v]
+    return f(v)
+
+
 def _metrics_out(d: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if d is None else {k: _num(v) for k, v in d.items()}
 
@@ -59,6 +67,8 @@ class SiteDiff:
     bound: float | None = None
     bound_rule: str = ""
     note: str = ""
+    # at a norm site judged by the error model: the contract, the worst element's error and bound, elements outside
+    elementwise: dict[str, Any] | None = None
 
     @property
     def own_error(self) -> float | None:
@@ -72,6 +82,7 @@ class SiteDiff:
         d = dataclasses.asdict(self)
         d["own"], d["propagated"] = _metrics_out(self.own), _metrics_out(self.propagated)
         d["twin"], d["bound"] = _num(self.twin), _num(self.bound)
+        d["elementwise"] = _deep(self.elementwise, _num)
         return d
 
     @classmethod
@@ -79,6 +90,7 @@ class SiteDiff:
         d = dict(d)
         d["own"], d["propagated"] = _metrics_in(d.get("own")), _metrics_in(d.get("propagated"))
         d["twin"], d["bound"] = _unnum(d.get("twin")), _unnum(d.get("bound"))
+        d["elementwise"] = _deep(d.get("elementwise"), _unnum)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
@@ -106,10 +118,18 @@ class Diff:
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     tensors: dict[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: ``grad=True``: the sites in backward order (``propagated``: the gradient w.r.t. the site's output;
+    #: ``own``: dx of the candidate's module on the reference's input and output gradient), the first gradient
+    #: divergence, and the whole-model parameter gradients by name (reported, not judged)
+    grad: bool = False
+    grad_sites: list[SiteDiff] = dataclasses.field(default_factory=list)
+    grad_first_divergence: str | None = None
+    grad_divergence: dict[str, Any] | None = None
+    param_grads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def diverged(self) -> bool:
-        return self.first_divergence is not None
+        return self.first_divergence is not None or self.grad_first_divergence is not None
 
     def site(self, name: str) -> SiteDiff:
         for s in self.sites:
@@ -118,6 +138,18 @@ class Diff:
         raise KeyError(f"no site {name!r}; sites: {', '.join(s.name for s in self.sites[:8])}…")
 
     def summary(self) -> str:
+        text = self._forward_summary()
+        if self.grad:
+            if self.grad_first_divergence is None:
+                measured = sum(s.own is not None for s in self.grad_sites)
+                text += (f"; gradients: no divergence ({measured} sites' own gradient errors within the bound, "
+                         f"{len(self.grad_sites)} compared)")
+            else:
+                text += (f"; gradients: first divergence at {self.grad_first_divergence}: "
+                         f"{self.grad_divergence.get('reason', '')}")
+        return text
+
+    def _forward_summary(self) -> str:
         if self.first_divergence is None:
             measured = sum(s.own is not None for s in self.sites)
             return (f"no divergence: {measured} sites' own errors within the bound at {self.candidate_dtype} "
@@ -138,6 +170,11 @@ class Diff:
             "notes": list(self.notes),
             "stats": jsonable(self.stats),
             "seconds": self.seconds,
+            "grad": self.grad,
+            "grad_first_divergence": self.grad_first_divergence,
+            "grad_divergence": jsonable(self.grad_divergence),
+            "grad_sites": [s.to_dict() for s in self.grad_sites],
+            "param_grads": [_metrics_out(p) for p in self.param_grads],
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -153,7 +190,10 @@ class Diff:
             sites=[SiteDiff.from_dict(s) for s in d["sites"]], first_divergence=d.get("first_divergence"),
             divergence=d.get("divergence"), unmatched_reference=list(d.get("unmatched_reference", [])),
             unmatched_candidate=list(d.get("unmatched_candidate", [])), notes=list(d.get("notes", [])),
-            stats=dict(d.get("stats", {})), seconds=float(d.get("seconds", 0.0)))
+            stats=dict(d.get("stats", {})), seconds=float(d.get("seconds", 0.0)), grad=bool(d.get("grad", False)),
+            grad_sites=[SiteDiff.from_dict(s) for s in d.get("grad_sites", [])],
+            grad_first_divergence=d.get("grad_first_divergence"), grad_divergence=d.get("grad_divergence"),
+            param_grads=[_metrics_in(p) for p in d.get("param_grads", [])])
 
     @classmethod
     def from_json(cls, text: str) -> Diff:

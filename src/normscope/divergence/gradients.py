@@ -1,0 +1,254 @@
+"""``diff(..., grad=True)``: the per-site comparison for activation and parameter gradients of two torch executions.
+
+A scalar loss (the sum of the primary output in float32, or the user's ``loss_fn(output)``) is differentiated
+with ``torch.autograd.grad`` (nothing is accumulated into the models' ``.grad``). The candidate runs first and
+keeps the gradient with respect to each site's output (at its own dtype); during the reference's backward a
+tensor hook at each site compares the two (the *propagated* gradient error, then drops the candidate's) and,
+at the sites that get an own error in the forward, runs both modules' backward on the reference's input and the
+reference's output gradient (teacher forcing: the site's *own* gradient error, dx and the module's own
+parameter gradients). Bounds: at norm sites the error model (:func:`~normscope.numerics.tolerance.backward_bound`
+of the inferred contract, per element); elsewhere the forward's dtype-derived rule on ‖Δ‖/‖r‖ (the reference's
+module at the candidate's dtype, the twin, when the dtypes differ). The first divergence is the first site in
+backward order (from the output towards the input: where a gradient error is born). Whole-model parameter
+gradients are compared by name and reported; they carry everything downstream of them and are not judged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import metrics
+from .result import SiteDiff
+
+
+def _loss(out, loss_fn) -> torch.Tensor:
+    from .core import _primary
+
+    if loss_fn is not None:
+        loss = loss_fn(out)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
+        return loss.float().reshape(())
+    y = _primary(out)
+    if y is None or not y.is_floating_point():
+        raise TypeError("the model's output has no floating tensor to sum; pass loss_fn=")
+    return y.float().sum()
+
+
+def _vjp(module, args, kw, dy, dtype):
+    """dx (w.r.t. the first floating positional input) and the module's own parameter gradients, at ``dtype``
+    (None: as given), for output gradient ``dy``."""
+    from .core import _cast, _primary
+
+    xs = list(_cast(args, dtype))
+    at = next(i for i, a in enumerate(xs) if isinstance(a, torch.Tensor) and a.is_floating_point())
+    xs[at] = xs[at].detach().requires_grad_(True)
+    params = [(n, p) for n, p in module.named_parameters(recurse=True) if p.requires_grad]
+    with torch.enable_grad():
+        y = _primary(module(*xs, **_cast(kw, dtype, True)))
+        g = dy if dtype is None else dy.to(dtype)
+        grads = torch.autograd.grad(y, [xs[at]] + [p for _, p in params], g.to(y.dtype), allow_unused=True)
+    return grads[0], {n: gp for (n, _), gp in zip(params, grads[1:], strict=True) if gp is not None}
+
+
+def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dparams, ref_dtype, cand_dtype):
+    from .. import reference
+    from ..numerics import tolerance
+    from ..precision import Precision
+
+    try:
+        spec, params, _ = site_contracts.infer(module, tuple(x.shape))
+    except Exception as exc:
+        return {"error": f"the reference's contract could not be inferred: {type(exc).__name__}: {exc}"}
+    lay_names = {"dgamma": "weight", "dbeta": "bias"}
+    x64, dy64 = x.detach().double().numpy(), dy.detach().double().numpy()
+    with np.errstate(all="ignore"), torch.enable_grad():  # a backward hook runs with grad mode off
+        try:
+            ex = dict(zip(tolerance.GRADIENTS, reference.backward(x64, dy64, spec, **params.kwargs()), strict=True))
+            rb = tolerance.backward_bound(x64, dy64, spec, ref_dtype, params,
+                                          exact=tuple(ex[k] for k in tolerance.GRADIENTS))
+            ref_got = {"dx": ref_dx, **{k: ref_dparams.get(n) for k, n in lay_names.items()}}
+            for k, b in rb.items():
+                if ref_got.get(k) is not None:
+                    c = tolerance.compare(ref_got[k].double().numpy().reshape(b.shape), ex[k], None, b)
+                    if not c.ok:
+                        return {"error": f"the inferred contract ({spec}) does not describe the reference module's "
+                                         f"{k}: worst |Δ| {c.worst_error:.3g} > bound {c.worst_bound:.3g}"}
+            if cand_dtype != ref_dtype:
+                p = Precision(cand_dtype)
+                x64, dy64 = p.round(x64).astype(np.float64), p.round(dy64).astype(np.float64)
+                ex = dict(zip(tolerance.GRADIENTS, reference.backward(x64, dy64, spec, **params.kwargs()),
+                              strict=True))
+            cb = tolerance.backward_bound(x64, dy64, spec, cand_dtype, params,
+                                          exact=tuple(ex[k] for k in tolerance.GRADIENTS))
+        except Exception as exc:
+            return {"error": f"the error model could not be evaluated: {type(exc).__name__}: {exc}"}
+        got = {"dx": dx_c, **{k: dparams_c.get(n) for k, n in lay_names.items()}}
+        worst = None
+        for k, b in cb.items():
+            if got.get(k) is None:
+                continue
+            c = tolerance.compare(got[k].double().numpy().reshape(b.shape), ex[k], None, b)
+            if worst is None or c.max_ratio > worst[1].max_ratio:
+                worst = (k, c)
+    if worst is None:
+        return {"error": "no gradient to compare"}
+    k, c = worst
+    return {"spec": str(spec), "gradient": k, "ok": c.ok, "worst": list(c.worst), "worst_error": c.worst_error,
+            "worst_bound": c.worst_bound, "worst_faithful": None, "max_ratio": c.max_ratio, "outside": c.outside,
+            "total": c.total, "nonfinite": c.nonfinite}
+
+
+def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtype: str, cand_dtype: str,
+        loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
+    """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
+    from .core import _cast, _Hooks, _primary, _site_name, _stateless, _versions
+
+    notes: list[str] = []
+    # ------------------------------------------------------------------ the candidate
+    say("gradients: the candidate's forward and backward")
+    cand_grads: dict[tuple[str, int], torch.Tensor] = {}
+
+    def c_post(module, path, number, a, kw, output):
+        y = _primary(output)
+        if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad:
+            y.register_hook(lambda g, key=(path, number): cand_grads.__setitem__(key, g.detach()))
+
+    cparams = [(n, p) for n, p in cand_model.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        with _Hooks(cand_model, lambda *x: None, c_post).active():
+            out = cand_model(*_cast(args, cand_torch_dtype), **_cast(kwargs, cand_torch_dtype, True))
+        loss = _loss(out, loss_fn)
+        if not loss.requires_grad:
+            return {"sites": [], "first": None, "divergence": None, "params": [],
+                    "notes": ["gradients not compared: nothing in the candidate requires grad"]}
+        gs = torch.autograd.grad(loss, [p for _, p in cparams], allow_unused=True)
+    cand_param_grads = {n: g for (n, _), g in zip(cparams, gs, strict=True) if g is not None}
+    del out, loss, gs
+    twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
+    cand_modules = dict(cand_model.named_modules(remove_duplicate=False))
+
+    # ------------------------------------------------------------------ the reference, streamed
+    say("gradients: the reference's forward and backward, comparing site by site")
+    sites: list[SiteDiff] = []
+    frames: list[dict[str, Any]] = []
+
+    def r_pre(module, path, number, a):
+        if frames:
+            frames[-1]["children"] += 1
+        frames.append({"args": a, "versions": _versions(a), "children": 0, "leaf_children": True})
+
+    def r_post(module, path, number, a, kw, output):
+        f = frames.pop()
+        leaf = f["children"] == 0
+        if frames and not leaf:
+            frames[-1]["leaf_children"] = False
+        y = _primary(output)
+        if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
+            return
+        own = own_site(module, leaf or f["leaf_children"]) and bool(f["args"]) and y is not f["args"][0] \
+            and _stateless(f["args"]) and _stateless(kw) and any(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in f["args"])
+        saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]), kw) if own else None
+        y.register_hook(lambda g: _at_site(module, path, number, g, saved, leaf))
+
+    def _at_site(module, path, number, g, saved, leaf):
+        try:
+            _compare_site(module, path, number, g, saved)
+        except Exception as exc:  # a comparison that fails is a note, never a broken backward
+            notes.append(f"gradient comparison failed at {_site_name(path, number)}: {type(exc).__name__}: {exc}")
+        return None
+
+    def _compare_site(module, path, number, g, saved):
+        from .core import known_class
+
+        name = _site_name(path, number)
+        kind = "norm" if known_class(module) else "module"
+        s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(sites), depth=0,
+                     shape=list(g.shape), status="unmatched")
+        sites.append(s)
+        gc = cand_grads.pop((path, number), None)
+        if gc is None:
+            s.note = "no gradient at the candidate's counterpart"
+            return
+        s.counterpart = name
+        s.propagated = metrics.errors(gc, g)
+        s.status = "propagated"
+        cm = cand_modules.get(path)
+        if saved is None or cm is None:
+            return
+        a, kw = saved
+        ref_dx, ref_dp = _vjp(module, a, kw, g, None)
+        try:
+            dx_c, dp_c = _vjp(cm, a, kw, g, cand_torch_dtype)
+        except Exception as exc:
+            s.status, s.note = "raised", f"the candidate's backward raised on the reference's input: " \
+                                         f"{type(exc).__name__}: {exc}"
+            return
+        s.own = metrics.errors(dx_c, ref_dx)
+        x = next(t for t in a if isinstance(t, torch.Tensor) and t.is_floating_point())
+        if kind == "norm":
+            v = _norm_judge(site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, ref_dtype, cand_dtype)
+            if "error" not in v:
+                s.elementwise = v
+                s.bound_rule = (f"backward error model of {v['spec']} at {cand_dtype}: worst {v['gradient']} "
+                                f"element |Δ| {v['worst_error']:.3g} vs bound {v['worst_bound']:.3g}")
+                s.status = "within" if v["ok"] else "diverged"
+                return
+            s.note = f"judged by the dtype-derived rule: {v['error']}"
+        # ‖Δ‖/‖r‖ of dx and of each own parameter gradient, the worst against the dtype-derived bound
+        worst = s.own["normalized"]
+        for n, gp in dp_c.items():
+            if n in ref_dp:
+                worst = max(worst, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+        tw = None
+        if twin is cand_model:
+            tw = worst  # the candidate is the reference's own copy at its dtype: it is its own twin
+        elif twin is not None and path in twin_modules:
+            t_dx, t_dp = _vjp(twin_modules[path], a, kw, g, cand_torch_dtype)
+            tw = metrics.errors(t_dx, ref_dx).get("normalized")
+            for n, gp in t_dp.items():
+                if n in ref_dp:
+                    tw = max(tw, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+            tw = tw if tw is not None and math.isfinite(tw) else None
+        s.twin = tw
+        n = int(x.shape[-1]) if x.dim() else 1
+        s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, tw if twin is not None else None, n)
+        if twin is not None and tw is None:
+            s.bound_rule += " (no faithful twin measured)"
+        s.status = "diverged" if worst > s.bound else "within"
+
+    rparams = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        with _Hooks(reference, r_pre, r_post).active():
+            out = reference(*args, **kwargs)
+        loss = _loss(out, loss_fn)
+        if not loss.requires_grad:
+            return {"sites": [], "first": None, "divergence": None, "params": [],
+                    "notes": ["gradients not compared: nothing in the reference requires grad"]}
+        gs = torch.autograd.grad(loss, [p for _, p in rparams], allow_unused=True)
+    params = []
+    for (n, _), g in zip(rparams, gs, strict=True):
+        c = cand_param_grads.get(n)
+        if g is None or c is None:
+            continue
+        params.append({"name": n, **metrics.errors(c, g)})
+    first = next((s for s in sites if s.status in ("diverged", "raised")), None)
+    divergence = None
+    if first is not None:
+        if first.elementwise is not None:
+            v = first.elementwise
+            reason = (f"own {v['gradient']} at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
+                      f"{v['worst_bound']:.3g} ({v['outside']} of {v['total']} outside) [{first.bound_rule}]")
+        elif first.status == "raised":
+            reason = first.note
+        else:
+            reason = (f"own gradient error ‖Δ‖/‖r‖ = {first.own['normalized']:.3g} > bound {first.bound:.3g} "
+                      f"[{first.bound_rule}]")
+        divergence = {"site": first.name, "class": first.cls, "kind": first.kind, "reason": reason}
+    return {"sites": sites, "first": first.name if first else None, "divergence": divergence, "params": params,
+            "notes": notes}

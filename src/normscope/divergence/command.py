@@ -80,7 +80,7 @@ def parse_inputs(text: str | None, vocab: int | None = None):
 def run(args, console: Console) -> int:
     import torch
 
-    from ..sources import load_model
+    from ..sites.command import load_model  # the quiet loader (no library progress bars)
     from .core import _is_onnx, diff
     from .render import plot_diff, render_diff
 

@@ -447,3 +447,23 @@ def test_metrics_one_pass_matches_the_torch_passes(monkeypatch):
     monkeypatch.setattr(metrics, "_KERNELS", [])
     assert not metrics.errors(inf, r)["finite"] and metrics.errors(c, r.clone().fill_(float("nan")))[
         "reference_finite"] is False
+
+
+def test_table_at_80_columns_never_cuts_a_site_name():
+    class Long(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder_layer_with_a_long_name = torch.nn.ModuleDict(
+                {"attention_output_layernorm_module": torch.nn.LayerNorm(16), "dense": torch.nn.Linear(16, 16)})
+
+        def forward(self, x):
+            inner = self.encoder_layer_with_a_long_name
+            return inner["attention_output_layernorm_module"](inner["dense"](x))
+
+    d = diff(Long(), None, torch.randn(2, 3, 16), candidate_dtype="bfloat16", progress=False)
+    buf = io.StringIO()
+    render_diff(d, Console(file=buf, width=80))
+    out = buf.getvalue()
+    assert max(len(line) for line in out.splitlines()) <= 80
+    cells = "".join(line.split("│")[2] for line in out.splitlines() if line.count("│") > 3)
+    assert "encoder_layer_with_a_long_name.attention_output_layernorm_module" in cells.replace(" ", "")

@@ -39,7 +39,8 @@ def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
 def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
     t = Table(show_lines=False, header_style="bold", title="gradients (backward order)")
     for col in ("#", "site", "class", "own dx err", "bound", "propagated dy", "status"):
-        t.add_column(col, justify="right" if col in ("#", "own dx err", "bound", "propagated dy") else "left")
+        t.add_column(col, justify="right" if col in ("#", "own dx err", "bound", "propagated dy") else "left",
+                     overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
     for s in d.grad_sites:
         if not (all_sites or s.own is not None or s.status != "propagated"):
             continue
@@ -63,7 +64,8 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
                   f"({d.candidate_dtype}): {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
     t = Table(show_lines=False, header_style="bold")
     for col in ("#", "site", "class", "own err", "bound", "propagated", "SQNR dB", "status"):
-        t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left")
+        t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left",
+                     overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
     shown = [s for s in d.sites if all_sites or s.own is not None or s.status not in ("propagated",)
              or s.name == d.first_divergence]
     for s in shown:

@@ -576,3 +576,14 @@ def test_cli_output_at_80_columns(monkeypatch, capsys, checkpoints):
     flat = " ".join(line.strip() for line in capsys.readouterr().out.splitlines())
     assert rc == 1 and ("MISMATCH eps at 5 sites: attn_norm in layers 0–1; ffn_norm in layers 0–1; final_norm "
                         "A: 1e-05; B: 1e-06") in flat, flat
+
+
+def test_live_model_against_a_static_file(run_cli, checkpoints):
+    # the Llama checkpoint is run and scanned; the GGUF written with ε 1e-6 instead of 1e-5 is read statically
+    rc, out, err = run_cli("--live", checkpoints["llama"], checkpoints["llama-eps.gguf"])
+    assert rc == 1, out + err
+    assert "scanned" in out and "MISMATCH" in out and "1e-05" in out and "1e-06" in out
+    rc, out, err = run_cli("--live", checkpoints["llama"], checkpoints["llama.gguf"])
+    assert rc == 0, out + err
+    rc, out, err = run_cli("--live", checkpoints["llama"])
+    assert rc == 2 and "give FILE2" in err

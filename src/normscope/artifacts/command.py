@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("file", metavar="FILE", help="an HF config.json or model directory, a .gguf, an .onnx, or a "
                                                 "saved contract JSON")
     p.add_argument("file2", metavar="FILE2", nargs="?", help="a second artifact to compare with the first")
+    p.add_argument("--live", action="store_true",
+                   help="run FILE (an HF model directory, a config.json or package.module:factory), scan it and "
+                        "compare the measured contract with FILE2's static one (default: read FILE statically)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema normscope.contract/1, or normscope.contract-diff/1 for two files)")
     p.set_defaults(run=run)
@@ -34,7 +37,14 @@ def run(args, console: Console) -> int:
     from . import compare, contract
     from .render import render_contract, render_diff
 
-    a = contract(args.file)
+    if args.live:
+        if args.file2 is None:
+            from ..errors import InputError
+
+            raise InputError("--live compares a running model with a static artifact: give FILE2 (e.g. the .gguf)")
+        a = _scanned(args.file)
+    else:
+        a = contract(args.file)
     if args.file2 is None:
         if args.json:
             print(a.to_json())
@@ -52,3 +62,13 @@ def run(args, console: Console) -> int:
         render_contract(b, console)
         render_diff(diff, console)
     return EXIT_OK if diff.ok else EXIT_MISMATCH
+
+
+def _scanned(target: str):
+    """The contract a live scan of TARGET measures (its real weights; random ones for a config.json)."""
+    from ..sites.command import load_model
+    from ..sites.core import scan
+    from .model import ModelContract
+
+    model, origin = load_model(target)
+    return ModelContract.from_scan(scan(model, None, progress=False), source=f"{target} (scanned: {origin})")

@@ -26,21 +26,6 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _run_explain(args, console) -> int:
-    import json
-
-    from .explain import explain
-    from .report.console import render_explain
-
-    data = explain(args.values or (1.0, 2.0, 3.0), kind=args.kind, eps=args.eps, gamma=args.gamma,
-                   beta=args.beta)
-    if args.json:
-        print(json.dumps(data, indent=2, allow_nan=False))
-    else:
-        render_explain(data, console)
-    return EXIT_OK
-
-
 def run(args, console) -> int:
     import json
 

@@ -21,6 +21,8 @@ EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def add_parser(subparsers) -> Any:
+    from .cli.common import add_model_args
+
     p = subparsers.add_parser(
         "gradflow",
         help="gradient norm per layer (attention, MLP, residual stream) at the start and after training steps",
@@ -31,8 +33,6 @@ def add_parser(subparsers) -> Any:
     p.add_argument("target", metavar="TARGET",
                    help="package.module:factory, a local Hugging Face model directory, or a config.json "
                         "(random weights)")
-    p.add_argument("--args", help="JSON list of positional arguments for the factory, e.g. '[64]' (default: none)")
-    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factory (default: none)")
     p.add_argument("--tokens", help="token-id input of shape B,T below the model's vocab_size (next-token loss; default: "
                         "a small batch for HF models)")
     p.add_argument("--shape",
@@ -42,10 +42,7 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate for --steps (default 1e-3)")
     p.add_argument("--eval", action="store_true",
                    help="measure in evaluation mode (default: training mode, dropout seeded with 0)")
-    p.add_argument("--layers", type=int, default=2,
-                   help="config.json only: number of layers built (default 2; 0 keeps the config's)")
-    p.add_argument("--vocab", type=int, default=512,
-                   help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
+    add_model_args(p)
     p.add_argument("--plot", metavar="PNG", help="write the gradient-norm-vs-layer plot here (default: no plot)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.gradflow/1)")
     p.set_defaults(run=run)

@@ -88,6 +88,17 @@ def add_target_args(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def add_model_args(p, what: str = "the factory") -> None:
+    """The options of a TARGET that names a whole model (scan, diff, gradflow): factory arguments and the size cap
+    of a config.json built with random weights."""
+    p.add_argument("--args", help=f"JSON list of positional arguments for {what}, e.g. '[64]' (default: none)")
+    p.add_argument("--kwargs", help=f"JSON object of keyword arguments for {what} (default: none)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="config.json only: number of layers built (default 2; 0 keeps the config's)")
+    p.add_argument("--vocab", type=int, default=512,
+                   help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
+
+
 def target_from_args(args):
     """The Target the command line names, with its per-call timeout."""
     from ..sources import load_target

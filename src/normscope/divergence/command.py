@@ -19,6 +19,8 @@ EXIT_OK, EXIT_USAGE, EXIT_DIVERGED = 0, 2, 5
 
 
 def add_parser(subparsers) -> Any:
+    from ..cli.common import add_model_args
+
     p = subparsers.add_parser(
         "diff",
         help="compare two executions of one model site by site, down to the first site that is itself wrong",
@@ -37,10 +39,7 @@ def add_parser(subparsers) -> Any:
                         "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
     p.add_argument("--candidate-dtype", dest="candidate_dtype",
                    help="bfloat16, float16 or float32 (default: none, the candidate runs as given)")
-    p.add_argument("--args", help="JSON list of positional arguments for the factories (default: none)")
-    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factories (default: none)")
-    p.add_argument("--layers", type=int, default=2, help="config.json only: number of layers built (default 2)")
-    p.add_argument("--vocab", type=int, default=512, help="config.json only: vocabulary cap (default 512)")
+    add_model_args(p, "the factories")
     p.add_argument("--grad", action="store_true",
                    help="also compare the gradients of the sum of the output, activation and parameter gradients "
                         "(default: forward only)")

@@ -19,6 +19,8 @@ EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
 
 
 def add_parser(subparsers) -> Any:
+    from ..cli.common import add_model_args
+
     p = subparsers.add_parser(
         "scan",
         help="every norm site of a model: contract, role (pre/post/branch/qk/…) and block placement",
@@ -29,15 +31,10 @@ def add_parser(subparsers) -> Any:
     p.add_argument("target", metavar="TARGET",
                    help="package.module:factory, a local Hugging Face model directory, or a config.json "
                         "(random weights)")
-    p.add_argument("--args", help="JSON list of positional arguments for the factory, e.g. '[64]' (default: none)")
-    p.add_argument("--kwargs", help="JSON object of keyword arguments for the factory (default: none)")
     p.add_argument("--shape", help="input shape for a model that takes one float tensor, e.g. 2,8,64 "
                                    "(Hugging Face text models get a small input_ids batch by default)")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
-    p.add_argument("--layers", type=int, default=2,
-                   help="config.json only: number of layers built (default 2; 0 keeps the config's)")
-    p.add_argument("--vocab", type=int, default=512,
-                   help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
+    add_model_args(p)
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when the scan has findings (default: exit 0 whatever it finds)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.scan/1)")

@@ -45,20 +45,33 @@ log = logging.getLogger("normscope.trace")
 PROBES = ("data", "blocks", "norms", "attention", "residual", "grad", "update", "writer", "reduce")
 
 
+def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """max |x| (over ``dim``, else all) in float32, NaN-propagating, as ``max(amax(x), -amin(x))``.
+
+    On the CPU ``amax``/``amin`` are vectorised reductions, while ``vector_norm(x, inf)`` and ``abs().max()`` run
+    a slow generic kernel: about 45x slower on a (8, 128, 256) activation, the largest cost of a traced step.
+    """
+    if dim is None:
+        return torch.maximum(torch.amax(x), -torch.amin(x)).float()
+    return torch.maximum(torch.amax(x, dim=dim), -torch.amin(x, dim=dim)).float()
+
+
 def act_stats(x: torch.Tensor) -> dict[str, float]:
     """Sum of squares, count, max |x| and non-finite count of a tensor (finite entries only), in float32."""
     x = x.detach()
     if not x.is_floating_point():
         x = x.float()
-    ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
-    mx = float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
+    if x.numel() == 0:
+        return {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
+    nrm, mx = torch.stack([torch.linalg.vector_norm(x, 2, dtype=torch.float32), _absmax(x)]).tolist()
+    ss = nrm ** 2
     bad = 0
     if not (math.isfinite(ss) and math.isfinite(mx)):
         fin = torch.isfinite(x)
         bad = int(x.numel() - int(fin.sum()))
         x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
         ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
-        mx = float(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
+        mx = float(_absmax(x))
     return {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
 
 
@@ -74,7 +87,7 @@ def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
     if bool(bad.any()):
         flat = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype))
     ss = torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2
-    mx = torch.linalg.vector_norm(flat, math.inf, dim=1, dtype=torch.float32)
+    mx = _absmax(flat, dim=1)
     return {"sumsq": ss.tolist(), "n": [flat.shape[1]] * flat.shape[0], "max": mx.tolist(), "nonfinite": bad.tolist()}
 
 
@@ -116,12 +129,12 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     masked = masked.reshape(lg.shape)
     heads, tq = lg.shape[1], lg.shape[2]
     live = lg.masked_fill(masked, 0)
-    mx = torch.linalg.vector_norm(live, math.inf, dim=(0, 2, 3), dtype=torch.float32)
+    mx = _absmax(live, dim=(0, 2, 3))
     bad = 0
     if not bool(torch.isfinite(mx).all()):
         nan = ~torch.isfinite(live)
         bad = int(nan.sum())
-        mx = torch.linalg.vector_norm(live.masked_fill(nan, 0), math.inf, dim=(0, 2, 3), dtype=torch.float32)
+        mx = _absmax(live.masked_fill(nan, 0), dim=(0, 2, 3))
     full = masked.all(-1)  # (B, H, Tq)
     stride = max(1, tq // ENTROPY_ROWS)
     sub, msub = lg[:, :, ::stride].float(), masked[:, :, ::stride]

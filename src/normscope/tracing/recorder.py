@@ -118,26 +118,34 @@ ENTROPY_ROWS = 32  # query rows per (sample, head) the softmax entropy is averag
 def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum.
 
-    The maximum and the masked rows cover every query row; the entropy (a mean) is taken on at most
-    ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds its cost on long sequences.
+    ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
+    or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
+    entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
+    its cost on long sequences.
     """
     lg = logits.detach()
-    masked = masked.expand(lg.shape)
     if lg.dim() < 3:
-        lg, masked = lg.reshape(1, *lg.shape), masked.reshape(1, *masked.shape)
+        lg = lg.reshape(1, *lg.shape)
+    m = masked.detach()
+    while m.dim() < lg.dim():
+        m = m.unsqueeze(0)
     lg = lg.reshape(-1, *lg.shape[-3:])
-    masked = masked.reshape(lg.shape)
+    if all(d == 1 for d in m.shape[:-3]):
+        m = m.reshape(1, *m.shape[-3:])
+    else:
+        m = m.expand(*logits.shape[:-3] if logits.dim() >= 3 else (), *m.shape[-3:]).reshape(-1, *m.shape[-3:])
     heads, tq = lg.shape[1], lg.shape[2]
-    live = lg.masked_fill(masked, 0)
+    live = lg.masked_fill(m, 0)
     mx = _absmax(live, dim=(0, 2, 3))
     bad = 0
     if not bool(torch.isfinite(mx).all()):
         nan = ~torch.isfinite(live)
         bad = int(nan.sum())
         mx = _absmax(live.masked_fill(nan, 0), dim=(0, 2, 3))
-    full = masked.all(-1)  # (B, H, Tq)
+    full = m.all(-1).expand(lg.shape[:3])  # (B, H, Tq), a view when the mask is shared
     stride = max(1, tq // ENTROPY_ROWS)
-    sub, msub = lg[:, :, ::stride].float(), masked[:, :, ::stride]
+    msub = m[:, :, ::stride] if m.shape[2] > 1 else m
+    sub = lg[:, :, ::stride].float()
     logp = torch.log_softmax(sub.masked_fill(msub, -math.inf), -1)
     ent = -(logp.exp() * logp.masked_fill(msub, 0)).sum(-1)  # (B, H, rows)
     ok = torch.isfinite(ent) & ~full[:, :, ::stride]
@@ -148,6 +156,7 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
 
 
 def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits SDPA computes, and their mask in its own broadcastable shape (not expanded)."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     b = dict(zip(names, args, strict=False))
     b.update(kwargs)
@@ -156,9 +165,9 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
     tq, tk = logits.shape[-2], logits.shape[-1]
-    masked = torch.zeros((), dtype=torch.bool).expand(logits.shape)
+    masked = torch.zeros((1, 1), dtype=torch.bool)
     m = b.get("attn_mask")
     if isinstance(m, torch.Tensor):
         m = m.detach()
@@ -170,7 +179,7 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     if b.get("is_causal"):
         causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
         masked = masked | ~causal
-    return logits, masked.expand(logits.shape)
+    return logits, masked
 
 
 class _Mode(TorchFunctionMode):

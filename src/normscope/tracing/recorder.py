@@ -135,10 +135,13 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     else:
         m = m.expand(*logits.shape[:-3] if logits.dim() >= 3 else (), *m.shape[-3:]).reshape(-1, *m.shape[-3:])
     heads, tq = lg.shape[1], lg.shape[2]
-    live = lg.masked_fill(m, 0)
+    # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
+    # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
+    live = lg * (~m).to(lg.dtype)
     mx = _absmax(live, dim=(0, 2, 3))
     bad = 0
     if not bool(torch.isfinite(mx).all()):
+        live = torch.where(m, torch.zeros((), dtype=lg.dtype), lg)
         nan = ~torch.isfinite(live)
         bad = int(nan.sum())
         mx = _absmax(live.masked_fill(nan, 0), dim=(0, 2, 3))
@@ -146,8 +149,8 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     stride = max(1, tq // ENTROPY_ROWS)
     msub = m[:, :, ::stride] if m.shape[2] > 1 else m
     sub = lg[:, :, ::stride].float()
-    logp = torch.log_softmax(sub.masked_fill(msub, -math.inf), -1)
-    ent = -(logp.exp() * logp.masked_fill(msub, 0)).sum(-1)  # (B, H, rows)
+    logp = torch.log_softmax(torch.where(msub, -math.inf, sub), -1)
+    ent = -(logp.exp() * torch.where(msub, 0.0, logp)).sum(-1)  # (B, H, rows)
     ok = torch.isfinite(ent) & ~full[:, :, ::stride]
     ent = ent.masked_fill(~ok, 0)
     return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
@@ -579,8 +582,10 @@ class Tracer:
             return
         try:
             with torch.no_grad():
-                for p in self._own(optimizer):
-                    self._old[id(p)] = p.detach().clone()
+                own = self._own(optimizer)
+                if own:  # one batched copy (a foreach kernel) instead of a clone per parameter
+                    olds = torch._foreach_mul([p.detach() for p in own], 1)
+                    self._old.update(zip(map(id, own), olds, strict=True))
         except Exception as exc:
             self._old.clear()
             self._fail("update", exc)
@@ -590,17 +595,28 @@ class Tracer:
             return
         try:
             with torch.no_grad():
-                for p in self._own(optimizer):
-                    old = self._old.pop(id(p), None)
-                    if old is None:
-                        continue
-                    st = act_stats(p.detach() - old)
-                    ps = act_stats(p)
+                own = [p for p in self._own(optimizer) if id(p) in self._old]
+                if not own:
+                    return
+                new = [p.detach() for p in own]
+                diff = [self._old[id(p)] for p in own]
+                torch._foreach_sub_(diff, new)  # old - new, in place in the copies: the update, negated
+                # per parameter: |update|_2, max |update|, |param|_2, all fetched in one host transfer
+                f32 = torch.float32
+                umax = [_absmax(d) if d.numel() else d.new_zeros((), dtype=f32) for d in diff]
+                cols = [torch._foreach_norm(diff, 2, dtype=f32), umax, torch._foreach_norm(new, 2, dtype=f32)]
+                rows = torch.stack([torch.stack([c[i].float() for c in cols]) for i in range(len(own))]).tolist()
+                for p, d, (un, umx, pn) in zip(own, diff, rows, strict=True):
+                    if math.isfinite(un) and math.isfinite(umx) and math.isfinite(pn):
+                        st = {"sumsq": un ** 2, "n": d.numel(), "max": umx, "nonfinite": 0, "param_sumsq": pn ** 2}
+                    else:  # non-finite entries: the exact per-tensor path
+                        us, ps = act_stats(d), act_stats(p)
+                        st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
+                              "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
                     g = self.param_group[id(p)]
                     acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
                                                        "param_sumsq": 0.0})
-                    _merge(acc, {"sumsq": st["sumsq"], "n": st["n"], "max": st["max"],
-                                 "nonfinite": st["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]})
+                    _merge(acc, st)
         except Exception as exc:
             self._fail("update", exc)
         finally:

@@ -112,6 +112,7 @@ def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
             acc[k] = old + v
 
 
+_MEMO = 4  # activations whose statistics a forward keeps for reuse
 ENTROPY_ROWS = 32  # query rows per (sample, head) the softmax entropy is averaged over
 
 
@@ -168,7 +169,7 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q.float(), k.float().transpose(-2, -1)).mul_(scale)
+    logits = torch.matmul(q.float() * scale, k.float().transpose(-2, -1))  # scaling q: a pass over q, not logits
     tq, tk = logits.shape[-2], logits.shape[-1]
     masked = torch.zeros((1, 1), dtype=torch.bool)
     m = b.get("attn_mask")
@@ -379,6 +380,7 @@ class Tracer:
         self._updates: dict[tuple, dict[str, float]] = {}
         self._old: dict[int, torch.Tensor] = {}
         self._counters: dict[tuple, int] = {}
+        self._memo: dict[int, tuple[torch.Tensor, int, dict[str, Any]]] = {}
 
     def _add(self, stage: str, layer: int | None, site: str, stats: dict[str, Any]) -> None:
         key = (stage, layer, site)
@@ -387,6 +389,26 @@ class Tracer:
             self._acc[key] = dict(stats)
         else:
             _merge(acc, stats)
+
+    def _stats(self, x: torch.Tensor) -> dict[str, Any]:
+        """:func:`act_stats` of a forward activation, computed once per tensor and forward.
+
+        The chain sees the same tensor several times (a block's input is the previous block's residual sum and its
+        first norm's input); the memo keys on identity and the version counter, so an in-place change recomputes.
+        It holds at most ``_MEMO`` recent tensors and is cleared when the forward ends.
+        """
+        try:
+            ver = x._version
+        except Exception:  # inference tensors have no version counter
+            return act_stats(x)
+        hit = self._memo.get(id(x))
+        if hit is not None and hit[0] is x and hit[1] == ver:
+            return dict(hit[2])
+        st = act_stats(x)
+        self._memo[id(x)] = (x, ver, st)
+        if len(self._memo) > _MEMO:
+            self._memo.pop(next(iter(self._memo)))
+        return dict(st)
 
     def _active(self) -> bool:
         return self.recording and (self.record_eval or torch.is_grad_enabled())
@@ -419,6 +441,7 @@ class Tracer:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             self._streams.clear()
+            self._memo.clear()
             self._ids = None
             try:
                 mode.__exit__(None, None, None)
@@ -454,7 +477,7 @@ class Tracer:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module})
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            self._add("layer_input", layer, "", act_stats(x))
+            self._add("layer_input", layer, "", self._stats(x))
 
     def _block_post(self, module, args, output):
         if self._streams and self._streams[-1]["module"] is module:
@@ -474,7 +497,7 @@ class Tracer:
 
     def _norm_in(self, where: tuple[int | None, str], x: torch.Tensor) -> None:
         layer, site = where
-        st = act_stats(x)
+        st = self._stats(x)
         if x.dim() >= 1 and x.is_floating_point() and x.numel():
             rows = torch.linalg.vector_norm(x.detach(), 2, dim=-1, dtype=torch.float32) / math.sqrt(x.shape[-1])
             rows = rows[torch.isfinite(rows)]
@@ -492,7 +515,7 @@ class Tracer:
 
     def _norm_out(self, module, args, y: torch.Tensor) -> None:
         layer, site = self.norms[id(module)]
-        st = act_stats(y)
+        st = self._stats(y)
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor) and w.numel():
             st["max_scale_rms"] = float(torch.linalg.vector_norm(w.detach(), 2, dtype=torch.float32)) / math.sqrt(
@@ -512,7 +535,7 @@ class Tracer:
         if isinstance(x, torch.Tensor):
             self._norm_in((layer, site), x)
         if isinstance(out, torch.Tensor):
-            self._add("norm_output", layer, site, act_stats(out))
+            self._add("norm_output", layer, site, self._stats(out))
             s = self._streams[-1] if self._streams else None
             if s is not None and x is s["stream"]:
                 s["alt"] = out
@@ -556,8 +579,8 @@ class Tracer:
         k = self._counters.get((s["layer"], part), 0)
         self._counters[(s["layer"], part)] = k + 1
         site = part if k == 0 else f"{part}#{k}"
-        self._add("sublayer_output", s["layer"], site, act_stats(branch))
-        self._add("residual_sum", s["layer"], site, act_stats(out))
+        self._add("sublayer_output", s["layer"], site, self._stats(branch))
+        self._add("residual_sum", s["layer"], site, self._stats(out))
         s["stream"], s["alt"], s["attn"] = out, None, False
 
     # ------------------------------------------------------------------ gradients and updates

@@ -402,3 +402,78 @@ def test_hugging_face_llama_left_padding(tmp_path):
             ("norm_output", None, "model.norm"), ("grad", 0, "self_attn")} <= sites
     att = [e for e in entries if e["stage"] == "attention_logits"]
     assert [e["layer"] for e in att] == [0, 1] and all(e["masked_rows"] == [4, 4, 4, 4] for e in att)
+
+
+def test_fused_statistics_match_brute_force():
+    """The fast paths (amax/amin for max |x|, broadcast masks, foreach update norms) give the exact numbers."""
+    from normscope.tracing import recorder as rec
+
+    for x in (torch.randn(5, 7) * -3, torch.tensor([1.0, -math.inf, 2.0, -7.0]), torch.tensor([math.nan, -5.0, 3.0]),
+              torch.randn(4, 4).bfloat16()):
+        st = rec.act_stats(x)
+        xf = x.float()
+        fin = torch.isfinite(xf)
+        assert st["max"] == float(xf[fin].abs().max())  # the most negative entry counts
+        assert st["nonfinite"] == int((~fin).sum())
+        assert st["sumsq"] == pytest.approx(float((xf[fin].double() ** 2).sum()), rel=1e-5)
+    assert rec.act_stats(torch.empty(0)) == {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
+
+    torch.manual_seed(0)
+    b, h, t, d = 3, 4, 16, 8
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    pad = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    pad[1] = False  # sample 1: every row fully masked
+    pad[2, ..., 5:] = False
+    add = torch.zeros(b, 1, t, t)
+    add[0, :, 3, :] = -math.inf  # one fully masked query row in sample 0, per head
+    for kw in ({"attn_mask": pad}, {"attn_mask": add, "is_causal": True}, {"is_causal": True}):
+        logits, masked = rec._sdpa_logits((q, k, v), kw)
+        st = rec._logit_stats(logits, masked)
+        full = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
+        m = torch.zeros(b, h, t, t, dtype=torch.bool)
+        if "attn_mask" in kw:
+            m = m | (~kw["attn_mask"] if kw["attn_mask"].dtype == torch.bool else kw["attn_mask"] == -math.inf)
+        if kw.get("is_causal"):
+            m = m | ~torch.ones(t, t, dtype=torch.bool).tril()
+        want = full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3))
+        assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-5)
+        assert st["masked_rows"] == m.all(-1).sum(dim=(0, 2)).tolist()
+    assert rec._logit_stats(*rec._sdpa_logits((q, k, v), {"attn_mask": pad}))["masked_rows"] == [t] * h
+
+
+def test_memo_recomputes_after_in_place_change(tmp_path):
+    model = GPT()
+    with trace(model, tmp_path / "run") as tr:
+        x = torch.ones(2, 3)
+        assert tr._stats(x)["max"] == 1.0
+        x.mul_(4)  # same tensor, new version: the memo must not serve the old numbers
+        assert tr._stats(x)["max"] == 4.0
+        assert tr._stats(x)["sumsq"] == pytest.approx(96.0, rel=1e-6)
+
+
+def test_update_statistics_match_the_parameter_change(tmp_path):
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 64, (2, 8))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with trace(model, tmp_path / "run") as tr:
+        loss = model(idx).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        upd = dict(tr._updates)
+        tr.step(0, loss=loss.item())
+    groups: dict = {}
+    for n, p in model.named_parameters():
+        g = tr.param_group[id(p)]
+        delta = (p.detach() - before[n]).double()
+        acc = groups.setdefault(g, [0.0, 0.0, 0.0])
+        acc[0] += float((delta ** 2).sum())
+        acc[1] = max(acc[1], float(delta.abs().max()))
+        acc[2] += float((p.detach().double() ** 2).sum())
+    assert set(upd) == set(groups)
+    for g, (ss, mx, ps) in groups.items():
+        assert upd[g]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-12)
+        assert upd[g]["max"] == pytest.approx(mx, rel=1e-5, abs=1e-12)
+        assert upd[g]["param_sumsq"] == pytest.approx(ps, rel=1e-4)

@@ -14,10 +14,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from command_runner import run_command
 from rich.console import Console
 
 from normscope import gradient_flow_command as command
-from normscope.errors import InputError, NormscopeError
+from normscope.errors import InputError
 from normscope.gradient_flow import SCHEMA, GradFlow, blocks_of, gradflow
 from normscope.nn import Block, Norm, TinyLM, deepnorm_constants
 from normscope.sites import scan
@@ -305,15 +306,7 @@ def test_json_round_trip_and_plot(tmp_path):
 
 
 def _cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="normscope")
-    command.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    try:
-        code = args.run(args, Console(width=200, highlight=False))
-    except NormscopeError as exc:
-        return 2, "", str(exc)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_command(command, argv, capsys)
 
 
 def test_command(capsys, tmp_path):

@@ -6,18 +6,18 @@ Hugging Face architectures are built from tiny configs with random weights; the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections import Counter
 
 import pytest
 import torch
+from command_runner import run_command
 from rich.console import Console
 from scan_models import D, Double, MaxAbs, ResNet, Stack, Thing, odd_model
 
 import normscope
-from normscope.errors import InputError, NormscopeError, TargetError
+from normscope.errors import InputError, TargetError
 from normscope.sites import ModelScan, command, scan
 from normscope.sites.core import _activation_check
 from normscope.spec import NormSpec
@@ -350,15 +350,7 @@ def test_top_level_api_is_callable_and_lazy():
 
 
 def _cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="normscope")
-    command.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    try:
-        code = args.run(args, Console(width=200, highlight=False))
-    except NormscopeError as exc:
-        return 2, "", str(exc)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_command(command, argv, capsys)
 
 
 def test_cli_config_json(tmp_path, capsys):

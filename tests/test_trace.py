@@ -4,7 +4,6 @@ DDP and the never-break guarantees."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -16,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from rich.console import Console
+from command_runner import run_command
 from trace_models import GPT, layer_groups
 
-from normscope.errors import InputError, NormscopeError
+from normscope.errors import InputError
 from normscope.tracing import command, diagnose, read_run, trace
 from normscope.tracing.store import TRACE_FILE
 
@@ -276,15 +275,7 @@ def test_sigkill_loses_at_most_the_step_in_flight(tmp_path):
 
 
 def _cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="normscope")
-    command.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    try:
-        code = args.run(args, Console(width=200, highlight=False))
-    except NormscopeError as exc:
-        return 2, "", str(exc)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_command(command, argv, capsys)
 
 
 def test_diagnose_command(tmp_path, capsys):

@@ -101,6 +101,30 @@ def _versions(args) -> tuple:
     return tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
 
 
+class _CallStack:
+    """The module calls in flight during a hooked forward: each call's positional arguments and their version
+    counters, and whether it is a leaf (called no module) or calls only leaves (attention and its projections)."""
+
+    def __init__(self) -> None:
+        self.frames: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def enter(self, args) -> None:
+        if self.frames:
+            self.frames[-1]["children"] += 1
+        self.frames.append({"args": args, "versions": _versions(args), "children": 0, "leaf_children": True})
+
+    def leave(self) -> tuple[dict[str, Any], bool]:
+        """(the call's frame, whether it is a leaf)."""
+        f = self.frames.pop()
+        leaf = f["children"] == 0
+        if self.frames and not leaf:
+            self.frames[-1]["leaf_children"] = False
+        return f, leaf
+
+
 def _reduce_len(args, out: torch.Tensor) -> int:
     n = out.shape[-1] if out.dim() else 1
     for a in args:
@@ -408,22 +432,17 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
 
         # ------------------------------------------------------------------ the reference, streamed
         sites: list[SiteDiff] = []
-        frames: list[dict[str, Any]] = []
+        frames = _CallStack()
         first: dict[str, Any] = {}
         state = {"nonfinite": None}
         recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
         site_contracts = contracts.Contracts()
 
         def pre(module, path, number, a):
-            if frames:
-                frames[-1]["children"] += 1
-            frames.append({"args": a, "versions": _versions(a), "children": 0, "leaf_children": True})
+            frames.enter(a)
 
         def post(module, path, number, a, kw, output):
-            f = frames.pop()
-            leaf = f["children"] == 0
-            if frames and not leaf:
-                frames[-1]["leaf_children"] = False
+            f, leaf = frames.leave()
             y = _primary(output)
             if not isinstance(y, torch.Tensor) or not y.is_floating_point():
                 return

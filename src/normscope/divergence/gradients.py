@@ -106,7 +106,7 @@ def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dpar
 def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtype: str, cand_dtype: str,
         loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
     """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
-    from .core import _cast, _Hooks, _primary, _site_name, _stateless, _versions
+    from .core import _CallStack, _cast, _Hooks, _primary, _site_name, _stateless
 
     notes: list[str] = []
     # ------------------------------------------------------------------ the candidate
@@ -135,18 +135,13 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
     # ------------------------------------------------------------------ the reference, streamed
     say("gradients: the reference's forward and backward, comparing site by site")
     sites: list[SiteDiff] = []
-    frames: list[dict[str, Any]] = []
+    frames = _CallStack()
 
     def r_pre(module, path, number, a):
-        if frames:
-            frames[-1]["children"] += 1
-        frames.append({"args": a, "versions": _versions(a), "children": 0, "leaf_children": True})
+        frames.enter(a)
 
     def r_post(module, path, number, a, kw, output):
-        f = frames.pop()
-        leaf = f["children"] == 0
-        if frames and not leaf:
-            frames[-1]["leaf_children"] = False
+        f, leaf = frames.leave()
         y = _primary(output)
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return

@@ -1,4 +1,5 @@
-"""Parsing of command-line values: ``--args``/``--kwargs`` JSON (never evaluated), JSON files and ``--shape``.
+"""Parsing of command-line values: ``--args``/``--kwargs`` JSON (never evaluated), JSON files and ``--shape``;
+the guards every file reader shares (:func:`unreadable`, :func:`file_size`).
 
 What a TARGET names, and loading it, is :mod:`normscope.sources` (``load_target`` is still importable here).
 """
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 from .errors import InputError, TargetError
-from .inputs import shorten
+from .inputs import human_bytes, shorten
 
 
 def _loads(text: str, what: str, example: str):
@@ -32,13 +33,36 @@ def parse_json(text: str | None, kind: type, flag: str):
     return value
 
 
+def unreadable(path: str | Path, exc: OSError, what: str = "") -> InputError:
+    """The one error for a file the operating system will not give us (missing, a folder, no permission)."""
+    name = f"{what} {path}" if what else str(path)
+    return InputError(f"{name}: cannot read it ({exc.strerror or exc}); check the path and its permissions")
+
+
+def file_size(path: str | Path, limit: int, kind: str, fix: str, what: str = "") -> int:
+    """The size of the file at ``path`` in bytes, or one InputError: it cannot be read, or it is over ``limit``.
+
+    ``kind`` names what the file should be ("a config.json"), ``fix`` what to do about an oversize one; ``what``
+    prefixes the path with the flag or role it came from ("--expect").
+    """
+    try:
+        size = Path(path).stat().st_size
+    except OSError as exc:
+        raise unreadable(path, exc, what) from None
+    if size > limit:
+        name = f"{what} {path}" if what else str(path)
+        raise InputError(f"{name} is {size:,} bytes ({human_bytes(size)}), over the {limit:,}-byte "
+                         f"({human_bytes(limit)}) limit for {kind}; {fix}")
+    return size
+
+
 def read_json_file(path: str | Path, what: str = "--expect"):
     """The JSON value in a file, or one clear InputError (not UTF-8, not JSON, nested too deeply)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
-        raise InputError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+        raise unreadable(path, exc, what) from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:

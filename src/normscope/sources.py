@@ -35,7 +35,7 @@ from typing import Any
 from .errors import InputError, TargetError
 from .extras import require
 from .inputs import shorten
-from .loading import parse_json
+from .loading import parse_json, unreadable
 
 __all__ = ["KINDS", "Source", "resolve", "load_target", "load_model", "is_onnx_path"]
 
@@ -120,7 +120,7 @@ def _head(path: Path, text: str, n: int) -> bytes:
         with open(path, "rb") as fh:
             return fh.read(n)
     except OSError as exc:
-        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
+        raise unreadable(text, exc) from None
 
 
 def _check_gguf(path: Path, text: str) -> None:
@@ -145,7 +145,7 @@ def read_config(path: Path, text: str) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"{text} is not valid JSON ({exc})") from None
     except OSError as exc:
-        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
+        raise unreadable(text, exc) from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise InputError(f"{text} has no \"model_type\": not a Hugging Face config.json")
     return data

@@ -38,6 +38,7 @@ def contract(path: str | Path) -> ModelContract:
     A directory or ``.json`` is an HF config (a saved ``normscope.contract/1`` JSON is read back as is); a
     file starting with ``GGUF`` is a GGUF model; ``.onnx`` is an ONNX graph.
     """
+    from ..loading import unreadable
     from .ggufread import read_gguf
     from .hf import read_hf, read_json_object
     from .model import SCHEMA, ModelContract
@@ -52,7 +53,7 @@ def contract(path: str | Path) -> ModelContract:
         with open(p, "rb") as fh:
             head = fh.read(64)
     except OSError as exc:
-        raise InputError(f"{p}: cannot read ({exc.strerror})") from None
+        raise unreadable(p, exc) from None
     if head[:4] == b"GGUF" or p.suffix.lower() == ".gguf":
         return read_gguf(p)
     if p.suffix.lower() == ".onnx":

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..extras import require
+from ..loading import file_size
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
 
@@ -64,12 +65,7 @@ ARCHITECTURES: dict[str, Arch] = {
 
 def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON file that must hold an object, read with a size limit."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    if size > MAX_CONFIG_BYTES:
-        raise InputError(f"{path}: {size} bytes is too large for a config.json (limit {MAX_CONFIG_BYTES})")
+    file_size(path, MAX_CONFIG_BYTES, "a config.json", "pass the model's config.json (a few KB of JSON) or its folder")
     try:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text)

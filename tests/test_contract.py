@@ -514,7 +514,7 @@ def test_oversize_files_are_one_input_error_before_anything_is_read(tmp_path):
     big_config = _sparse(tmp_path / "model" / "config.json", 16 * 2**20 + 1)
     for target, path, words in [(big_onnx, big_onnx, "2,147,483,649 bytes"),
                                 (big_config, big_config, "16,777,217 bytes"),
-                                (tmp_path / "model", big_config, "limit for a config.json")]:
+                                (tmp_path / "model", big_config, "limit for a Hugging Face config.json; is it")]:
         with pytest.raises(InputError, match=oversize) as exc:
             contract(target)
         assert str(path) in str(exc.value) and words in str(exc.value)

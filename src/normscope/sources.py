@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 from .errors import InputError, TargetError
 from .extras import require
 from .inputs import shorten
-from .loading import parse_json, unreadable
+from .loading import parse_json, read_json_file, unreadable
 
 __all__ = ["KINDS", "Source", "resolve", "load_target", "load_model", "is_onnx_path"]
 
@@ -51,6 +50,10 @@ DESCRIPTIONS = {
 NORM_FORMS = "package.module:attr (e.g. torch.nn:LayerNorm) or a path ending in .onnx"
 #: What scan accepts.
 MODEL_FORMS = "package.module:factory, a Hugging Face model directory or a config.json file"
+
+#: A config.json is a few KB of JSON; a file over this size is something else (weights, a dataset).
+MAX_CONFIG_BYTES = 16 * 2**20
+CONFIG_FILE = "a Hugging Face config.json"
 
 _SAFETENSORS_HEADER_MAX = 100 * 2**20  # a larger JSON header than this is not a safetensors file
 
@@ -138,16 +141,13 @@ def _check_safetensors(path: Path, text: str) -> None:
                          "safetensors file (or a truncated one)")
 
 
-def read_config(path: Path, text: str) -> dict[str, Any]:
-    """A Hugging Face config.json as a dict, or one clear InputError (not JSON, no ``model_type``)."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{text} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise unreadable(text, exc) from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise InputError(f"{text} has no \"model_type\": not a Hugging Face config.json")
+def read_config(path: str | Path, model_type: bool = True) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict (read by :func:`~normscope.loading.read_json_file`, at most
+    :data:`MAX_CONFIG_BYTES`); ``model_type``: one clear InputError when it names no architecture."""
+    data = read_json_file(path, CONFIG_FILE, limit=MAX_CONFIG_BYTES, need_object=True)
+    if model_type and not isinstance(data.get("model_type"), str):
+        raise InputError(f"{path} has no \"model_type\": not {CONFIG_FILE}; give the config.json saved with the "
+                         "model (its model_type names the architecture)")
     return data
 
 
@@ -269,7 +269,7 @@ def _pretrained(folder: Path, text: str):
 def _from_config(source: Source, layers: int, vocab: int):
     import torch
 
-    data = read_config(source.path, source.text)
+    data = read_config(source.path)
     transformers = _transformers()
     notes = cap_config(data, max(layers, 0), max(vocab, 0))
     model_type = data.pop("model_type")

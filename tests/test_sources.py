@@ -160,3 +160,33 @@ def test_every_json_file_reader_says_the_same_thing(tmp_path):
     for read in (contract, load_model):
         with pytest.raises(InputError, match=rf"{where} is 16,777,217 bytes .* limit for a Hugging Face config.json"):
             read(str(broken))
+
+
+def test_loading_a_model_quiets_transformers_and_gives_the_users_settings_back(files, capfd):
+    """The quieting belongs to the loader itself: whoever calls it (scan, gradflow, contract --live, diff, a user)
+    sees no transformers logging while it loads, and the verbosity they set is theirs again afterwards."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    before = hf_logging.get_verbosity()
+    seen = []
+    hf_logging.set_verbosity_info()
+    try:
+        capfd.readouterr()
+        with pytest.MonkeyPatch.context() as mp:  # the level in force while the model is being built
+            import transformers
+
+            mp.setattr(transformers.LlamaForCausalLM, "__init__", _spy(transformers.LlamaForCausalLM.__init__, seen,
+                                                                       hf_logging.get_verbosity))
+            model, origin = load_model(str(files["config.json"]), layers=1, vocab=32)
+        assert type(model).__name__ == "LlamaForCausalLM" and origin.startswith("random weights")
+        assert seen == [hf_logging.ERROR] and hf_logging.get_verbosity() == hf_logging.INFO
+        assert capfd.readouterr().err == ""
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _spy(init, seen: list, level):
+    def wrapped(self, *args, **kwargs):
+        seen.append(level())
+        init(self, *args, **kwargs)
+
+    return wrapped

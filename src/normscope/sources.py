@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,9 +220,30 @@ def load_target(spec: str | Source, args_json: str | None = None, kwargs_json: s
 
 # ---------------------------------------------------------------------------------------------- models
 def _transformers():
-    transformers = require("transformers", "hf")
-    transformers.logging.set_verbosity_error()
-    return transformers
+    return require("transformers", "hf")
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Silence transformers' progress bars ("Loading weights: 100%|███") and its logging while a model loads, so
+    they do not interleave with normscope's output; the user's settings come back afterwards. transformers is
+    touched only when it is installed."""
+    from importlib.util import find_spec
+
+    if find_spec("transformers") is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _model_class(transformers, config):
@@ -288,14 +311,20 @@ def _from_config(source: Source, layers: int, vocab: int):
 
 
 def load_model(target: str | Source, args_json=None, kwargs_json=None, layers: int = 2, vocab: int = 512):
-    """The torch module TARGET names, and a note on how it was built (scan; later diff and trace).
+    """The torch module TARGET names, and a note on how it was built (scan, contract --live, gradflow, diff).
 
     ``layers``/``vocab`` cap a config.json's architecture (0 keeps the config's); a model directory and a
-    safetensors file inside one load their real weights.
+    safetensors file inside one load their real weights. transformers' logging and progress bars are silenced
+    while it loads (:func:`quiet_libraries`); the user's settings come back afterwards.
     """
+    source = resolve(target, MODEL_FORMS)
+    with quiet_libraries():
+        return _load_model(source, args_json, kwargs_json, layers, vocab)
+
+
+def _load_model(source: Source, args_json, kwargs_json, layers: int, vocab: int):
     import torch
 
-    source = resolve(target, MODEL_FORMS)
     if source.kind == "hf-dir":
         return _pretrained(source.path, source.text), f"weights from {source.text}"
     if source.kind == "safetensors":

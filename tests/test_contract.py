@@ -499,6 +499,28 @@ def test_bad_configs_and_files(tmp_path):
         contract(tmp_path / "absent.gguf")
 
 
+def _sparse(path: Path, size: int) -> Path:
+    """A file of ``size`` bytes that takes no disk space (a hole)."""
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+def test_oversize_files_are_one_input_error_before_anything_is_read(tmp_path):
+    """An ONNX graph over protobuf's 2 GiB and a config.json over 16 MiB are refused by size, in one wording."""
+    oversize = r"is [\d,]+ bytes \(.*\), over the [\d,]+-byte \(.*\) limit for "
+    (tmp_path / "model").mkdir()
+    big_onnx = _sparse(tmp_path / "big.onnx", 2**31 + 1)
+    big_config = _sparse(tmp_path / "model" / "config.json", 16 * 2**20 + 1)
+    for target, path, words in [(big_onnx, big_onnx, "2,147,483,649 bytes"),
+                                (big_config, big_config, "16,777,217 bytes"),
+                                (tmp_path / "model", big_config, "limit for a Hugging Face config.json; is it")]:
+        with pytest.raises(InputError, match=oversize) as exc:
+            contract(target)
+        assert str(path) in str(exc.value) and words in str(exc.value)
+    assert "save the weights as external data" in str(pytest.raises(InputError, contract, big_onnx).value)
+
+
 def test_reading_modifies_nothing(checkpoints):
     files = [checkpoints["gemma3.gguf"], checkpoints["gemma3"] / "config.json",
              checkpoints["gemma3"] / "model.safetensors"]

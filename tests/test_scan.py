@@ -20,6 +20,7 @@ import normscope
 from normscope.errors import InputError, TargetError
 from normscope.sites import ModelScan, command, scan
 from normscope.sites.core import _activation_check
+from normscope.sources import load_model
 from normscope.spec import NormSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -426,13 +427,13 @@ def test_loading_silences_transformers_and_restores_the_users_settings(capfd):
     hf_logging.enable_progress_bar()
     try:
         capfd.readouterr()
-        model, origin = command.load_model(str(pkg.get_model_path()))
+        model, origin = load_model(str(pkg.get_model_path()))
         out, err = capfd.readouterr()
         assert type(model).__name__ == "BertModel" and origin.startswith("weights from")
         assert "Loading weights" not in err + out and "%|" not in err + out and err == "", err
         assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a user who turned bars off keeps them off
-        command.load_model(str(pkg.get_model_path()))
+        load_model(str(pkg.get_model_path()))
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.set_verbosity(before)

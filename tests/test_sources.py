@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -133,3 +134,59 @@ def test_python_dash_m_runs_the_package():
         r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
                            env={"PYTHONPATH": src, "PATH": ""})
         assert r.returncode == 0 and r.stdout.startswith("normscope "), (module, r.stderr)
+
+
+def test_every_json_file_reader_says_the_same_thing(tmp_path):
+    """check's --expect, normscope.load, contract, the model loader and Report.load read JSON files through one
+    reader: a broken file, a file holding no object and an oversize config get one wording each, naming the file,
+    the problem and the fix."""
+    from normscope.artifacts import contract
+    from normscope.battery.check import resolve_expected
+    from normscope.results.check import Report
+
+    broken = tmp_path / "config.json"
+    broken.write_text('{"model_type": "llama",\n  oops}')
+    where = re.escape(str(broken))
+    for read in (resolve_expected, normscope.load, contract, load_model, Report.load):
+        with pytest.raises(InputError, match=rf"{where} is not valid JSON \(Expecting property name enclosed in "
+                                             r"double quotes at line 2, column 3\); fix it there, or give a"):
+            read(str(broken))
+    broken.write_text("[1, 2]")
+    for read in (contract, load_model, Report.load):
+        with pytest.raises(InputError, match=rf"{where} must hold a JSON object; got a list; give a"):
+            read(str(broken))
+    with open(broken, "wb") as fh:
+        fh.truncate(16 * 2**20 + 1)  # a hole: no disk space
+    for read in (contract, load_model):
+        with pytest.raises(InputError, match=rf"{where} is 16,777,217 bytes .* limit for a Hugging Face config.json"):
+            read(str(broken))
+
+
+def test_loading_a_model_quiets_transformers_and_gives_the_users_settings_back(files, capfd):
+    """The quieting belongs to the loader itself: whoever calls it (scan, gradflow, contract --live, diff, a user)
+    sees no transformers logging while it loads, and the verbosity they set is theirs again afterwards."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    before = hf_logging.get_verbosity()
+    seen = []
+    hf_logging.set_verbosity_info()
+    try:
+        capfd.readouterr()
+        with pytest.MonkeyPatch.context() as mp:  # the level in force while the model is being built
+            import transformers
+
+            mp.setattr(transformers.LlamaForCausalLM, "__init__", _spy(transformers.LlamaForCausalLM.__init__, seen,
+                                                                       hf_logging.get_verbosity))
+            model, origin = load_model(str(files["config.json"]), layers=1, vocab=32)
+        assert type(model).__name__ == "LlamaForCausalLM" and origin.startswith("random weights")
+        assert seen == [hf_logging.ERROR] and hf_logging.get_verbosity() == hf_logging.INFO
+        assert capfd.readouterr().err == ""
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _spy(init, seen: list, level):
+    def wrapped(self, *args, **kwargs):
+        seen.append(level())
+        init(self, *args, **kwargs)
+
+    return wrapped

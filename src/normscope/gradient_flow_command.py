@@ -162,7 +162,7 @@ def run(args, console: Console) -> int:
 
     from .gradient_flow import gradflow
     from .report.console import indented
-    from .sites.command import load_model
+    from .sources import load_model
 
     if args.steps < 0:
         raise InputError(f"--steps must be ≥ 0; got {args.steps}")

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from .errors import InputError, TargetError
 from .extras import require
 from .inputs import shorten
-from .loading import parse_json
+from .loading import parse_json, read_json_file, unreadable
 
 __all__ = ["KINDS", "Source", "resolve", "load_target", "load_model", "is_onnx_path"]
 
@@ -51,6 +52,10 @@ DESCRIPTIONS = {
 NORM_FORMS = "package.module:attr (e.g. torch.nn:LayerNorm) or a path ending in .onnx"
 #: What scan accepts.
 MODEL_FORMS = "package.module:factory, a Hugging Face model directory or a config.json file"
+
+#: A config.json is a few KB of JSON; a file over this size is something else (weights, a dataset).
+MAX_CONFIG_BYTES = 16 * 2**20
+CONFIG_FILE = "a Hugging Face config.json"
 
 _SAFETENSORS_HEADER_MAX = 100 * 2**20  # a larger JSON header than this is not a safetensors file
 
@@ -120,7 +125,7 @@ def _head(path: Path, text: str, n: int) -> bytes:
         with open(path, "rb") as fh:
             return fh.read(n)
     except OSError as exc:
-        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
+        raise unreadable(text, exc) from None
 
 
 def _check_gguf(path: Path, text: str) -> None:
@@ -138,16 +143,13 @@ def _check_safetensors(path: Path, text: str) -> None:
                          "safetensors file (or a truncated one)")
 
 
-def read_config(path: Path, text: str) -> dict[str, Any]:
-    """A Hugging Face config.json as a dict, or one clear InputError (not JSON, no ``model_type``)."""
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{text} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise InputError(f"{text}: cannot read it ({exc.strerror or exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise InputError(f"{text} has no \"model_type\": not a Hugging Face config.json")
+def read_config(path: str | Path, model_type: bool = True) -> dict[str, Any]:
+    """A Hugging Face config.json as a dict (read by :func:`~normscope.loading.read_json_file`, at most
+    :data:`MAX_CONFIG_BYTES`); ``model_type``: one clear InputError when it names no architecture."""
+    data = read_json_file(path, CONFIG_FILE, limit=MAX_CONFIG_BYTES, need_object=True)
+    if model_type and not isinstance(data.get("model_type"), str):
+        raise InputError(f"{path} has no \"model_type\": not {CONFIG_FILE}; give the config.json saved with the "
+                         "model (its model_type names the architecture)")
     return data
 
 
@@ -218,9 +220,30 @@ def load_target(spec: str | Source, args_json: str | None = None, kwargs_json: s
 
 # ---------------------------------------------------------------------------------------------- models
 def _transformers():
-    transformers = require("transformers", "hf")
-    transformers.logging.set_verbosity_error()
-    return transformers
+    return require("transformers", "hf")
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Silence transformers' progress bars ("Loading weights: 100%|███") and its logging while a model loads, so
+    they do not interleave with normscope's output; the user's settings come back afterwards. transformers is
+    touched only when it is installed."""
+    from importlib.util import find_spec
+
+    if find_spec("transformers") is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _model_class(transformers, config):
@@ -269,7 +292,7 @@ def _pretrained(folder: Path, text: str):
 def _from_config(source: Source, layers: int, vocab: int):
     import torch
 
-    data = read_config(source.path, source.text)
+    data = read_config(source.path)
     transformers = _transformers()
     notes = cap_config(data, max(layers, 0), max(vocab, 0))
     model_type = data.pop("model_type")
@@ -288,14 +311,20 @@ def _from_config(source: Source, layers: int, vocab: int):
 
 
 def load_model(target: str | Source, args_json=None, kwargs_json=None, layers: int = 2, vocab: int = 512):
-    """The torch module TARGET names, and a note on how it was built (scan; later diff and trace).
+    """The torch module TARGET names, and a note on how it was built (scan, contract --live, gradflow, diff).
 
     ``layers``/``vocab`` cap a config.json's architecture (0 keeps the config's); a model directory and a
-    safetensors file inside one load their real weights.
+    safetensors file inside one load their real weights. transformers' logging and progress bars are silenced
+    while it loads (:func:`quiet_libraries`); the user's settings come back afterwards.
     """
+    source = resolve(target, MODEL_FORMS)
+    with quiet_libraries():
+        return _load_model(source, args_json, kwargs_json, layers, vocab)
+
+
+def _load_model(source: Source, args_json, kwargs_json, layers: int, vocab: int):
     import torch
 
-    source = resolve(target, MODEL_FORMS)
     if source.kind == "hf-dir":
         return _pretrained(source.path, source.text), f"weights from {source.text}"
     if source.kind == "safetensors":

@@ -14,12 +14,12 @@ from ..lazy import lazy_exports
 
 _LAZY = {
     "ContractDiff": ".diff", "DiffItem": ".diff", "compare": ".diff",
-    "read_gguf": ".ggufread", "read_hf": ".hf", "read_json_object": ".hf", "read_onnx": ".onnxread",
+    "read_gguf": ".ggufread", "read_hf": ".hf", "read_onnx": ".onnxread",
     "SCHEMA": ".model", "ContractSite": ".model", "ModelContract": ".model",
 }
 
 __all__ = ["SCHEMA", "ContractDiff", "ContractSite", "DiffItem", "ModelContract", "compare", "contract",
-           "read_gguf", "read_hf", "read_json_object", "read_onnx"]
+           "read_gguf", "read_hf", "read_onnx"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
@@ -27,7 +27,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 if TYPE_CHECKING:
     from .diff import ContractDiff, DiffItem, compare
     from .ggufread import read_gguf
-    from .hf import read_hf, read_json_object
+    from .hf import read_hf
     from .model import SCHEMA, ContractSite, ModelContract
     from .onnxread import read_onnx
 
@@ -38,8 +38,10 @@ def contract(path: str | Path) -> ModelContract:
     A directory or ``.json`` is an HF config (a saved ``normscope.contract/1`` JSON is read back as is); a
     file starting with ``GGUF`` is a GGUF model; ``.onnx`` is an ONNX graph.
     """
+    from ..loading import read_json_file, unreadable
+    from ..sources import MAX_CONFIG_BYTES
     from .ggufread import read_gguf
-    from .hf import read_hf, read_json_object
+    from .hf import read_hf
     from .model import SCHEMA, ModelContract
     from .onnxread import read_onnx
 
@@ -52,13 +54,14 @@ def contract(path: str | Path) -> ModelContract:
         with open(p, "rb") as fh:
             head = fh.read(64)
     except OSError as exc:
-        raise InputError(f"{p}: cannot read ({exc.strerror})") from None
+        raise unreadable(p, exc) from None
     if head[:4] == b"GGUF" or p.suffix.lower() == ".gguf":
         return read_gguf(p)
     if p.suffix.lower() == ".onnx":
         return read_onnx(p)
     if p.suffix.lower() == ".json" or head.lstrip()[:1] in (b"{", b"["):
-        data = read_json_object(p)
+        data = read_json_file(p, "a Hugging Face config.json or a normscope contract JSON", limit=MAX_CONFIG_BYTES,
+                              need_object=True)
         if data.get("schema") == SCHEMA:
             return ModelContract.from_dict(data)
         return read_hf(p)

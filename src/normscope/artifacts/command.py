@@ -66,8 +66,8 @@ def run(args, console: Console) -> int:
 
 def _scanned(target: str):
     """The contract a live scan of TARGET measures (its real weights; random ones for a config.json)."""
-    from ..sites.command import load_model
     from ..sites.core import scan
+    from ..sources import load_model
     from .model import ModelContract
 
     model, origin = load_model(target)

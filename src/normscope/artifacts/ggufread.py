@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..extras import require
+from ..loading import unreadable
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, site_order, split_block
 
@@ -166,7 +167,7 @@ def read_gguf(path: str | Path) -> ModelContract:
             with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 _Walk(path, buf, {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}).run()
     except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise unreadable(path, exc) from None
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except (ValueError, KeyError, IndexError, OverflowError, TypeError) as exc:

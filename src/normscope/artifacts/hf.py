@@ -8,17 +8,15 @@ modelling code of each architecture states them; the config states ε and the si
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Any
 
 from ..errors import InputError
 from ..extras import require
+from ..sources import read_config
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
 
 EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
-MAX_CONFIG_BYTES = 16 * 2**20
 MAX_LAYERS = 100_000
 MAX_WIDTH = 2**24
 
@@ -62,28 +60,6 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
-def read_json_object(path: Path) -> dict[str, Any]:
-    """A JSON file that must hold an object, read with a size limit."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    if size > MAX_CONFIG_BYTES:
-        raise InputError(f"{path}: {size} bytes is too large for a config.json (limit {MAX_CONFIG_BYTES})")
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text)
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: not a text file (a config.json is UTF-8 JSON)") from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except RecursionError:
-        raise InputError(f"{path}: JSON nested too deeply") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: a config.json must hold a JSON object; got a {type(data).__name__}")
-    return data
-
-
 def _int(config: dict, keys: tuple[str, ...], path: Path, limit: int, default: int | None = None) -> int:
     for key in keys:
         if key in config:
@@ -102,7 +78,7 @@ def read_hf(path: str | Path) -> ModelContract:
     config_path = path / "config.json" if path.is_dir() else path
     if path.is_dir() and not config_path.is_file():
         raise InputError(f"{path}: a model directory needs a config.json")
-    config = read_json_object(config_path)
+    config = read_config(config_path, model_type=False)
     if isinstance(config.get("text_config"), dict):  # multimodal wrappers (Gemma 3) carry the text model's config
         config = config["text_config"]
         config.setdefault("model_type", "gemma3_text")

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..extras import require
+from ..loading import file_size
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path
 
@@ -117,12 +118,8 @@ def read_onnx(path: str | Path) -> ModelContract:
     """The contract of an ONNX file (the graph only; external weight files are not opened)."""
     onnx = _onnx()
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    if size > MAX_ONNX_BYTES:
-        raise InputError(f"{path}: {size} bytes is over protobuf's 2 GiB limit; save weights as external data")
+    file_size(path, MAX_ONNX_BYTES, "one ONNX protobuf message",
+              "save the weights as external data (onnx.save_model(model, path, save_as_external_data=True))")
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-turned-errors and more

@@ -34,7 +34,7 @@ def resolve_expected(expect, eps: float | None = None, shape=None) -> NormSpec:
         path = Path(expect)
         if not path.is_file():
             raise InputError(f"no such spec file: {path}")
-        data = read_json_file(path)
+        data = read_json_file(path, "a spec JSON file or a preset name", what="--expect")
         if isinstance(data, dict) and data.get("schema") in ("normscope.inference/1", "normscope.check/1"):
             data = data.get("spec") or data.get("expected")  # a saved inference or check names its contract
         spec = NormSpec.from_dict(data)

@@ -29,7 +29,8 @@ def load(source: str | Path | dict[str, Any]) -> Any:
     a NormSpec, Inference, check Report, ModelScan, ModelContract, Diff or GradFlow."""
     from ..loading import read_json_file
 
-    data = source if isinstance(source, dict) else read_json_file(source, "load:")
+    data = source if isinstance(source, dict) else read_json_file(
+        source, "a JSON document normscope wrote (--json or to_json())", what="normscope.load:")
     name = str(source) if not isinstance(source, dict) else "the document"
     if not isinstance(data, dict) or "schema" not in data:
         raise InputError(f"{name} is not a normscope JSON document (no 'schema' field); normscope writes them with "

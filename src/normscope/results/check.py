@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..jsonable import document, jsonable
+from ..loading import read_json_file
 from ..spec import NormSpec
 
 __all__ = ["SCHEMA", "Status", "Finding", "Report"]
@@ -175,7 +176,7 @@ class Report:
     @classmethod
     def load(cls, path: str | Path) -> Report:
         """A report from a JSON file written by ``to_json`` (``normscope check --json``)."""
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(read_json_file(path, "a check report JSON (normscope check --json)", need_object=True))
 
     # rendering lives in normscope.report; these stay as the report's own shortcuts
     def text(self) -> str:

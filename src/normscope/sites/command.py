@@ -8,8 +8,6 @@ and vocabulary capped by ``--layers``/``--vocab``). Exit codes: 0 scanned, 1 fin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
@@ -42,37 +40,12 @@ def add_parser(subparsers) -> Any:
     return p
 
 
-@contextmanager
-def quiet_libraries() -> Iterator[None]:
-    """Silence transformers' progress bars ("Loading weights: 100%|███") and its logging while normscope loads or
-    reads a model, so they do not interleave with normscope's output; the user's settings come back afterwards.
-    transformers is touched only when it is installed."""
-    from importlib.util import find_spec
+def __getattr__(name: str):
+    if name == "load_model":  # the diff command imports the model loader from here; its home is normscope.sources
+        from ..sources import load_model
 
-    if find_spec("transformers") is None:
-        yield
-        return
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def load_model(target: str, args_json: str | None = None, kwargs_json: str | None = None, layers: int = 2,
-               vocab: int = 512) -> tuple[Any, str]:
-    """(model, origin) for a TARGET of scan, gradflow and diff (``normscope.sources.load_model``), loaded with the
-    libraries' progress bars and logging silenced."""
-    from ..sources import load_model as load
-
-    with quiet_libraries():
-        return load(target, args_json, kwargs_json, layers, vocab)
+        return load_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(args, console: Console) -> int:
@@ -80,6 +53,7 @@ def run(args, console: Console) -> int:
     import torch
 
     from ..loading import parse_shape
+    from ..sources import load_model
     from .core import scan
     from .render import render_scan
 

@@ -468,3 +468,29 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
         assert upd[g]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-12)
         assert upd[g]["max"] == pytest.approx(mx, rel=1e-5, abs=1e-12)
         assert upd[g]["param_sumsq"] == pytest.approx(ps, rel=1e-4)
+
+
+def test_logit_entropy_exact_and_float_masks():
+    """The entropy equals -Σ p log p on the sampled rows; fill values of float masks (finfo.min, -10000) are masked
+    keys, not logits of magnitude 3e38."""
+    from normscope.tracing import recorder as rec
+
+    torch.manual_seed(0)
+    b, h, t, d = 3, 4, 64, 8
+    q, k, v = (torch.randn(b, h, t, d) * 2 for _ in range(3))
+    pad = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    pad[2, ..., 40:] = False
+    full = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    for kw in ({"is_causal": True}, {"attn_mask": pad},
+               {"attn_mask": torch.where(pad, 0.0, torch.finfo(torch.float32).min)},
+               {"attn_mask": torch.where(pad, 0.0, -10000.0)}):
+        logits, masked = rec._sdpa_logits((q, k, v), kw)
+        st = rec._logit_stats(logits, masked, owned=True)
+        m = masked.expand(b, h, t, t)
+        rows = slice(None, None, max(1, t // rec.ENTROPY_ROWS))
+        p = full.masked_fill(m, -math.inf)[:, :, rows].softmax(-1)
+        live = ~m.all(-1)[:, :, rows]
+        want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
+        assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
+        assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
+        assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)

@@ -113,16 +113,17 @@ def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 _MEMO = 4  # activations whose statistics a forward keeps for reuse
-ENTROPY_ROWS = 32  # query rows per (sample, head) the softmax entropy is averaged over
+ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
+MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
 
 
-def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
+def _logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, list]:
     """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum.
 
     ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
     or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
     entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
-    its cost on long sequences.
+    its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
     """
     lg = logits.detach()
     if lg.dim() < 3:
@@ -138,20 +139,27 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     heads, tq = lg.shape[1], lg.shape[2]
     # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
     # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
-    live = lg * (~m).to(lg.dtype)
+    keep = (~m).to(lg.dtype)
+    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
     mx = _absmax(live, dim=(0, 2, 3))
     bad = 0
     if not bool(torch.isfinite(mx).all()):
-        live = torch.where(m, torch.zeros((), dtype=lg.dtype), lg)
+        live = torch.where(m, torch.zeros((), dtype=lg.dtype), live)
         nan = ~torch.isfinite(live)
         bad = int(nan.sum())
-        mx = _absmax(live.masked_fill(nan, 0), dim=(0, 2, 3))
+        live = live.masked_fill(nan, 0)
+        mx = _absmax(live, dim=(0, 2, 3))
     full = m.all(-1).expand(lg.shape[:3])  # (B, H, Tq), a view when the mask is shared
     stride = max(1, tq // ENTROPY_ROWS)
     msub = m[:, :, ::stride] if m.shape[2] > 1 else m
-    sub = lg[:, :, ::stride].float()
-    logp = torch.log_softmax(torch.where(msub, -math.inf, sub), -1)
-    ent = -(logp.exp() * torch.where(msub, 0.0, logp)).sum(-1)  # (B, H, rows)
+    sub = live[:, :, ::stride].float()  # masked entries are 0 here
+    # entropy H = lse - sum(p * z) with lse = max + log(sum(e)), e = exp(z - max), z the logits with masked keys -inf
+    z = sub + torch.zeros(msub.shape, dtype=sub.dtype).masked_fill_(msub, -math.inf)
+    top = z.amax(-1, keepdim=True)
+    e = z.sub_(top).exp_()
+    s = e.sum(-1)
+    pz = torch.linalg.vecdot(e, sub).div_(s)
+    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (B, H, rows)
     ok = torch.isfinite(ent) & ~full[:, :, ::stride]
     ent = ent.masked_fill(~ok, 0)
     return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
@@ -160,7 +168,11 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
 
 
 def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits SDPA computes, and their mask in its own broadcastable shape (not expanded)."""
+    """The logits SDPA computes (a private tensor), and their mask in its own broadcastable shape (not expanded).
+
+    A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
+    below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
+    """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     b = dict(zip(names, args, strict=False))
     b.update(kwargs)
@@ -178,8 +190,12 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if m.dtype == torch.bool:
             masked = masked | ~m
         else:
-            logits = logits + m.float()
-            masked = masked | (logits == -math.inf)
+            m = m.float()
+            hard = m <= MASK_BIAS
+            masked = masked | hard
+            soft = m.masked_fill(hard, 0)
+            if bool(soft.any()):  # a real bias (ALiBi, relative positions) on the unmasked keys
+                logits = logits + soft
     if b.get("is_causal"):
         causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
         masked = masked | ~causal
@@ -543,7 +559,7 @@ class Tracer:
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
         logits, masked = _sdpa_logits(args, kwargs)
-        self._logits(logits, masked)
+        self._logits(logits, masked, owned=True)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
@@ -553,13 +569,13 @@ class Tracer:
         lo = torch.finfo(x.dtype).min / 2
         self._logits(x, x <= lo)
 
-    def _logits(self, logits: torch.Tensor, masked: torch.Tensor) -> None:
+    def _logits(self, logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> None:
         layer = self._layer()
         if self._streams:
             self._streams[-1]["attn"] = True
         k = self._counters.get(("attn", layer), 0)
         self._counters[("attn", layer)] = k + 1
-        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked))
+        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked, owned))
 
     def _residual(self, args, out) -> None:
         s = self._streams[-1]

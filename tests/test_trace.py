@@ -494,3 +494,31 @@ def test_logit_entropy_exact_and_float_masks():
         assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
         assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
         assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)
+
+
+def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp_path):
+    """Gradients are summarised when the backward ends (one batch for all parameters), before a clip rescales
+    them in place; between recorded steps the model carries no hook of the tracer's."""
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 64, (2, 8))
+    hooks = []
+    with trace(model, tmp_path / "run", every=2) as tr:
+        for step in range(4):
+            hooks.append(len(model._forward_pre_hooks) + sum(len(p._post_accumulate_grad_hooks or {})
+                                                             for p in model.parameters()))
+            model(idx).float().pow(2).mean().backward()
+            raw = {id(p): float(p.grad.double().pow(2).sum()) for p in model.parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place, after the backward
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                got, want = dict(tr._grads), raw
+            tr.step(step)
+    assert hooks[1] == hooks[3] == 0 and hooks[0] > 0 and hooks[2] == hooks[0]
+    assert len(model._forward_pre_hooks) == 0
+    assert set(got) == set(want)
+    for k, ss in want.items():
+        assert got[k]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-20)
+    assert diagnose(tmp_path / "run").steps == [0, 2]

@@ -58,37 +58,74 @@ def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
 
 def act_stats(x: torch.Tensor) -> dict[str, float]:
     """Sum of squares, count, max |x| and non-finite count of a tensor (finite entries only), in float32."""
-    x = x.detach()
-    if not x.is_floating_point():
-        x = x.float()
-    if x.numel() == 0:
-        return {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
-    nrm, mx = torch.stack([torch.linalg.vector_norm(x, 2, dtype=torch.float32), _absmax(x)]).tolist()
-    ss = nrm ** 2
+    return batch_stats([x])[0]
+
+
+def batch_stats(xs: list[torch.Tensor], max_abs: bool = True) -> list[dict[str, float]]:
+    """:func:`act_stats` of several tensors: one norm kernel per (device, dtype) and one host transfer per group.
+
+    The fast path is a 2-norm and a min/max per tensor; a tensor whose numbers come back non-finite (or overflow)
+    is summarised again exactly, its non-finite entries counted and left out. ``max_abs=False`` skips the min/max
+    pass (no ``"max"`` in the result).
+    """
+    out: list[dict[str, float] | None] = [None] * len(xs)
+    todo: dict[tuple, list[int]] = {}
+    ts = []
+    for i, x in enumerate(xs):
+        x = x.detach()
+        if not x.is_floating_point():
+            x = x.float()
+        ts.append(x)
+        if x.numel() == 0:
+            out[i] = {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
+        else:
+            todo.setdefault((x.device, x.dtype), []).append(i)
+    for ids in todo.values():
+        group = [ts[i] for i in ids]
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32) if len(group) > 1 else \
+            [torch.linalg.vector_norm(group[0], 2, dtype=torch.float32)]
+        ends = [torch.aminmax(x) for x in group] if max_abs else []
+        cols = torch.stack([*norms, *(e.min.float() for e in ends), *(e.max.float() for e in ends)]).tolist()
+        n = len(group)
+        for j, i in enumerate(ids):
+            out[i] = _finish(ts[i], cols[j], *((cols[n + j], cols[2 * n + j]) if max_abs else (None, None)))
+    return out  # type: ignore[return-value]
+
+
+def _finish(x: torch.Tensor, nrm: float, lo: float | None, hi: float | None) -> dict[str, float]:
+    ss, mx = nrm ** 2, (None if lo is None else max(hi, -lo))
     bad = 0
-    if not (math.isfinite(ss) and math.isfinite(mx)):
+    if not (math.isfinite(ss) and (mx is None or math.isfinite(mx))):
         fin = torch.isfinite(x)
         bad = int(x.numel() - int(fin.sum()))
         x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
         ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
-        mx = float(_absmax(x))
-    return {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
+        mx = None if mx is None else float(_absmax(x))
+    st = {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
+    if mx is None:
+        del st["max"]
+    return st
 
 
 def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
+    """:func:`act_stats` per sample (dim 0); the non-finite entries are looked for only when the sums say so."""
     x = x.detach()
     if x.dim() == 0:
         x = x.reshape(1)
     flat = x.reshape(x.shape[0], -1)
     if not flat.is_floating_point():
         flat = flat.float()
-    fin = torch.isfinite(flat)
-    bad = (~fin).sum(1)
-    if bool(bad.any()):
+    rows = flat.shape[0]
+    ss, mx = torch.stack([torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2,
+                          _absmax(flat, dim=1)]).tolist() if rows else ([], [])
+    bad = [0] * rows
+    if not all(math.isfinite(v) for v in ss + mx):
+        fin = torch.isfinite(flat)
+        bad = (~fin).sum(1).tolist()
         flat = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype))
-    ss = torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2
-    mx = _absmax(flat, dim=1)
-    return {"sumsq": ss.tolist(), "n": [flat.shape[1]] * flat.shape[0], "max": mx.tolist(), "nonfinite": bad.tolist()}
+        ss = (torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2).tolist()
+        mx = _absmax(flat, dim=1).tolist()
+    return {"sumsq": ss, "n": [flat.shape[1]] * rows, "max": mx, "nonfinite": bad}
 
 
 def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
@@ -250,6 +287,7 @@ class Tracer:
         self._busy = False
         self._in_norm = 0
         self._handles: list[Any] = []
+        self._open = False
         self._streams: list[dict[str, Any]] = []  # one per active block call
         self._file = None
         self._mode: _Mode | None = None
@@ -332,11 +370,19 @@ class Tracer:
         self.close()
 
     def open(self) -> None:
+        self._open = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
             self._write({"schema": SCHEMA, "kind": "header", "every": self.every, "world_size": self.world,
                          "time": time.time(), **self.meta})
+        if self.recording:
+            self._attach()
+
+    def _attach(self) -> None:
+        """Install the hooks (at a recorded step); between recorded steps none is installed, so they cost nothing."""
+        if self._handles:
+            return
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
@@ -355,10 +401,14 @@ class Tracer:
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
 
-    def close(self) -> None:
+    def _detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def close(self) -> None:
+        self._open = False
+        self._detach()
         self._exit_mode()
         if self._file is not None:
             self._write({"kind": "end", "time": time.time(), "last_step": self._last_step,
@@ -397,6 +447,8 @@ class Tracer:
         self._old: dict[int, torch.Tensor] = {}
         self._counters: dict[tuple, int] = {}
         self._memo: dict[int, tuple[torch.Tensor, int, dict[str, Any]]] = {}
+        self._grad_batch: dict[int, torch.Tensor] = {}
+        self._grad_queued = False
 
     def _add(self, stage: str, layer: int | None, site: str, stats: dict[str, Any]) -> None:
         key = (stage, layer, site)
@@ -601,16 +653,30 @@ class Tracer:
 
     # ------------------------------------------------------------------ gradients and updates
     def _grad_hook(self, p: torch.Tensor) -> None:
+        """A parameter's gradient is final for this backward: summarise it when the backward ends.
+
+        The parameters of one backward are summarised together in a callback the autograd engine runs at its end
+        (before a clip or an optimizer step can change them), with one kernel per statistic for all of them.
+        """
         if not self.recording or "grad" in self.disabled or p.grad is None:
             return
-        busy = self._busy
-        self._busy = True
+        self._grad_batch[id(p)] = p
+        if self._grad_queued:
+            return
         try:
-            self._grads[id(p)] = act_stats(p.grad)  # the accumulated gradient: the last call wins
-        except Exception as exc:
-            self._fail("grad", exc)
-        finally:
-            self._busy = busy
+            torch.autograd.Variable._execution_engine.queue_callback(self._grad_flush)
+            self._grad_queued = True
+        except Exception:  # not inside a backward the engine runs (or no such API): summarise now
+            self._grad_flush()
+
+    def _grad_flush(self) -> None:
+        self._grad_queued = False
+        batch, self._grad_batch = self._grad_batch, {}
+        self._guard("grad", self._grad_stats, [p for p in batch.values() if p.grad is not None])
+
+    def _grad_stats(self, params: list[torch.Tensor]) -> None:
+        for p, st in zip(params, batch_stats([p.grad for p in params]), strict=True):
+            self._grads[id(p)] = st  # the accumulated gradient: the last backward wins
 
     def _own(self, optimizer) -> list[torch.Tensor]:
         ids = self.param_group
@@ -640,18 +706,10 @@ class Tracer:
                 new = [p.detach() for p in own]
                 diff = [self._old[id(p)] for p in own]
                 torch._foreach_sub_(diff, new)  # old - new, in place in the copies: the update, negated
-                # per parameter: |update|_2, max |update|, |param|_2, all fetched in one host transfer
-                f32 = torch.float32
-                umax = [_absmax(d) if d.numel() else d.new_zeros((), dtype=f32) for d in diff]
-                cols = [torch._foreach_norm(diff, 2, dtype=f32), umax, torch._foreach_norm(new, 2, dtype=f32)]
-                rows = torch.stack([torch.stack([c[i].float() for c in cols]) for i in range(len(own))]).tolist()
-                for p, d, (un, umx, pn) in zip(own, diff, rows, strict=True):
-                    if math.isfinite(un) and math.isfinite(umx) and math.isfinite(pn):
-                        st = {"sumsq": un ** 2, "n": d.numel(), "max": umx, "nonfinite": 0, "param_sumsq": pn ** 2}
-                    else:  # non-finite entries: the exact per-tensor path
-                        us, ps = act_stats(d), act_stats(p)
-                        st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                              "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
+                moves, sizes = batch_stats(diff), batch_stats(new, max_abs=False)
+                for p, us, ps in zip(own, moves, sizes, strict=True):
+                    st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
+                          "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
                     g = self.param_group[id(p)]
                     acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
                                                        "param_sumsq": 0.0})
@@ -672,8 +730,15 @@ class Tracer:
             self._last_step = int(step) if isinstance(step, int) else self._last_step + 1
             self.recording = (self._last_step + 1) % self.every == 0
             self._reset()
+            if self._open:
+                try:
+                    self._attach() if self.recording else self._detach()
+                except Exception as exc:
+                    self._fail("writer", exc)
 
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
+        if self._grad_batch:  # a backward whose end-callback did not run
+            self._grad_flush()
         entries = []
         for (stage, layer, site), st in self._acc.items():
             entries.append({"stage": stage, "layer": layer, "site": site, **st})
@@ -754,7 +819,7 @@ def trace(model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, *,
     """Record the residual chain of ``model`` into ``run_dir`` (``trace.jsonl``, schema ``normscope.trace/1``).
 
     Use as a context manager and call ``tr.step(step, loss=..., sample_ids=..., losses=...)`` once per optimizer
-    step, after it. ``every``: record every N-th step (others cost nothing but a flag test). ``layers``: the block
+    step, after it. ``every``: record every N-th step (between them no hook is installed). ``layers``: the block
     modules (or their names) when the repeated-module discovery does not find them. ``record_eval``: also record
     forwards run with gradients disabled (evaluation); by default they are ignored.
     """

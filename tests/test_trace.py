@@ -522,3 +522,28 @@ def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp
     for k, ss in want.items():
         assert got[k]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-20)
     assert diagnose(tmp_path / "run").steps == [0, 2]
+
+
+def test_sinks_receive_every_record_and_a_failing_sink_is_disabled(tmp_path, caplog):
+    class Keep:
+        def __init__(self):
+            self.records, self.closed = [], False
+
+        def write(self, rec):
+            self.records.append(rec)
+
+        def close(self):
+            self.closed = True
+
+    class Broken:
+        def write(self, rec):
+            raise OSError("disk full")
+
+    keep = Keep()
+    train(tmp_path / "run", steps=3, sinks=[Broken(), keep])
+    assert [r["kind"] for r in keep.records] == ["header", "step", "step", "step", "end"] and keep.closed
+    d = diagnose(tmp_path / "run")
+    assert d.steps == [0, 1, 2]
+    assert keep.records[-1]["errors"][0]["probe"] == "sink 0" and "disk full" in caplog.text
+    with pytest.raises(InputError, match="no write"):
+        trace(GPT(), tmp_path / "x", sinks=[object()])

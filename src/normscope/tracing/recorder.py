@@ -272,7 +272,7 @@ class Tracer:
     """The live recorder; use :func:`trace` (a context manager) rather than building one directly."""
 
     def __init__(self, model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, layers=None,
-                 record_eval: bool = False, meta: dict[str, Any] | None = None):
+                 record_eval: bool = False, meta: dict[str, Any] | None = None, sinks=()):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"trace takes a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -282,6 +282,11 @@ class Tracer:
         self.every = every
         self.record_eval = record_eval
         self.meta = dict(meta or {})
+        self.sinks = list(sinks or ())
+        for i, sink in enumerate(self.sinks):
+            if not callable(getattr(sink, "write", None)):
+                raise InputError(f"sinks[{i}] ({type(sink).__name__}) has no write(record) method; a sink takes each "
+                                 "record the tracer writes (see normscope.tracing.sinks)")
         self.disabled: set[str] = set()
         self.errors: list[dict[str, Any]] = []
         self._busy = False
@@ -415,6 +420,7 @@ class Tracer:
                          "disabled": sorted(self.disabled), "errors": self.errors})
             self._file.close()
             self._file = None
+            self._close_sinks()
 
     # ------------------------------------------------------------------ failure handling
     def _guard(self, probe: str, fn, *args):
@@ -795,6 +801,23 @@ class Tracer:
             return
         self._file.write(_dumps(rec) + "\n")
         self._file.flush()  # a killed process loses at most the step in flight
+        for i, sink in enumerate(self.sinks):
+            probe = f"sink {i}"
+            if probe in self.disabled:
+                continue
+            try:
+                sink.write(rec)
+            except Exception as exc:  # a failing sink is disabled; the JSONL store goes on
+                self._fail(probe, exc)
+
+    def _close_sinks(self) -> None:
+        for i, sink in enumerate(self.sinks):
+            close = getattr(sink, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:
+                    self._fail(f"sink {i}", exc)
 
 
 def _short(v):
@@ -815,12 +838,14 @@ def _dumps(rec) -> str:
 
 
 def trace(model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, *, layers=None,
-          record_eval: bool = False, meta: dict[str, Any] | None = None) -> Tracer:
+          record_eval: bool = False, meta: dict[str, Any] | None = None, sinks=()) -> Tracer:
     """Record the residual chain of ``model`` into ``run_dir`` (``trace.jsonl``, schema ``normscope.trace/1``).
 
     Use as a context manager and call ``tr.step(step, loss=..., sample_ids=..., losses=...)`` once per optimizer
     step, after it. ``every``: record every N-th step (between them no hook is installed). ``layers``: the block
     modules (or their names) when the repeated-module discovery does not find them. ``record_eval``: also record
-    forwards run with gradients disabled (evaluation); by default they are ignored.
+    forwards run with gradients disabled (evaluation); by default they are ignored. ``sinks``: objects with
+    ``write(record)`` (and optionally ``close()``) that also receive every record written on rank 0, e.g.
+    :class:`normscope.tracing.sinks.TensorBoardSink`; a sink that raises is disabled, the store goes on.
     """
-    return Tracer(model, run_dir, every=every, layers=layers, record_eval=record_eval, meta=meta)
+    return Tracer(model, run_dir, every=every, layers=layers, record_eval=record_eval, meta=meta, sinks=sinks)

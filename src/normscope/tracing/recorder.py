@@ -204,7 +204,7 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False
             "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": bad}
 
 
-def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _sdpa_logits(args, kwargs, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits SDPA computes (a private tensor), and their mask in its own broadcastable shape (not expanded).
 
     A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
@@ -218,7 +218,12 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q.float() * scale, k.float().transpose(-2, -1))  # scaling q: a pass over q, not logits
+    qs, kt = q.float() * scale, k.float().transpose(-2, -1)  # scaling q: a pass over q, not over the logits
+    if buffer is not None and qs.dim() >= 2 and kt.dim() >= 2:  # ``buffer(shape, device)``: reused memory
+        shape = torch.Size((*torch.broadcast_shapes(qs.shape[:-2], kt.shape[:-2]), qs.shape[-2], kt.shape[-1]))
+        logits = torch.matmul(qs, kt, out=buffer(shape, qs.device))
+    else:
+        logits = torch.matmul(qs, kt)
     tq, tk = logits.shape[-2], logits.shape[-1]
     masked = torch.zeros((1, 1), dtype=torch.bool)
     m = b.get("attn_mask")
@@ -232,7 +237,8 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
             masked = masked | hard
             soft = m.masked_fill(hard, 0)
             if bool(soft.any()):  # a real bias (ALiBi, relative positions) on the unmasked keys
-                logits = logits + soft
+                logits = logits.add_(soft) if soft.dim() <= logits.dim() and torch.broadcast_shapes(
+                    soft.shape, logits.shape) == logits.shape else logits + soft
     if b.get("is_causal"):
         causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
         masked = masked | ~causal
@@ -293,6 +299,7 @@ class Tracer:
         self._in_norm = 0
         self._handles: list[Any] = []
         self._open = False
+        self._buffers: dict[Any, torch.Tensor] = {}  # reused memory while steps in a row are recorded
         self._streams: list[dict[str, Any]] = []  # one per active block call
         self._file = None
         self._mode: _Mode | None = None
@@ -414,6 +421,7 @@ class Tracer:
     def close(self) -> None:
         self._open = False
         self._detach()
+        self._buffers.clear()
         self._exit_mode()
         if self._file is not None:
             self._write({"kind": "end", "time": time.time(), "last_step": self._last_step,
@@ -429,7 +437,8 @@ class Tracer:
         busy = self._busy
         self._busy = True
         try:
-            return fn(*args)
+            with torch._C.DisableTorchFunction():  # the probe's own ops do not pass through the mode again
+                return fn(*args)
         except Exception as exc:  # never break training
             self._fail(probe, exc)
             return None
@@ -616,7 +625,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
-        logits, masked = _sdpa_logits(args, kwargs)
+        logits, masked = _sdpa_logits(args, kwargs, self._logit_buffer)
         self._logits(logits, masked, owned=True)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
@@ -694,12 +703,26 @@ class Tracer:
         try:
             with torch.no_grad():
                 own = self._own(optimizer)
-                if own:  # one batched copy (a foreach kernel) instead of a clone per parameter
-                    olds = torch._foreach_mul([p.detach() for p in own], 1)
-                    self._old.update(zip(map(id, own), olds, strict=True))
+                if own:  # one batched copy into buffers kept while steps in a row are recorded
+                    bufs = [self._copy_buffer(p) for p in own]
+                    torch._foreach_copy_(bufs, [p.detach() for p in own])
+                    self._old.update(zip(map(id, own), bufs, strict=True))
         except Exception as exc:
             self._old.clear()
             self._fail("update", exc)
+
+    def _copy_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A buffer for the parameter's value before the step (fresh memory each step costs its page faults)."""
+        b = self._buffers.get(id(p))
+        if b is None or b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
+            b = self._buffers[id(p)] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return b
+
+    def _logit_buffer(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        b = self._buffers.get("logits")
+        if b is None or b.shape != shape or b.device != device:
+            b = self._buffers["logits"] = torch.empty(shape, dtype=torch.float32, device=device)
+        return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
         if not self._old or "update" in self.disabled:
@@ -736,6 +759,8 @@ class Tracer:
             self._last_step = int(step) if isinstance(step, int) else self._last_step + 1
             self.recording = (self._last_step + 1) % self.every == 0
             self._reset()
+            if not self.recording:
+                self._buffers.clear()
             if self._open:
                 try:
                     self._attach() if self.recording else self._detach()

@@ -190,10 +190,10 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False
     stride = max(1, tq // ENTROPY_ROWS)
     msub = m[:, :, ::stride] if m.shape[2] > 1 else m
     sub = live[:, :, ::stride].float()  # masked entries are 0 here
-    # entropy H = lse - sum(p * z) with lse = max + log(sum(e)), e = exp(z - max), z the logits with masked keys -inf
-    z = sub + torch.zeros(msub.shape, dtype=sub.dtype).masked_fill_(msub, -math.inf)
-    top = z.amax(-1, keepdim=True)
-    e = z.sub_(top).exp_()
+    # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
+    # maximum; exp sees no -inf or far-negative argument (both take a slow path): masked keys are zeroed after it
+    top = (sub + torch.zeros(msub.shape, dtype=sub.dtype).masked_fill_(msub, -math.inf)).amax(-1, keepdim=True)
+    e = (sub - top).clamp_(max=0).exp_().mul_((~msub).to(sub.dtype))
     s = e.sum(-1)
     pz = torch.linalg.vecdot(e, sub).div_(s)
     ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (B, H, rows)
@@ -218,7 +218,9 @@ def _sdpa_logits(args, kwargs, buffer=None) -> tuple[torch.Tensor, torch.Tensor]
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    qs, kt = q.float() * scale, k.float().transpose(-2, -1)  # scaling q: a pass over q, not over the logits
+    # scaling q (a pass over q, not over the logits) into contiguous memory: a strided batched matmul is slower
+    qs = torch.mul(q.float(), scale, out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
+    kt = k.float().contiguous().transpose(-2, -1)
     if buffer is not None and qs.dim() >= 2 and kt.dim() >= 2:  # ``buffer(shape, device)``: reused memory
         shape = torch.Size((*torch.broadcast_shapes(qs.shape[:-2], kt.shape[:-2]), qs.shape[-2], kt.shape[-1]))
         logits = torch.matmul(qs, kt, out=buffer(shape, qs.device))

@@ -16,13 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from command_runner import run_command
-from trace_models import GPT, layer_groups
+from trace_models import FAULT, GPT, STEPS, B, T, V, train
 
 from normscope.errors import InputError
 from normscope.tracing import command, diagnose, read_run, trace
 from normscope.tracing.store import TRACE_FILE
-
-STEPS, FAULT, B, T, V = 24, 16, 4, 16, 64
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,29 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def train(run_dir, fault=None, steps=STEPS, every=1, eager=False, accumulate=1, embeds=False, **kw):
-    """A small AdamW training run on random tokens; ``fault(model, opt, step, batch)`` may change the step."""
-    torch.manual_seed(0)
-    model = GPT(vocab=V, t=T, eager=eager)
-    opt = torch.optim.AdamW(layer_groups(model, 3e-3))
-    g = torch.Generator().manual_seed(1)
-    with trace(model, run_dir, every=every, **kw) as tr:
-        for step in range(steps):
-            for _ in range(accumulate):
-                targets = torch.randint(0, V, (B, T), generator=g)
-                batch = {"embeds": torch.randn(B, T, 32, generator=g)} if embeds else {"idx": targets}
-                undo = fault(model, opt, step, batch) if fault else None
-                logits = model(**batch)
-                losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
-                (losses.mean() / accumulate).backward()
-            opt.step()
-            opt.zero_grad()
-            tr.step(step, loss=losses.mean().item(), sample_ids=[f"s{step}-{i}" for i in range(B)], losses=losses)
-            if undo:
-                undo()
-    return model, tr
 
 
 def first(run_dir):
@@ -547,3 +522,9 @@ def test_sinks_receive_every_record_and_a_failing_sink_is_disabled(tmp_path, cap
     assert keep.records[-1]["errors"][0]["probe"] == "sink 0" and "disk full" in caplog.text
     with pytest.raises(InputError, match="no write"):
         trace(GPT(), tmp_path / "x", sinks=[object()])
+
+
+def test_record_times_keep_their_precision(tmp_path):
+    train(tmp_path, steps=2)
+    times = [json.loads(line)["time"] for line in (tmp_path / TRACE_FILE).read_text().splitlines()]
+    assert all(t != float(f"{t:.7g}") for t in times)  # not rounded to 7 digits (1000 s at today's epoch)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_trace import B, train  # the traced AdamW run on the 3-layer test decoder
+from trace_models import B, train  # the traced AdamW run on the 3-layer test decoder
 
 from normscope.errors import InputError
 from normscope.tracing import diagnose, read_run

@@ -847,14 +847,15 @@ class Tracer:
                     self._fail(f"sink {i}", exc)
 
 
-def _short(v):
-    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length."""
+def _short(v, key: str = ""):
+    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length. Times (the
+    ``time`` fields, seconds since the epoch) keep their full precision."""
     if isinstance(v, float):
-        return float(f"{v:.7g}") if math.isfinite(v) else v
+        return float(f"{v:.7g}") if math.isfinite(v) and key != "time" else v
     if isinstance(v, list):
         return [_short(x) for x in v]
     if isinstance(v, dict):
-        return {k: _short(x) for k, x in v.items()}
+        return {k: _short(x, k) for k, x in v.items()}
     return v
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..errors import InputError, MissingExtraError
 from ..extras import require
-from .detect import _metrics, _rms
+from .detect import entry_metrics, rms
 
 __all__ = ["TensorBoardSink", "record_samples", "record_scalars", "tag"]
 
@@ -76,7 +76,7 @@ def record_scalars(record: dict[str, Any]) -> dict[str, float]:
         return out
     for e in record.get("entries", ()):
         stage, layer, site = e["stage"], e.get("layer"), e.get("site") or ""
-        for metric, v in _metrics(e).items():
+        for metric, v in entry_metrics(e).items():
             if isinstance(v, list):
                 for h, vh in enumerate(v):
                     if vh is not None:
@@ -102,7 +102,7 @@ def record_samples(record: dict[str, Any]) -> tuple[dict[str, list[float]], dict
             flags = [not _finite(v) for v in series["samples/loss"]]
             base = "samples/loss"
         elif "sumsq" in d:
-            series = {f"samples/{name}/rms": [_rms(s, n) for s, n in zip(d["sumsq"], d["n"], strict=False)],
+            series = {f"samples/{name}/rms": [rms(s, n) for s, n in zip(d["sumsq"], d["n"], strict=False)],
                       f"samples/{name}/max": list(d.get("max") or [])}
             flags = [c > 0 for c in d.get("nonfinite") or []]
             base = f"samples/{name}"

@@ -345,6 +345,8 @@ def test_ddp_two_gloo_ranks(tmp_path):
         if "max_logit" in e:
             both = zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)
             assert e["max_logit"] == pytest.approx([max(a, b) for a, b in both], rel=1e-6)
+        if e["stage"] == "grad":  # each rank's own gradient, not the all-reduced average both ranks end with
+            assert mine[0]["sumsq"] != pytest.approx(mine[1]["sumsq"], rel=1e-3), e
 
 
 def test_hugging_face_llama_left_padding(tmp_path):

@@ -16,13 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from command_runner import run_command
-from trace_models import GPT, layer_groups
+from trace_models import FAULT, GPT, STEPS, B, T, V, train
 
 from normscope.errors import InputError
 from normscope.tracing import command, diagnose, read_run, trace
 from normscope.tracing.store import TRACE_FILE
-
-STEPS, FAULT, B, T, V = 24, 16, 4, 16, 64
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,29 +29,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def train(run_dir, fault=None, steps=STEPS, every=1, eager=False, accumulate=1, embeds=False, **kw):
-    """A small AdamW training run on random tokens; ``fault(model, opt, step, batch)`` may change the step."""
-    torch.manual_seed(0)
-    model = GPT(vocab=V, t=T, eager=eager)
-    opt = torch.optim.AdamW(layer_groups(model, 3e-3))
-    g = torch.Generator().manual_seed(1)
-    with trace(model, run_dir, every=every, **kw) as tr:
-        for step in range(steps):
-            for _ in range(accumulate):
-                targets = torch.randint(0, V, (B, T), generator=g)
-                batch = {"embeds": torch.randn(B, T, 32, generator=g)} if embeds else {"idx": targets}
-                undo = fault(model, opt, step, batch) if fault else None
-                logits = model(**batch)
-                losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
-                (losses.mean() / accumulate).backward()
-            opt.step()
-            opt.zero_grad()
-            tr.step(step, loss=losses.mean().item(), sample_ids=[f"s{step}-{i}" for i in range(B)], losses=losses)
-            if undo:
-                undo()
-    return model, tr
 
 
 def first(run_dir):
@@ -370,6 +345,8 @@ def test_ddp_two_gloo_ranks(tmp_path):
         if "max_logit" in e:
             both = zip(mine[0]["max_logit"], mine[1]["max_logit"], strict=True)
             assert e["max_logit"] == pytest.approx([max(a, b) for a, b in both], rel=1e-6)
+        if e["stage"] == "grad":  # each rank's own gradient, not the all-reduced average both ranks end with
+            assert mine[0]["sumsq"] != pytest.approx(mine[1]["sumsq"], rel=1e-3), e
 
 
 def test_hugging_face_llama_left_padding(tmp_path):
@@ -468,3 +445,88 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
         assert upd[g]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-12)
         assert upd[g]["max"] == pytest.approx(mx, rel=1e-5, abs=1e-12)
         assert upd[g]["param_sumsq"] == pytest.approx(ps, rel=1e-4)
+
+
+def test_logit_entropy_exact_and_float_masks():
+    """The entropy equals -Σ p log p on the sampled rows; fill values of float masks (finfo.min, -10000) are masked
+    keys, not logits of magnitude 3e38."""
+    from normscope.tracing import recorder as rec
+
+    torch.manual_seed(0)
+    b, h, t, d = 3, 4, 64, 8
+    q, k, v = (torch.randn(b, h, t, d) * 2 for _ in range(3))
+    pad = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    pad[2, ..., 40:] = False
+    full = (q @ k.transpose(-2, -1)) / math.sqrt(d)
+    for kw in ({"is_causal": True}, {"attn_mask": pad},
+               {"attn_mask": torch.where(pad, 0.0, torch.finfo(torch.float32).min)},
+               {"attn_mask": torch.where(pad, 0.0, -10000.0)}):
+        logits, masked = rec._sdpa_logits((q, k, v), kw)
+        st = rec._logit_stats(logits, masked, owned=True)
+        m = masked.expand(b, h, t, t)
+        rows = slice(None, None, max(1, t // rec.ENTROPY_ROWS))
+        p = full.masked_fill(m, -math.inf)[:, :, rows].softmax(-1)
+        live = ~m.all(-1)[:, :, rows]
+        want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
+        assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
+        assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
+        assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)
+
+
+def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp_path):
+    """Gradients are summarised when the backward ends (one batch for all parameters), before a clip rescales
+    them in place; between recorded steps the model carries no hook of the tracer's."""
+    torch.manual_seed(0)
+    model = GPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 64, (2, 8))
+    hooks = []
+    with trace(model, tmp_path / "run", every=2) as tr:
+        for step in range(4):
+            hooks.append(len(model._forward_pre_hooks) + sum(len(p._post_accumulate_grad_hooks or {})
+                                                             for p in model.parameters()))
+            model(idx).float().pow(2).mean().backward()
+            raw = {id(p): float(p.grad.double().pow(2).sum()) for p in model.parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place, after the backward
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                got, want = dict(tr._grads), raw
+            tr.step(step)
+    assert hooks[1] == hooks[3] == 0 and hooks[0] > 0 and hooks[2] == hooks[0]
+    assert len(model._forward_pre_hooks) == 0
+    assert set(got) == set(want)
+    for k, ss in want.items():
+        assert got[k]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-20)
+    assert diagnose(tmp_path / "run").steps == [0, 2]
+
+
+def test_sinks_receive_every_record_and_a_failing_sink_is_disabled(tmp_path, caplog):
+    class Keep:
+        def __init__(self):
+            self.records, self.closed = [], False
+
+        def write(self, rec):
+            self.records.append(rec)
+
+        def close(self):
+            self.closed = True
+
+    class Broken:
+        def write(self, rec):
+            raise OSError("disk full")
+
+    keep = Keep()
+    train(tmp_path / "run", steps=3, sinks=[Broken(), keep])
+    assert [r["kind"] for r in keep.records] == ["header", "step", "step", "step", "end"] and keep.closed
+    d = diagnose(tmp_path / "run")
+    assert d.steps == [0, 1, 2]
+    assert keep.records[-1]["errors"][0]["probe"] == "sink 0" and "disk full" in caplog.text
+    with pytest.raises(InputError, match="no write"):
+        trace(GPT(), tmp_path / "x", sinks=[object()])
+
+
+def test_record_times_keep_their_precision(tmp_path):
+    train(tmp_path, steps=2)
+    times = [json.loads(line)["time"] for line in (tmp_path / TRACE_FILE).read_text().splitlines()]
+    assert all(t != float(f"{t:.7g}") for t in times)  # not rounded to 7 digits (1000 s at today's epoch)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normscope.tracing import trace
+
 
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int, eager: bool = False):
@@ -79,3 +81,29 @@ def layer_groups(model: GPT, lr: float) -> list[dict]:
     inner = {id(p) for b in model.h for p in b.parameters()}
     return ([{"params": list(b.parameters()), "lr": lr} for b in model.h]
             + [{"params": [p for p in model.parameters() if id(p) not in inner], "lr": lr}])
+
+
+STEPS, FAULT, B, T, V = 24, 16, 4, 16, 64
+
+
+def train(run_dir, fault=None, steps=STEPS, every=1, eager=False, accumulate=1, embeds=False, **kw):
+    """A small AdamW training run on random tokens; ``fault(model, opt, step, batch)`` may change the step."""
+    torch.manual_seed(0)
+    model = GPT(vocab=V, t=T, eager=eager)
+    opt = torch.optim.AdamW(layer_groups(model, 3e-3))
+    g = torch.Generator().manual_seed(1)
+    with trace(model, run_dir, every=every, **kw) as tr:
+        for step in range(steps):
+            for _ in range(accumulate):
+                targets = torch.randint(0, V, (B, T), generator=g)
+                batch = {"embeds": torch.randn(B, T, 32, generator=g)} if embeds else {"idx": targets}
+                undo = fault(model, opt, step, batch) if fault else None
+                logits = model(**batch)
+                losses = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+                (losses.mean() / accumulate).backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step(step, loss=losses.mean().item(), sample_ids=[f"s{step}-{i}" for i in range(B)], losses=losses)
+            if undo:
+                undo()
+    return model, tr

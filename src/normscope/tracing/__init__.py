@@ -21,9 +21,10 @@ _LAZY = {
     "STAGES": ".detect",
     "SCHEMA": ".store",
     "read_run": ".store",
+    "TensorBoardSink": ".sinks",
 }
 
-__all__ = ["SCHEMA", "STAGES", "Anomaly", "Diagnosis", "Tracer", "diagnose", "read_run", "trace"]
+__all__ = ["SCHEMA", "STAGES", "Anomaly", "Diagnosis", "TensorBoardSink", "Tracer", "diagnose", "read_run", "trace"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
@@ -31,4 +32,5 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 if TYPE_CHECKING:
     from .detect import STAGES, Anomaly, Diagnosis, diagnose
     from .recorder import Tracer, trace
+    from .sinks import TensorBoardSink
     from .store import SCHEMA, read_run

@@ -98,7 +98,7 @@ class Diagnosis:
             for e in rec["entries"]:
                 if e["stage"] != stage or e["layer"] != layer or (site is not None and e["site"] != site):
                     continue
-                v = _metrics(e).get(metric)
+                v = entry_metrics(e).get(metric)
                 if isinstance(v, list):
                     v = v[head or 0] if v else None
                 if v is not None:
@@ -121,14 +121,14 @@ class Diagnosis:
 
 
 # ---------------------------------------------------------------------- metrics of one entry
-def _rms(sumsq, n) -> float | None:
+def rms(sumsq, n) -> float | None:
     return math.sqrt(sumsq / n) if n else None
 
 
-def _metrics(e: dict[str, Any]) -> dict[str, Any]:
+def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
     st = e["stage"]
     if st in _ACT or st == "grad":
-        out = {"rms": _rms(e["sumsq"], e["n"]), "max": e["max"], "nonfinite": e["nonfinite"] / max(e["n"], 1)}
+        out = {"rms": rms(e["sumsq"], e["n"]), "max": e["max"], "nonfinite": e["nonfinite"] / max(e["n"], 1)}
         if "max_scale_rms" in e:
             out["scale_rms"] = e["max_scale_rms"]
         if "min_row_rms" in e:
@@ -141,7 +141,7 @@ def _metrics(e: dict[str, Any]) -> dict[str, Any]:
     if st == "loss":
         return {"loss": e["sum"] / max(e["count"], 1), "nonfinite": e["nonfinite"]}
     if st == "update":
-        u, p = _rms(e["sumsq"], e["n"]), _rms(e["param_sumsq"], e["n"])
+        u, p = rms(e["sumsq"], e["n"]), rms(e["param_sumsq"], e["n"])
         return {"ratio": (u / p if p else (math.inf if u else 0.0)) if u is not None else None,
                 "nonfinite": e["nonfinite"] / max(e["n"], 1)}
     return {}
@@ -298,7 +298,7 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                     hist.append(fin)
         for pos, e in enumerate(entries):
             stage, layer, site = e["stage"], e["layer"], e["site"]
-            for metric, v in _metrics(e).items():
+            for metric, v in entry_metrics(e).items():
                 if metric == "min_row_rms" or (stage == "norm_output" and metric == "scale_rms" and v is None):
                     continue
                 if isinstance(v, list):

@@ -58,37 +58,74 @@ def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
 
 def act_stats(x: torch.Tensor) -> dict[str, float]:
     """Sum of squares, count, max |x| and non-finite count of a tensor (finite entries only), in float32."""
-    x = x.detach()
-    if not x.is_floating_point():
-        x = x.float()
-    if x.numel() == 0:
-        return {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
-    nrm, mx = torch.stack([torch.linalg.vector_norm(x, 2, dtype=torch.float32), _absmax(x)]).tolist()
-    ss = nrm ** 2
+    return batch_stats([x])[0]
+
+
+def batch_stats(xs: list[torch.Tensor], max_abs: bool = True) -> list[dict[str, float]]:
+    """:func:`act_stats` of several tensors: one norm kernel per (device, dtype) and one host transfer per group.
+
+    The fast path is a 2-norm and a min/max per tensor; a tensor whose numbers come back non-finite (or overflow)
+    is summarised again exactly, its non-finite entries counted and left out. ``max_abs=False`` skips the min/max
+    pass (no ``"max"`` in the result).
+    """
+    out: list[dict[str, float] | None] = [None] * len(xs)
+    todo: dict[tuple, list[int]] = {}
+    ts = []
+    for i, x in enumerate(xs):
+        x = x.detach()
+        if not x.is_floating_point():
+            x = x.float()
+        ts.append(x)
+        if x.numel() == 0:
+            out[i] = {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
+        else:
+            todo.setdefault((x.device, x.dtype), []).append(i)
+    for ids in todo.values():
+        group = [ts[i] for i in ids]
+        norms = torch._foreach_norm(group, 2, dtype=torch.float32) if len(group) > 1 else \
+            [torch.linalg.vector_norm(group[0], 2, dtype=torch.float32)]
+        ends = [torch.aminmax(x) for x in group] if max_abs else []
+        cols = torch.stack([*norms, *(e.min.float() for e in ends), *(e.max.float() for e in ends)]).tolist()
+        n = len(group)
+        for j, i in enumerate(ids):
+            out[i] = _finish(ts[i], cols[j], *((cols[n + j], cols[2 * n + j]) if max_abs else (None, None)))
+    return out  # type: ignore[return-value]
+
+
+def _finish(x: torch.Tensor, nrm: float, lo: float | None, hi: float | None) -> dict[str, float]:
+    ss, mx = nrm ** 2, (None if lo is None else max(hi, -lo))
     bad = 0
-    if not (math.isfinite(ss) and math.isfinite(mx)):
+    if not (math.isfinite(ss) and (mx is None or math.isfinite(mx))):
         fin = torch.isfinite(x)
         bad = int(x.numel() - int(fin.sum()))
         x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
         ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
-        mx = float(_absmax(x))
-    return {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
+        mx = None if mx is None else float(_absmax(x))
+    st = {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
+    if mx is None:
+        del st["max"]
+    return st
 
 
 def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
+    """:func:`act_stats` per sample (dim 0); the non-finite entries are looked for only when the sums say so."""
     x = x.detach()
     if x.dim() == 0:
         x = x.reshape(1)
     flat = x.reshape(x.shape[0], -1)
     if not flat.is_floating_point():
         flat = flat.float()
-    fin = torch.isfinite(flat)
-    bad = (~fin).sum(1)
-    if bool(bad.any()):
+    rows = flat.shape[0]
+    ss, mx = torch.stack([torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2,
+                          _absmax(flat, dim=1)]).tolist() if rows else ([], [])
+    bad = [0] * rows
+    if not all(math.isfinite(v) for v in ss + mx):
+        fin = torch.isfinite(flat)
+        bad = (~fin).sum(1).tolist()
         flat = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype))
-    ss = torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2
-    mx = _absmax(flat, dim=1)
-    return {"sumsq": ss.tolist(), "n": [flat.shape[1]] * flat.shape[0], "max": mx.tolist(), "nonfinite": bad.tolist()}
+        ss = (torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2).tolist()
+        mx = _absmax(flat, dim=1).tolist()
+    return {"sumsq": ss, "n": [flat.shape[1]] * rows, "max": mx, "nonfinite": bad}
 
 
 def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
@@ -113,16 +150,17 @@ def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 _MEMO = 4  # activations whose statistics a forward keeps for reuse
-ENTROPY_ROWS = 32  # query rows per (sample, head) the softmax entropy is averaged over
+ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
+MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
 
 
-def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
+def _logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, list]:
     """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum.
 
     ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
     or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
     entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
-    its cost on long sequences.
+    its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
     """
     lg = logits.detach()
     if lg.dim() < 3:
@@ -138,20 +176,27 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
     heads, tq = lg.shape[1], lg.shape[2]
     # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
     # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
-    live = lg * (~m).to(lg.dtype)
+    keep = (~m).to(lg.dtype)
+    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
     mx = _absmax(live, dim=(0, 2, 3))
     bad = 0
     if not bool(torch.isfinite(mx).all()):
-        live = torch.where(m, torch.zeros((), dtype=lg.dtype), lg)
+        live = torch.where(m, torch.zeros((), dtype=lg.dtype), live)
         nan = ~torch.isfinite(live)
         bad = int(nan.sum())
-        mx = _absmax(live.masked_fill(nan, 0), dim=(0, 2, 3))
+        live = live.masked_fill(nan, 0)
+        mx = _absmax(live, dim=(0, 2, 3))
     full = m.all(-1).expand(lg.shape[:3])  # (B, H, Tq), a view when the mask is shared
     stride = max(1, tq // ENTROPY_ROWS)
     msub = m[:, :, ::stride] if m.shape[2] > 1 else m
-    sub = lg[:, :, ::stride].float()
-    logp = torch.log_softmax(torch.where(msub, -math.inf, sub), -1)
-    ent = -(logp.exp() * torch.where(msub, 0.0, logp)).sum(-1)  # (B, H, rows)
+    sub = live[:, :, ::stride].float()  # masked entries are 0 here
+    # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
+    # maximum; exp sees no -inf or far-negative argument (both take a slow path): masked keys are zeroed after it
+    top = (sub + torch.zeros(msub.shape, dtype=sub.dtype).masked_fill_(msub, -math.inf)).amax(-1, keepdim=True)
+    e = (sub - top).clamp_(max=0).exp_().mul_((~msub).to(sub.dtype))
+    s = e.sum(-1)
+    pz = torch.linalg.vecdot(e, sub).div_(s)
+    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (B, H, rows)
     ok = torch.isfinite(ent) & ~full[:, :, ::stride]
     ent = ent.masked_fill(~ok, 0)
     return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
@@ -159,8 +204,12 @@ def _logit_stats(logits: torch.Tensor, masked: torch.Tensor) -> dict[str, list]:
             "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": bad}
 
 
-def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits SDPA computes, and their mask in its own broadcastable shape (not expanded)."""
+def _sdpa_logits(args, kwargs, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits SDPA computes (a private tensor), and their mask in its own broadcastable shape (not expanded).
+
+    A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
+    below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
+    """
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     b = dict(zip(names, args, strict=False))
     b.update(kwargs)
@@ -169,7 +218,14 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = b.get("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q.float() * scale, k.float().transpose(-2, -1))  # scaling q: a pass over q, not logits
+    # scaling q (a pass over q, not over the logits) into contiguous memory: a strided batched matmul is slower
+    qs = torch.mul(q.float(), scale, out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
+    kt = k.float().contiguous().transpose(-2, -1)
+    if buffer is not None and qs.dim() >= 2 and kt.dim() >= 2:  # ``buffer(shape, device)``: reused memory
+        shape = torch.Size((*torch.broadcast_shapes(qs.shape[:-2], kt.shape[:-2]), qs.shape[-2], kt.shape[-1]))
+        logits = torch.matmul(qs, kt, out=buffer(shape, qs.device))
+    else:
+        logits = torch.matmul(qs, kt)
     tq, tk = logits.shape[-2], logits.shape[-1]
     masked = torch.zeros((1, 1), dtype=torch.bool)
     m = b.get("attn_mask")
@@ -178,8 +234,13 @@ def _sdpa_logits(args, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if m.dtype == torch.bool:
             masked = masked | ~m
         else:
-            logits = logits + m.float()
-            masked = masked | (logits == -math.inf)
+            m = m.float()
+            hard = m <= MASK_BIAS
+            masked = masked | hard
+            soft = m.masked_fill(hard, 0)
+            if bool(soft.any()):  # a real bias (ALiBi, relative positions) on the unmasked keys
+                logits = logits.add_(soft) if soft.dim() <= logits.dim() and torch.broadcast_shapes(
+                    soft.shape, logits.shape) == logits.shape else logits + soft
     if b.get("is_causal"):
         causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
         masked = masked | ~causal
@@ -219,7 +280,7 @@ class Tracer:
     """The live recorder; use :func:`trace` (a context manager) rather than building one directly."""
 
     def __init__(self, model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, layers=None,
-                 record_eval: bool = False, meta: dict[str, Any] | None = None):
+                 record_eval: bool = False, meta: dict[str, Any] | None = None, sinks=()):
         if not isinstance(model, torch.nn.Module):
             raise InputError(f"trace takes a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -229,11 +290,18 @@ class Tracer:
         self.every = every
         self.record_eval = record_eval
         self.meta = dict(meta or {})
+        self.sinks = list(sinks or ())
+        for i, sink in enumerate(self.sinks):
+            if not callable(getattr(sink, "write", None)):
+                raise InputError(f"sinks[{i}] ({type(sink).__name__}) has no write(record) method; a sink takes each "
+                                 "record the tracer writes (see normscope.tracing.sinks)")
         self.disabled: set[str] = set()
         self.errors: list[dict[str, Any]] = []
         self._busy = False
         self._in_norm = 0
         self._handles: list[Any] = []
+        self._open = False
+        self._buffers: dict[Any, torch.Tensor] = {}  # reused memory while steps in a row are recorded
         self._streams: list[dict[str, Any]] = []  # one per active block call
         self._file = None
         self._mode: _Mode | None = None
@@ -316,11 +384,19 @@ class Tracer:
         self.close()
 
     def open(self) -> None:
+        self._open = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
             self._write({"schema": SCHEMA, "kind": "header", "every": self.every, "world_size": self.world,
                          "time": time.time(), **self.meta})
+        if self.recording:
+            self._attach()
+
+    def _attach(self) -> None:
+        """Install the hooks (at a recorded step); between recorded steps none is installed, so they cost nothing."""
+        if self._handles:
+            return
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
@@ -339,16 +415,22 @@ class Tracer:
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
 
-    def close(self) -> None:
+    def _detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def close(self) -> None:
+        self._open = False
+        self._detach()
+        self._buffers.clear()
         self._exit_mode()
         if self._file is not None:
             self._write({"kind": "end", "time": time.time(), "last_step": self._last_step,
                          "disabled": sorted(self.disabled), "errors": self.errors})
             self._file.close()
             self._file = None
+            self._close_sinks()
 
     # ------------------------------------------------------------------ failure handling
     def _guard(self, probe: str, fn, *args):
@@ -357,7 +439,8 @@ class Tracer:
         busy = self._busy
         self._busy = True
         try:
-            return fn(*args)
+            with torch._C.DisableTorchFunction():  # the probe's own ops do not pass through the mode again
+                return fn(*args)
         except Exception as exc:  # never break training
             self._fail(probe, exc)
             return None
@@ -381,6 +464,8 @@ class Tracer:
         self._old: dict[int, torch.Tensor] = {}
         self._counters: dict[tuple, int] = {}
         self._memo: dict[int, tuple[torch.Tensor, int, dict[str, Any]]] = {}
+        self._grad_batch: dict[int, torch.Tensor] = {}
+        self._grad_queued = False
 
     def _add(self, stage: str, layer: int | None, site: str, stats: dict[str, Any]) -> None:
         key = (stage, layer, site)
@@ -542,8 +627,8 @@ class Tracer:
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
-        logits, masked = _sdpa_logits(args, kwargs)
-        self._logits(logits, masked)
+        logits, masked = _sdpa_logits(args, kwargs, self._logit_buffer)
+        self._logits(logits, masked, owned=True)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
@@ -553,13 +638,13 @@ class Tracer:
         lo = torch.finfo(x.dtype).min / 2
         self._logits(x, x <= lo)
 
-    def _logits(self, logits: torch.Tensor, masked: torch.Tensor) -> None:
+    def _logits(self, logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> None:
         layer = self._layer()
         if self._streams:
             self._streams[-1]["attn"] = True
         k = self._counters.get(("attn", layer), 0)
         self._counters[("attn", layer)] = k + 1
-        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked))
+        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked, owned))
 
     def _residual(self, args, out) -> None:
         s = self._streams[-1]
@@ -585,16 +670,30 @@ class Tracer:
 
     # ------------------------------------------------------------------ gradients and updates
     def _grad_hook(self, p: torch.Tensor) -> None:
+        """A parameter's gradient is final for this backward: summarise it when the backward ends.
+
+        The parameters of one backward are summarised together in a callback the autograd engine runs at its end
+        (before a clip or an optimizer step can change them), with one kernel per statistic for all of them.
+        """
         if not self.recording or "grad" in self.disabled or p.grad is None:
             return
-        busy = self._busy
-        self._busy = True
+        self._grad_batch[id(p)] = p
+        if self._grad_queued:
+            return
         try:
-            self._grads[id(p)] = act_stats(p.grad)  # the accumulated gradient: the last call wins
-        except Exception as exc:
-            self._fail("grad", exc)
-        finally:
-            self._busy = busy
+            torch.autograd.Variable._execution_engine.queue_callback(self._grad_flush)
+            self._grad_queued = True
+        except Exception:  # not inside a backward the engine runs (or no such API): summarise now
+            self._grad_flush()
+
+    def _grad_flush(self) -> None:
+        self._grad_queued = False
+        batch, self._grad_batch = self._grad_batch, {}
+        self._guard("grad", self._grad_stats, [p for p in batch.values() if p.grad is not None])
+
+    def _grad_stats(self, params: list[torch.Tensor]) -> None:
+        for p, st in zip(params, batch_stats([p.grad for p in params]), strict=True):
+            self._grads[id(p)] = st  # the accumulated gradient: the last backward wins
 
     def _own(self, optimizer) -> list[torch.Tensor]:
         ids = self.param_group
@@ -606,12 +705,26 @@ class Tracer:
         try:
             with torch.no_grad():
                 own = self._own(optimizer)
-                if own:  # one batched copy (a foreach kernel) instead of a clone per parameter
-                    olds = torch._foreach_mul([p.detach() for p in own], 1)
-                    self._old.update(zip(map(id, own), olds, strict=True))
+                if own:  # one batched copy into buffers kept while steps in a row are recorded
+                    bufs = [self._copy_buffer(p) for p in own]
+                    torch._foreach_copy_(bufs, [p.detach() for p in own])
+                    self._old.update(zip(map(id, own), bufs, strict=True))
         except Exception as exc:
             self._old.clear()
             self._fail("update", exc)
+
+    def _copy_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        """A buffer for the parameter's value before the step (fresh memory each step costs its page faults)."""
+        b = self._buffers.get(id(p))
+        if b is None or b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
+            b = self._buffers[id(p)] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return b
+
+    def _logit_buffer(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        b = self._buffers.get("logits")
+        if b is None or b.shape != shape or b.device != device:
+            b = self._buffers["logits"] = torch.empty(shape, dtype=torch.float32, device=device)
+        return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
         if not self._old or "update" in self.disabled:
@@ -624,18 +737,10 @@ class Tracer:
                 new = [p.detach() for p in own]
                 diff = [self._old[id(p)] for p in own]
                 torch._foreach_sub_(diff, new)  # old - new, in place in the copies: the update, negated
-                # per parameter: |update|_2, max |update|, |param|_2, all fetched in one host transfer
-                f32 = torch.float32
-                umax = [_absmax(d) if d.numel() else d.new_zeros((), dtype=f32) for d in diff]
-                cols = [torch._foreach_norm(diff, 2, dtype=f32), umax, torch._foreach_norm(new, 2, dtype=f32)]
-                rows = torch.stack([torch.stack([c[i].float() for c in cols]) for i in range(len(own))]).tolist()
-                for p, d, (un, umx, pn) in zip(own, diff, rows, strict=True):
-                    if math.isfinite(un) and math.isfinite(umx) and math.isfinite(pn):
-                        st = {"sumsq": un ** 2, "n": d.numel(), "max": umx, "nonfinite": 0, "param_sumsq": pn ** 2}
-                    else:  # non-finite entries: the exact per-tensor path
-                        us, ps = act_stats(d), act_stats(p)
-                        st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                              "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
+                moves, sizes = batch_stats(diff), batch_stats(new, max_abs=False)
+                for p, us, ps in zip(own, moves, sizes, strict=True):
+                    st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
+                          "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
                     g = self.param_group[id(p)]
                     acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
                                                        "param_sumsq": 0.0})
@@ -656,8 +761,17 @@ class Tracer:
             self._last_step = int(step) if isinstance(step, int) else self._last_step + 1
             self.recording = (self._last_step + 1) % self.every == 0
             self._reset()
+            if not self.recording:
+                self._buffers.clear()
+            if self._open:
+                try:
+                    self._attach() if self.recording else self._detach()
+                except Exception as exc:
+                    self._fail("writer", exc)
 
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
+        if self._grad_batch:  # a backward whose end-callback did not run
+            self._grad_flush()
         entries = []
         for (stage, layer, site), st in self._acc.items():
             entries.append({"stage": stage, "layer": layer, "site": site, **st})
@@ -714,16 +828,34 @@ class Tracer:
             return
         self._file.write(_dumps(rec) + "\n")
         self._file.flush()  # a killed process loses at most the step in flight
+        for i, sink in enumerate(self.sinks):
+            probe = f"sink {i}"
+            if probe in self.disabled:
+                continue
+            try:
+                sink.write(rec)
+            except Exception as exc:  # a failing sink is disabled; the JSONL store goes on
+                self._fail(probe, exc)
+
+    def _close_sinks(self) -> None:
+        for i, sink in enumerate(self.sinks):
+            close = getattr(sink, "close", None)
+            if callable(close):
+                try:
+                    close()
+                except Exception as exc:
+                    self._fail(f"sink {i}", exc)
 
 
-def _short(v):
-    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length."""
+def _short(v, key: str = ""):
+    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length. Times (the
+    ``time`` fields, seconds since the epoch) keep their full precision."""
     if isinstance(v, float):
-        return float(f"{v:.7g}") if math.isfinite(v) else v
+        return float(f"{v:.7g}") if math.isfinite(v) and key != "time" else v
     if isinstance(v, list):
         return [_short(x) for x in v]
     if isinstance(v, dict):
-        return {k: _short(x) for k, x in v.items()}
+        return {k: _short(x, k) for k, x in v.items()}
     return v
 
 
@@ -734,12 +866,14 @@ def _dumps(rec) -> str:
 
 
 def trace(model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, *, layers=None,
-          record_eval: bool = False, meta: dict[str, Any] | None = None) -> Tracer:
+          record_eval: bool = False, meta: dict[str, Any] | None = None, sinks=()) -> Tracer:
     """Record the residual chain of ``model`` into ``run_dir`` (``trace.jsonl``, schema ``normscope.trace/1``).
 
     Use as a context manager and call ``tr.step(step, loss=..., sample_ids=..., losses=...)`` once per optimizer
-    step, after it. ``every``: record every N-th step (others cost nothing but a flag test). ``layers``: the block
+    step, after it. ``every``: record every N-th step (between them no hook is installed). ``layers``: the block
     modules (or their names) when the repeated-module discovery does not find them. ``record_eval``: also record
-    forwards run with gradients disabled (evaluation); by default they are ignored.
+    forwards run with gradients disabled (evaluation); by default they are ignored. ``sinks``: objects with
+    ``write(record)`` (and optionally ``close()``) that also receive every record written on rank 0, e.g.
+    :class:`normscope.tracing.sinks.TensorBoardSink`; a sink that raises is disabled, the store goes on.
     """
-    return Tracer(model, run_dir, every=every, layers=layers, record_eval=record_eval, meta=meta)
+    return Tracer(model, run_dir, every=every, layers=layers, record_eval=record_eval, meta=meta, sinks=sinks)

@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .detect import Diagnosis
+from .detect import Diagnosis, rms
 
 MAX_ROWS = 25
 
@@ -79,8 +79,8 @@ def _by_layer(d: Diagnosis, stage: str, pick) -> dict[Any, tuple[list[int], list
 
 
 def _rms(es) -> float | None:
-    n = sum(e["n"] for e in es)
-    return math.sqrt(sum(e["sumsq"] for e in es) / n) if n else None
+    """The RMS over several entries (their sums of squares and counts pooled)."""
+    return rms(sum(e["sumsq"] for e in es), sum(e["n"] for e in es))
 
 
 def _figures(d: Diagnosis) -> list[tuple[str, str]]:

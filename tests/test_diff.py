@@ -201,6 +201,52 @@ def test_grad_fault_only_in_the_backward_is_named(llama):
     assert "gradients, first divergence: " + SITE in out.getvalue() and "dx " in out.getvalue()
 
 
+class _KwargsRMSNorm(torch.nn.Module):
+    """An RMSNorm written by a user, called as ``norm(hidden_states=x)``; ``detach=True`` stops the gradient
+    through its statistics (forward exact, backward wrong)."""
+
+    def __init__(self, detach: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(D, generator=torch.Generator().manual_seed(5)) + 0.5)
+        self.detach = detach
+
+    def forward(self, hidden_states):
+        v = hidden_states.pow(2).mean(-1, keepdim=True)
+        v = v.detach() if self.detach else v
+        return self.weight * (hidden_states * torch.rsqrt(v + 1e-6))
+
+
+class _KwargsModel(torch.nn.Module):
+    def __init__(self, detach: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.fc = torch.nn.Linear(D, D)
+        self.norm = _KwargsRMSNorm(detach)
+        self.head = torch.nn.Linear(D, D)
+        with torch.no_grad():
+            for p in (*self.fc.parameters(), *self.head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x):
+        return self.head(self.norm(hidden_states=self.fc(x)))
+
+
+def test_grad_module_called_with_keyword_arguments_only():
+    """The norm's input reaches it as a keyword argument: it still gets an own gradient error, and a backward
+    fault there is named."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(7))
+    ref, bad = _KwargsModel().eval(), _KwargsModel(detach=True).eval()
+    clean = diff(ref, None, x, candidate_dtype="bfloat16", grad=True, progress=False)
+    assert not clean.diverged, clean.summary()
+    site = next(s for s in clean.grad_sites if s.name == "norm")
+    assert site.own is not None and site.elementwise is not None and site.elementwise["max_ratio"] <= 1
+    assert clean.site("norm").elementwise is not None  # the forward's error model finds the keyword input too
+    d = diff(ref, bad, x, grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence == "norm", d.summary()
+    s = next(s for s in d.grad_sites if s.name == "norm")
+    assert s.elementwise["gradient"] == "dx" and s.elementwise["max_ratio"] > 10, s.bound_rule
+
+
 class _LayerNormAsRMS(torch.nn.Module):
     """A LlamaRMSNorm ported as a LayerNorm (mean subtracted)."""
 
@@ -368,6 +414,12 @@ def test_json_render_plot_and_cli(tmp_path, llama, capsys):
     assert data["grad"] and data["grad_first_divergence"] is None and data["grad_sites"] and data["param_grads"]
     with pytest.raises(InputError, match="--candidate-dtype"):
         command.run(parser.parse_args(["diff", "scan_models:pre_model"]), Console())
+    args = parser.parse_args(["diff", "scan_models:pre_model", "--autocast", "bfloat16", "--inputs", "ids:2,6",
+                              "--json"])
+    assert command.run(args, Console()) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["autocast"] == "bfloat16" and data["first_divergence"] is None
+    assert {s["dtype"] for s in data["sites"] if s["cls"] == "Linear"} == {"bfloat16"}
 
 
 # ---------------------------------------------------------------------------------------------- trained MiniLM
@@ -389,6 +441,54 @@ def test_minilm_bf16_clean_and_injected_fault(minilm):
     d = diff(model, bad, inputs, candidate_dtype="bfloat16", progress=False)
     assert d.first_divergence == site, d.summary()
     assert d.site(site).elementwise["max_ratio"] > 3, d.site(site).bound_rule
+
+
+def test_minilm_autocast_clean_sites_at_their_own_dtypes_and_fault(minilm):
+    """Under CPU autocast (torch 2.13) linears run at bf16 while LayerNorm runs at its input's dtype (fp32 here):
+    each site is judged at the dtype it ran at. bf16 noise is no divergence; an ε that bf16 rounding would hide
+    is seen at fp32 in the LayerNorm that autocast leaves in fp32."""
+    model, inputs = minilm
+    snap = _snapshot(model)
+    d = diff(model, None, inputs, autocast="bfloat16", progress=False)
+    assert d.first_divergence is None and d.autocast == "bfloat16", d.summary()
+    assert "autocast bfloat16" in d.summary() and "autocast(cpu, bfloat16)" in d.candidate
+    own = [s for s in d.sites if s.own is not None]
+    linears = [s for s in own if s.cls == "Linear"]
+    norms = [s for s in own if s.kind == "norm"]
+    assert len(linears) == 37 and len(norms) == 13  # 6 per layer and the pooler
+    # the linears' own errors are bf16 noise, bounded by their twin (the same module under the same autocast)
+    assert all(s.dtype == "bfloat16" and 1e-3 < s.own_error <= s.bound for s in linears)
+    # the LayerNorms ran at fp32 on the reference's fp32 input: exact, judged by the error model at fp32
+    assert all(s.dtype == "float32" and s.own_error < 1e-6 and s.elementwise["ok"] for s in norms)
+    assert all("at float32" in s.bound_rule for s in norms)
+    assert max(s.propagated_error for s in d.sites if s.propagated) > 1e-3  # the forward itself is at bf16
+    _unchanged(model, snap)
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    bad = _altered(model, site, lambda m: setattr(m, "eps", 1e-3))
+    d = diff(model, bad, inputs, autocast="bfloat16", progress=False)
+    assert d.first_divergence == site, d.summary()
+    assert d.site(site).dtype == "float32" and d.site(site).elementwise["max_ratio"] > 100
+    assert all(t.status in ("within", "propagated") for t in d.sites[:d.site(site).order])
+    assert "expected ε=1e-12; found ε=0.001" in d.divergence["differences"], d.divergence
+
+
+def test_autocast_gradients_and_bad_input(llama):
+    snap = _snapshot(llama)
+    d = diff(llama, None, _hf_inputs(), autocast="bf16", grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence is None, d.summary()
+    own = [s for s in d.grad_sites if s.own is not None]
+    assert {s.dtype for s in own if s.cls == "Linear"} == {"bfloat16"}
+    assert {s.dtype for s in own if s.kind == "norm"} == {"float32"} and all(s.elementwise for s in own
+                                                                             if s.kind == "norm")
+    assert all(p.grad is None for p in llama.parameters())
+    _unchanged(llama, snap)
+    ref = Stack(["pre"]).eval()
+    with pytest.raises(InputError, match="not both"):
+        diff(ref, None, IDS, autocast="bfloat16", candidate_dtype="bfloat16", progress=False)
+    with pytest.raises(InputError, match="autocast must be one of"):
+        diff(ref, None, IDS, autocast="float32", progress=False)
+    with pytest.raises(InputError, match="autocast applies to torch candidates"):
+        diff(ref, b"onnx", IDS, autocast="bfloat16", progress=False)
 
 
 def test_minilm_onnx(minilm, tmp_path):

@@ -36,6 +36,7 @@ from . import contracts, metrics
 from .result import Diff, SiteDiff
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
+_AUTOCAST = ("bfloat16", "float16")
 _WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 _SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
@@ -96,9 +97,94 @@ def _model_dtype(model: torch.nn.Module) -> str:
     return "float32"
 
 
+def _device_type(model: torch.nn.Module) -> str:
+    """The device type autocast runs on: the model's first parameter's or buffer's (cpu without any)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dev = t.device.type
+        if not torch.amp.is_autocast_available(dev):
+            raise InputError(f"autocast is not available on {dev}; use candidate_dtype= instead")
+        return dev
+    return "cpu"
+
+
+def _input_at(args, kwargs, out: torch.Tensor | None = None) -> tuple[str, int | str] | None:
+    """Where a call's main input is: ``("arg", i)``, the first floating positional tensor, or for a module called
+    with keyword arguments only ``("kw", name)``, the floating keyword tensor of the output's shape (else the
+    first floating one); None without a floating tensor."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return "arg", i
+    floating = [k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not floating:
+        return None
+    same = [k for k in floating if out is not None and tuple(kwargs[k].shape) == tuple(out.shape)]
+    return "kw", (same or floating)[0]
+
+
+def _input(args, kwargs, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    at = _input_at(args, kwargs, out)
+    return None if at is None else (args if at[0] == "arg" else kwargs)[at[1]]
+
+
 def _versions(args) -> tuple:
     """The version counters of the positional tensors: a module that writes its input in place changes them."""
     return tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def _lowest(dtypes, default: str) -> str:
+    """The least precise of ``dtypes`` (torch dtypes or names): the one with the largest unit roundoff."""
+    from ..dtypes import UNIT_ROUNDOFF
+
+    names = {str(d).replace("torch.", "") for d in dtypes} & set(UNIT_ROUNDOFF)
+    return max(names, key=lambda n: UNIT_ROUNDOFF[n]) if names else default
+
+
+def _observer():
+    """A dispatch mode that records the floating dtypes the ops of a call produced. Under autocast it sits below
+    the autocast key: it sees each op after autocast cast its inputs, i.e. the dtype the op actually ran at."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.dtypes.add(t.dtype)
+            return out
+
+    return _Observed()
+
+
+class _Autocast:
+    """The candidate's execution context: ``torch.autocast`` on the model's device type at one dtype, or nothing.
+    ``observe()`` wraps a call and says the least precise dtype its ops ran at (None without autocast)."""
+
+    def __init__(self, dtype: str | None, device_type: str):
+        self.dtype, self.device_type = dtype, device_type
+
+    def __bool__(self) -> bool:
+        return self.dtype is not None
+
+    def __call__(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=getattr(torch, self.dtype))
+
+    @contextlib.contextmanager
+    def observe(self):
+        """Yields a list that holds, after the block, the least precise floating dtype produced inside it."""
+        seen: list[str] = []
+        if self.dtype is None:
+            yield seen
+            return
+        obs = _observer()
+        with self(), obs:
+            yield seen
+        seen.append(_lowest(obs.dtypes, ""))
 
 
 class _CallStack:
@@ -204,7 +290,8 @@ class _Record:
         self.used = False
 
 
-def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tuple[list[_Record], str | None, int]:
+def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
+                         context=contextlib.nullcontext) -> tuple[list[_Record], str | None, int]:
     """One forward of the candidate; the primary output of every module call, in completion order."""
     records: list[_Record] = []
     peak = [0]
@@ -225,7 +312,7 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tupl
 
     hooks = _Hooks(model, pre, post)
     error = None
-    with hooks.active(), torch.no_grad():
+    with hooks.active(), torch.no_grad(), context():
         try:
             model(*_cast(args, dtype), **_cast(kwargs, dtype, True))
         except Exception as exc:
@@ -327,14 +414,17 @@ def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
 
 
 # ---------------------------------------------------------------------------------------------- diff
-def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: bool = False, loss_fn=None,
-         keep: bool = False, progress=True) -> Diff:
+def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autocast=None, grad: bool = False,
+         loss_fn=None, keep: bool = False, progress=True) -> Diff:
     """Compare two executions of ``reference`` site by site; see the module docstring.
 
     ``candidate``: another torch module with the same architecture (aligned by module name, else by execution
     order and output shapes), an ONNX model (path, bytes or ``ModelProto``, run on onnxruntime), or None: the
     reference itself at ``candidate_dtype`` (a private copy). ``candidate_dtype`` ('bfloat16', 'float16',
-    'float32') also runs a torch candidate as a private copy at that dtype. ``inputs`` as in ``scan``.
+    'float32') also runs a torch candidate as a private copy at that dtype. ``autocast`` ('bfloat16',
+    'float16'; exclusive with ``candidate_dtype``): the candidate (the reference itself when None) runs as it is
+    under ``torch.autocast`` on its device type, and each site is judged at the dtype its ops were observed to
+    run at. ``inputs`` as in ``scan``.
     ``grad=True`` also compares the gradients of a scalar loss (the sum of the primary output, or
     ``loss_fn(output)``) site by site (:mod:`.gradients`; torch candidates only). ``keep=True`` keeps the
     first divergent site's input and outputs in ``Diff.tensors``.
@@ -350,9 +440,22 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
         if candidate_dtype not in _LOW:
             raise InputError(f"candidate_dtype must be one of {', '.join(_LOW)}; got {candidate_dtype!r}")
     onnx_cand = candidate is not None and _is_onnx(candidate)
-    if candidate is None and candidate_dtype is None:
-        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= to compare "
-                         "the reference with itself at a lower precision (e.g. candidate_dtype='bfloat16')")
+    if autocast is not None:
+        if candidate_dtype is not None:
+            raise InputError("give autocast= or candidate_dtype=, not both: autocast runs the candidate as it is under "
+                             "torch.autocast, candidate_dtype runs a private copy cast to that dtype")
+        try:
+            autocast = dtype_name(autocast)
+        except Exception as exc:
+            raise InputError(f"autocast: {exc}") from None
+        if autocast not in _AUTOCAST:
+            raise InputError(f"autocast must be one of {', '.join(_AUTOCAST)}; got {autocast!r}")
+        if onnx_cand:
+            raise InputError("an ONNX candidate runs as exported; autocast applies to torch candidates only")
+    if candidate is None and candidate_dtype is None and autocast is None:
+        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= (or "
+                         "autocast=) to compare the reference with itself at a lower precision (e.g. "
+                         "candidate_dtype='bfloat16')")
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
                          f"None; got a {type(candidate).__name__}")
@@ -371,13 +474,20 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
         reference.eval()
         # ------------------------------------------------------------------ the candidate's own forward
         cand_torch_dtype = None
+        ac = _Autocast(None, "cpu")
         if onnx_cand:
             say("running the ONNX candidate on onnxruntime")
             values, scopes, cand_desc = _onnx_values(candidate, args, kwargs)
             cand_dtype = "float32"
             cand_model = None
         else:
-            if candidate is None:
+            if autocast is not None:
+                if candidate is not None:
+                    stack.enter_context(untouched(candidate))
+                cand_model = reference if candidate is None else candidate.eval()
+                ac = _Autocast(autocast, _device_type(cand_model))
+                cand_desc = f"{type(cand_model).__name__} under autocast({ac.device_type}, {autocast})"
+            elif candidate is None:
                 cand_model = private_copy(reference).to(getattr(torch, candidate_dtype))
                 cand_desc = f"{type(reference).__name__} at {candidate_dtype} (a private copy)"
             elif candidate_dtype is not None:
@@ -388,14 +498,16 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 stack.enter_context(untouched(candidate))
                 cand_model = candidate.eval()
                 cand_desc = type(candidate).__name__
-            cand_dtype = candidate_dtype or _model_dtype(cand_model)
-            cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype else None
+            cand_dtype = autocast or candidate_dtype or _model_dtype(cand_model)
+            cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype and not ac else None
             say("running the candidate")
-            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype)
+            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype, ac)
             if cand_error:
                 notes.append(cand_error)
         twin = None
-        if cand_dtype != ref_dtype and not onnx_cand:
+        if ac:  # the reference's own modules under the same autocast (the candidate itself when it is the reference)
+            twin = reference
+        elif cand_dtype != ref_dtype and not onnx_cand:
             twin = cand_model if candidate is None else private_copy(reference).to(getattr(torch, cand_dtype))
         twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
         blocks = block_modules(reference)
@@ -492,7 +604,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
             own_site = (leaf or f["leaf_children"]) and id(module) not in block_or_above
             if not own_site or r.module is None:
                 return
-            if f["args"] and y is f["args"][0]:
+            x_in = _input(f["args"], kw, y)
+            if x_in is not None and y is x_in:
                 s.note = "returns its input (an identity in evaluation mode): nothing of its own to compare"
                 return
             if _versions(f["args"]) != f["versions"]:
@@ -503,7 +616,9 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 return
             with torch.no_grad():
                 try:
-                    yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype), **_cast(kw, cand_torch_dtype, True)))
+                    with ac.observe() as seen:
+                        yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype),
+                                               **_cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
                     s.status = "raised"
                     s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
@@ -513,30 +628,34 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 if not isinstance(yc, torch.Tensor):
                     s.note = "the candidate's module returned no tensor on the reference's input"
                     return
+                # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
+                site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else cand_dtype
+                s.dtype = site_dtype
                 s.own = metrics.errors(yc, y)
                 if "error" in s.own:
                     s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
                     _remember(first, s, module, r.module, f["args"], y, yc, keep)
                     return
                 if kind == "norm":
-                    v = contracts.judge(site_contracts, module, r.module, f["args"][0], y, yc, ref_dtype, cand_dtype) \
-                        if f["args"] and isinstance(f["args"][0], torch.Tensor) else {"error": "no tensor input"}
+                    v = contracts.judge(site_contracts, module, r.module, x_in, y, yc, ref_dtype, site_dtype) \
+                        if x_in is not None else {"error": "no floating tensor input"}
                     if "error" not in v:
                         s.elementwise = v
-                        s.bound, s.bound_rule = None, contracts.rule(v, cand_dtype)
+                        s.bound, s.bound_rule = None, contracts.rule(v, site_dtype)
                         s.status = "within" if v["ok"] else "diverged"
                         if s.status == "diverged":
                             _remember(first, s, module, r.module, f["args"], y, yc, keep)
                         return
                     s.note = f"judged by the dtype-derived rule: {v['error']}"
                 tw = None
-                if twin is not None and path in twin_modules:
+                if twin is not None and path in twin_modules and site_dtype != ref_dtype:
                     if twin is cand_model and r.module is twin_modules[path]:
                         tw = s.own["normalized"]
                     else:
                         try:
-                            yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
-                                                             **_cast(kw, cand_torch_dtype, True)))
+                            with ac():
+                                yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
+                                                                 **_cast(kw, cand_torch_dtype, True)))
                             tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
                         except Exception:
                             tw = None
@@ -544,11 +663,11 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                         tw = None
                         s.note = "the reference's module at the candidate's dtype is not finite here"
                 s.twin = tw
-            if twin is not None and s.twin is None:
-                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+            if twin is not None and s.twin is None and site_dtype != ref_dtype:
+                s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, None, n)
                 s.bound_rule += " (no faithful twin measured)"
             else:
-                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, s.twin, n)
+                s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, s.twin, n)
             s.status = "diverged" if s.own["normalized"] > s.bound else "within"
             if s.status == "diverged":
                 _remember(first, s, module, r.module, f["args"], y, yc, keep)
@@ -593,13 +712,13 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                              "reference's, so gradient sites are unmatched")
             from . import gradients
 
-            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype,
+            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype, ac=ac,
                               ref_dtype=ref_dtype, cand_dtype=cand_dtype, loss_fn=loss_fn,
                               own_site=lambda m, flag: flag and id(m) not in block_or_above,
                               site_contracts=site_contracts, say=say)
             notes.extend(g["notes"][:5])
     return Diff(reference=type(reference).__name__, candidate=cand_desc, reference_dtype=ref_dtype,
-                candidate_dtype=cand_dtype, inputs=_describe(args, kwargs), sites=sites,
+                candidate_dtype=cand_dtype, autocast=autocast, inputs=_describe(args, kwargs), sites=sites,
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
                 unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
                 stats={"alignment": mode, "sites": len(sites),

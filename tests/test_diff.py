@@ -328,19 +328,72 @@ def test_order_alignment_and_fault():
 
 
 # ---------------------------------------------------------------------------------------------- ONNX
-def test_onnx_candidate(tmp_path):
+class _Residual(torch.nn.Module):
+    """f(a) + b: two inputs of one shape, told apart by value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+
+    def forward(self, a, b):
+        return self.fc(a) + b
+
+
+class _TwoInputs(torch.nn.Module):
+    """A stack whose second residual site gets two inputs with identical values (a and a copy of it): no input
+    mapping can be told apart, so that site's own error on ONNX is n/a, said in its row."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, D)
+        self.norm = torch.nn.LayerNorm(D)
+        self.res = _Residual()
+        self.same = _Residual()
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        h = self.res(h, h * 2)
+        return self.same(h, h + 0)
+
+
+@pytest.mark.parametrize("opset", [14, 17])  # 14: LayerNorm decomposed (ε a Constant); 17: LayerNormalization
+def test_onnx_candidate(tmp_path, opset):
     ref = Stack(["post", "post"]).eval()
     path = tmp_path / "m.onnx"
-    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=opset)
     d = diff(ref, str(path), IDS, progress=False)
     assert d.stats["alignment"] == "onnx scopes" and d.first_divergence is None, d.summary()
     mapped = [s for s in d.sites if s.propagated is not None]
     assert len(mapped) >= 10 and max(s.propagated_error for s in mapped) < 1e-5
+    # teacher forcing on ONNX: each site's subgraph on the reference's input; norm sites under the error model
+    own = [s for s in d.sites if s.own is not None]
+    norms = [s for s in own if s.kind == "norm"]
+    assert len(own) >= 10 and len(norms) == 5 and all(s.elementwise["ok"] for s in norms)
+    assert all(s.own_error < 1e-6 for s in own) and not any(s.own_missing for s in d.sites)
     bad = copy.deepcopy(ref)
     bad.blocks[1].n1.eps = 0.5
-    torch.onnx.export(bad, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    torch.onnx.export(bad, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=opset)
     d = diff(ref, path.read_bytes(), IDS, progress=False)
     assert d.first_divergence == "blocks.1.n1", d.summary()
+    s = d.site("blocks.1.n1")
+    assert s.own is not None and s.elementwise["max_ratio"] > 100, s.bound_rule
+    # the candidate's contract is inferred from the site's ONNX subgraph
+    assert "expected ε=1e-05; found ε=0.5" in d.divergence["differences"], d.divergence
+
+
+def test_onnx_site_without_a_clear_input_mapping_says_so(tmp_path):
+    ref = _TwoInputs().eval()
+    path = tmp_path / "two.onnx"
+    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    d = diff(ref, str(path), IDS, progress=False)
+    assert d.first_divergence is None, d.summary()
+    assert d.site("res").own is not None  # two inputs of one shape, different values: mapped by value
+    same = d.site("same")
+    assert same.own is None and "none clearly by value" in same.own_missing and "own error n/a" in same.bound_rule
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_diff(d, console)
+    row = next(line for line in console.export_text().splitlines() if "│ same " in line)
+    assert "n/a" in row and "own n/a — input" in row
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -509,6 +562,23 @@ def test_minilm_onnx(minilm, tmp_path):
     assert d.first_divergence is None, d.summary()
     mapped = [s for s in d.sites if s.propagated is not None]
     assert len(mapped) >= 60, len(mapped)
+    # own errors on onnxruntime: every mapped site that gets one in torch, the 13 LayerNorms under the error model
+    norms = [s for s in d.sites if s.kind == "norm"]
+    assert len(norms) == 13 and all(s.own is not None and s.elementwise["ok"] for s in norms)
+    assert sum(s.own is not None for s in d.sites) >= 80 and not any(s.own_missing for s in d.sites)
+    # one LayerNormalization's epsilon attribute edited in the exported graph
+    import onnx
+
+    proto = onnx.load(str(path))
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    node = next(n for n in proto.graph.node if n.op_type == "LayerNormalization"
+                and "/encoder/layer.3/attention/output/LayerNorm/" in n.name)
+    next(a for a in node.attribute if a.name == "epsilon").f = 1e-3
+    d = diff(model, proto, inputs, progress=False)
+    assert d.first_divergence == site, d.summary()
+    assert d.site(site).elementwise["max_ratio"] > 100
+    assert all(t.status in ("within", "propagated", "unmatched") for t in d.sites[:d.site(site).order])
+    assert "expected ε=1e-12; found ε=0.001" in d.divergence["differences"], d.divergence
 
 
 def test_registering_the_command_loads_neither_torch_nor_rich():

@@ -76,7 +76,9 @@ class Contracts:
                                                                                          "running_var")}), sources
 
 
-def _dtype_of(module: torch.nn.Module, default: str) -> str:
+def _dtype_of(module: torch.nn.Module | None, default: str) -> str:
+    if module is None:  # an ONNX candidate: its parameters are at the dtype it runs at
+        return default
     for p in module.parameters():
         if p.is_floating_point():
             return str(p.dtype).replace("torch.", "")

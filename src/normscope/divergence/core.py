@@ -23,7 +23,6 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,8 @@ from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
 from ..sites.core import _arguments, _describe, _progress, _redrawn, known_class, private_copy, untouched
 from ..sites.dataflow import block_modules
-from . import contracts, metrics
+from . import contracts, metrics, onnxsites
+from .onnxsites import is_onnx as _is_onnx
 from .result import Diff, SiteDiff
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
@@ -322,97 +322,6 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
 
 
 # ---------------------------------------------------------------------------------------------- ONNX
-def _is_onnx(obj) -> bool:
-    if isinstance(obj, bytes | bytearray):
-        return True
-    if isinstance(obj, str | Path):
-        return str(obj).endswith(".onnx")
-    return type(obj).__name__ == "ModelProto"
-
-
-def _onnx_values(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, str], str]:
-    """Every intermediate value of the ONNX graph run on onnxruntime, and node scope → its last output."""
-    try:
-        import onnx
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise InputError(f"an ONNX candidate needs onnx and onnxruntime ({exc})") from None
-    if isinstance(model_obj, str | Path):
-        if not Path(model_obj).is_file():
-            raise InputError(f"no such ONNX file: {model_obj}")
-        proto = onnx.load(str(model_obj))
-        desc = str(model_obj)
-    elif isinstance(model_obj, bytes | bytearray):
-        proto = onnx.load_from_string(bytes(model_obj))
-        desc = "ONNX model (bytes)"
-    else:
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model_obj)
-        desc = f"ONNX model {proto.graph.name or ''}".strip()
-    g = proto.graph
-    existing = {o.name for o in g.output}
-    initial = {i.name for i in g.initializer}
-    scope_out: dict[str, str] = {}  # scope (dotted) → the last output produced in it
-    for node in g.node:
-        if node.op_type == "Constant" or not node.output:
-            continue
-        if "/" in node.name:
-            scope = node.name.strip("/").rsplit("/", 1)[0].replace("/", ".")
-            scope_out[scope] = node.output[0]
-            # the parents' scopes end with their last node too
-            parts = scope.split(".")
-            for i in range(1, len(parts)):
-                scope_out.setdefault(".".join(parts[:i]), "")
-                scope_out[".".join(parts[:i])] = node.output[0]
-        for o in node.output:
-            if o and o not in existing and o not in initial:
-                g.output.append(onnx.ValueInfoProto(name=o))
-                existing.add(o)
-    feeds = {}
-    names = [i.name for i in g.input if i.name not in initial]
-    flat = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    if isinstance(kwargs, dict):
-        for k in names:
-            if k in kwargs and isinstance(kwargs[k], torch.Tensor):
-                feeds[k] = kwargs[k].numpy()
-    if not feeds:
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        if len(tensors) < len(names):
-            raise InputError(f"the ONNX model takes {len(names)} inputs ({', '.join(names)}); "
-                             f"got {len(tensors)} tensors")
-        feeds = {n: t.numpy() for n, t in zip(names, tensors, strict=False)}
-    try:
-        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-        outs = sess.run(None, feeds)
-    except Exception as exc:
-        raise TargetError(f"onnxruntime could not run the candidate: {type(exc).__name__}: {exc}") from None
-    values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
-    return values, scope_out, desc
-
-
-def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
-    """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix)."""
-    out = []
-    for path in ref_paths:
-        if not path:
-            continue
-        best = None
-        for scope, name in scope_out.items():
-            if scope == path or scope.endswith("." + path):
-                if best is None or len(scope) < len(best[0]):
-                    best = (scope, name)
-        if best is None or not best[1] or best[1] not in values:
-            continue
-        v = values[best[1]]
-        try:
-            t = torch.from_numpy(v.copy())
-        except TypeError:
-            continue
-        if t.is_floating_point():
-            out.append(_Record(path, 0, None, t))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- diff
 def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autocast=None, grad: bool = False,
          loss_fn=None, keep: bool = False, progress=True) -> Diff:
@@ -477,7 +386,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         ac = _Autocast(None, "cpu")
         if onnx_cand:
             say("running the ONNX candidate on onnxruntime")
-            values, scopes, cand_desc = _onnx_values(candidate, args, kwargs)
+            values, scopes, cand_desc, subgraphs = onnxsites.run_candidate(candidate, args, kwargs)
             cand_dtype = "float32"
             cand_model = None
         else:
@@ -520,7 +429,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         # ------------------------------------------------------------------ alignment
         ref_paths = [p for p, _ in reference.named_modules()]
         if onnx_cand:
-            records = _onnx_records(values, scopes, ref_paths)
+            records = onnxsites.records(values, scopes, ref_paths, _Record)
             cand_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
             del values
             mode = "onnx scopes"
@@ -594,15 +503,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 return
             else:
                 s.status = "propagated"
-            if onnx_cand:
-                if s.status == "propagated" and s.propagated is not None:
-                    s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
-                    s.bound_rule += " (ONNX: propagated error; the site's own error is not measured)"
-                    if s.propagated["normalized"] > s.bound:
-                        s.status = "diverged"
-                return
             own_site = (leaf or f["leaf_children"]) and id(module) not in block_or_above
             if not own_site or r.module is None:
+                if onnx_cand:
+                    _onnx_propagated(s, n)
                 return
             x_in = _input(f["args"], kw, y)
             if x_in is not None and y is x_in:
@@ -611,12 +515,21 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             if _versions(f["args"]) != f["versions"]:
                 s.note = "own error not measured: the module wrote its input in place"
                 return
-            if not (_stateless(f["args"]) and _stateless(kw)):
-                s.note = "own error not measured: the call takes a stateful argument (a cache object)"
-                return
-            with torch.no_grad():
+            if onnx_cand:  # the site's nodes as a subgraph of their own, on the reference's inputs
                 try:
-                    with ac.observe() as seen:
+                    with torch.no_grad():
+                        yc = torch.from_numpy(subgraphs.run(*r.module, f["args"], kw))
+                except onnxsites.NotExtractable as exc:
+                    s.own_missing = str(exc)
+                    _onnx_propagated(s, n)
+                    return
+                site_dtype, cand_ref = cand_dtype, onnxsites.Site(subgraphs, *r.module)
+            else:
+                if not (_stateless(f["args"]) and _stateless(kw)):
+                    s.note = "own error not measured: the call takes a stateful argument (a cache object)"
+                    return
+                try:
+                    with torch.no_grad(), ac.observe() as seen:
                         yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype),
                                                **_cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
@@ -630,47 +543,59 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                     return
                 # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
                 site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else cand_dtype
-                s.dtype = site_dtype
-                s.own = metrics.errors(yc, y)
-                if "error" in s.own:
-                    s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
-                    _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                cand_ref = r.module
+            s.dtype = site_dtype
+            s.own = metrics.errors(yc, y)
+            if "error" in s.own:
+                s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
+                _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
+                return
+            if kind == "norm":
+                v = contracts.judge(site_contracts, module, None if onnx_cand else r.module, x_in, y, yc, ref_dtype,
+                                    site_dtype) if x_in is not None else {"error": "no floating tensor input"}
+                if "error" not in v:
+                    s.elementwise = v
+                    s.bound, s.bound_rule = None, contracts.rule(v, site_dtype)
+                    s.status = "within" if v["ok"] else "diverged"
+                    if s.status == "diverged":
+                        _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
                     return
-                if kind == "norm":
-                    v = contracts.judge(site_contracts, module, r.module, x_in, y, yc, ref_dtype, site_dtype) \
-                        if x_in is not None else {"error": "no floating tensor input"}
-                    if "error" not in v:
-                        s.elementwise = v
-                        s.bound, s.bound_rule = None, contracts.rule(v, site_dtype)
-                        s.status = "within" if v["ok"] else "diverged"
-                        if s.status == "diverged":
-                            _remember(first, s, module, r.module, f["args"], y, yc, keep)
-                        return
-                    s.note = f"judged by the dtype-derived rule: {v['error']}"
-                tw = None
-                if twin is not None and path in twin_modules and site_dtype != ref_dtype:
-                    if twin is cand_model and r.module is twin_modules[path]:
-                        tw = s.own["normalized"]
-                    else:
-                        try:
-                            with ac():
-                                yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
-                                                                 **_cast(kw, cand_torch_dtype, True)))
-                            tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
-                        except Exception:
-                            tw = None
-                    if tw is not None and not math.isfinite(tw):
+                s.note = f"judged by the dtype-derived rule: {v['error']}"
+            tw = None
+            if twin is not None and path in twin_modules and site_dtype != ref_dtype:
+                if twin is cand_model and r.module is twin_modules[path]:
+                    tw = s.own["normalized"]
+                else:
+                    try:
+                        with torch.no_grad(), ac():
+                            yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
+                                                             **_cast(kw, cand_torch_dtype, True)))
+                        tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+                    except Exception:
                         tw = None
-                        s.note = "the reference's module at the candidate's dtype is not finite here"
-                s.twin = tw
+                if tw is not None and not math.isfinite(tw):
+                    tw = None
+                    s.note = "the reference's module at the candidate's dtype is not finite here"
+            s.twin = tw
             if twin is not None and s.twin is None and site_dtype != ref_dtype:
                 s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, None, n)
                 s.bound_rule += " (no faithful twin measured)"
             else:
                 s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, s.twin, n)
+            if onnx_cand:
+                s.bound_rule += " (ONNX: the site's subgraph on the reference's input)"
             s.status = "diverged" if s.own["normalized"] > s.bound else "within"
             if s.status == "diverged":
-                _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
+
+        def _onnx_propagated(s: SiteDiff, n: int) -> None:
+            """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n)."""
+            if s.status == "propagated" and s.propagated is not None:
+                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+                s.bound_rule += " (ONNX: on the propagated error" + (
+                    f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
+                if s.propagated["normalized"] > s.bound:
+                    s.status = "diverged"
 
         say("running the reference, comparing site by site")
         hooks = _Hooks(reference, pre, post)
@@ -740,6 +665,8 @@ def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bo
 def _infer(module, shape):
     from ..probe.infer import infer
 
+    if isinstance(module, onnxsites.Site):  # an ONNX site: its subgraph, as onnxruntime runs it
+        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0).spec
     m = private_copy(module).float()
     try:
         return infer(m, shape=shape, dtypes=("float32",), seed=0).spec

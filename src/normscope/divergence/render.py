@@ -74,14 +74,17 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
         t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left",
                      overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
     shown = [s for s in d.sites if all_sites or s.own is not None or s.status not in ("propagated",)
-             or s.name == d.first_divergence]
+             or s.name == d.first_divergence or s.own_missing]
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
+        if s.own_missing:  # a site that would get an own error and could not: the row says why
+            status += f" (own n/a — {escape(s.own_missing)})"
         bound = _e(s.bound) if s.elementwise is None else \
             f"{s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
         ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), *ran, _e(s.own_error), bound, _e(s.propagated_error),
+        own = "n/a" if s.own_missing else _e(s.own_error)
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), *ran, own, bound, _e(s.propagated_error),
                   _db(s.propagated), f"[{style}]{status}[/]" if style else status)
     console.print(t)
     console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "

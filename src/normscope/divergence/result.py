@@ -72,6 +72,9 @@ class SiteDiff:
     # the dtype the candidate's module ran at on the reference's input, which its bound is taken at (under
     # autocast: the least precise dtype its ops were observed to produce)
     dtype: str | None = None
+    # why the own error was not measured where the site would get one (an ONNX site whose subgraph cannot be
+    # extracted or fed): the row says "n/a" with it
+    own_missing: str = ""
 
     @property
     def own_error(self) -> float | None:

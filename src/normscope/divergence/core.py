@@ -211,6 +211,102 @@ class _CallStack:
         return f, leaf
 
 
+class _Memo:
+    """Teacher forcing reuses what it has just run. On a private copy (a candidate or twin that ``diff`` made
+    itself, never the user's modules) each leaf remembers its last output by the identity and version counter of
+    its input tensors; a parent's teacher-forced run that calls the leaf on the very same tensor (an attention
+    module's query/key/value projections, an MLP's first linear) gets that output back instead of running the
+    leaf again. Inputs are cast once per reference tensor (:meth:`cast`), so a leaf's and its parent's
+    teacher-forced runs hand the leaf the same tensor object. A few entries only (children complete just before
+    their parent); an output changed in place since is run again. Active only inside teacher-forced calls, and
+    the copies' ``forward`` is restored on exit."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+        self.casts: list[tuple] = []
+        self.active = False
+        self.hits = 0
+        self.patched: list[torch.nn.Module] = []
+
+    @contextlib.contextmanager
+    def installed(self, *models):
+        try:
+            for model in {id(m): m for m in models if m is not None}.values():
+                for m in model.modules():
+                    if next(m.children(), None) is None and "forward" not in vars(m):
+                        m.forward = self._wrap(m, m.forward)
+                        self.patched.append(m)
+            yield self
+        finally:
+            for m in self.patched:
+                vars(m).pop("forward", None)
+            self.patched.clear()
+            self.entries.clear()
+            self.casts.clear()
+
+    @contextlib.contextmanager
+    def on(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    @staticmethod
+    def _key(args, kwargs):
+        key = []
+        for v in list(args) + [v for _, v in sorted(kwargs.items())]:
+            if isinstance(v, torch.Tensor):
+                key.append((id(v), v._version))
+            elif isinstance(v, _SAFE):
+                key.append(v)
+            else:
+                return None
+        return tuple(key) + tuple(sorted(kwargs))
+
+    def _wrap(self, module, forward):
+        def memo_forward(*args, **kwargs):
+            key = self._key(args, kwargs) if self.active else None
+            if key is None:
+                return forward(*args, **kwargs)
+            hit = self.entries.get(id(module))
+            if hit is not None and hit[0] == key and hit[2]._version == hit[3]:
+                self.hits += 1
+                return hit[2]
+            out = forward(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.entries.pop(id(module), None)
+                self.entries[id(module)] = (key, (args, kwargs), out, out._version)  # holds its inputs: ids stay
+                while len(self.entries) > self.SIZE:
+                    self.entries.pop(next(iter(self.entries)))
+            return out
+
+        return memo_forward
+
+    def cast(self, obj, dtype: torch.dtype | None, clamp: bool = False):
+        """:func:`_cast`, one cast tensor per reference tensor (and version) among the last few."""
+        if dtype is None:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if clamp and obj.is_floating_point() and obj.numel() and \
+                    bool(obj.detach().abs().amax() <= torch.finfo(dtype).max):
+                clamp = False  # nothing to clamp: the same cast as a positional argument's
+            for src, version, cl, out in self.casts:
+                if src is obj and version == obj._version and cl == clamp:
+                    return out
+            out = _cast(obj, dtype, clamp)
+            self.casts.append((obj, obj._version, clamp, out))
+            del self.casts[:-self.SIZE]
+            return out
+        if isinstance(obj, tuple | list):
+            return type(obj)(self.cast(o, dtype, clamp) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.cast(v, dtype, clamp) for k, v in obj.items()}
+        return obj
+
+
 def _reduce_len(args, out: torch.Tensor) -> int:
     n = out.shape[-1] if out.dim() else 1
     for a in args:
@@ -529,9 +625,9 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                     s.note = "own error not measured: the call takes a stateful argument (a cache object)"
                     return
                 try:
-                    with torch.no_grad(), ac.observe() as seen:
-                        yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype),
-                                               **_cast(kw, cand_torch_dtype, True)))
+                    with torch.no_grad(), ac.observe() as seen, memo.on():
+                        yc = _primary(r.module(*memo.cast(f["args"], cand_torch_dtype),
+                                               **memo.cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
                     s.status = "raised"
                     s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
@@ -567,9 +663,9 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                     tw = s.own["normalized"]
                 else:
                     try:
-                        with torch.no_grad(), ac():
-                            yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
-                                                             **_cast(kw, cand_torch_dtype, True)))
+                        with torch.no_grad(), ac(), memo.on():
+                            yt = _primary(twin_modules[path](*memo.cast(f["args"], cand_torch_dtype),
+                                                             **memo.cast(kw, cand_torch_dtype, True)))
                         tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
                     except Exception:
                         tw = None
@@ -599,8 +695,13 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
 
         say("running the reference, comparing site by site")
         hooks = _Hooks(reference, pre, post)
+        # the copies diff made itself (a candidate or twin at candidate_dtype) reuse their leaves' outputs
+        memo = _Memo()
+        private = [m for m in (cand_model if candidate_dtype is not None else None,
+                               twin if twin is not None and twin is not cand_model and not ac else None)
+                   if m is not None]
         try:
-            with hooks.active(), torch.no_grad():
+            with hooks.active(), torch.no_grad(), memo.installed(*private):
                 reference(*args, **kwargs)
         except NormscopeError:
             raise
@@ -647,7 +748,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
                 unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
                 stats={"alignment": mode, "sites": len(sites),
-                       "own_measured": sum(s.own is not None for s in sites),
+                       "own_measured": sum(s.own is not None for s in sites), "reused_leaf_outputs": memo.hits,
                        "candidate_cache_bytes": int(cand_bytes)},
                 seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
                 grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])

@@ -80,11 +80,9 @@ def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, st
     import onnx
     import onnxruntime as ort
 
-    proto, desc, key = _load(model_obj)
-    subgraphs = Subgraphs(proto, key)
-    exposed = onnx.ModelProto()
-    exposed.CopyFrom(proto)
-    g = exposed.graph
+    proto, desc, key = _load(model_obj)  # a private copy: its outputs are extended for this run, then restored
+    g = proto.graph
+    declared = len(g.output)
     existing = {o.name for o in g.output}
     initial = {i.name for i in g.initializer}
     scope_out: dict[str, str] = {}  # scope (dotted) → the last output produced in it
@@ -116,10 +114,12 @@ def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, st
                              f"got {len(tensors)} tensors")
         feeds = {n: t.numpy() for n, t in zip(names, tensors, strict=False)}
     try:
-        sess = ort.InferenceSession(exposed.SerializeToString(), _options(), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(proto.SerializeToString(), _options(), providers=["CPUExecutionProvider"])
+        del g.output[declared:]
         outs = sess.run(None, feeds)
     except Exception as exc:
         raise TargetError(f"onnxruntime could not run the candidate: {type(exc).__name__}: {exc}") from None
+    subgraphs = Subgraphs(proto, key)
     values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
     subgraphs.meta = {k: (v.dtype, tuple(v.shape), _fingerprint(v)) for k, v in {**feeds, **values}.items()
                       if isinstance(v, np.ndarray)}

@@ -567,6 +567,8 @@ def test_minilm_autocast_clean_sites_at_their_own_dtypes_and_fault(minilm):
     assert all(s.dtype == "float32" and s.own_error < 1e-6 and s.elementwise["ok"] for s in norms)
     assert all("at float32" in s.bound_rule for s in norms)
     assert max(s.propagated_error for s in d.sites if s.propagated) > 1e-3  # the forward itself is at bf16
+    back = Diff.from_json(d.to_json())
+    assert back.autocast == "bfloat16" and [s.dtype for s in back.sites] == [s.dtype for s in d.sites]
     _unchanged(model, snap)
     site = "encoder.layer.3.attention.output.LayerNorm"
     bad = _altered(model, site, lambda m: setattr(m, "eps", 1e-3))

@@ -8,8 +8,10 @@ How it runs (streaming: never two full activation caches):
    exporter's node-name scopes;
 2. the reference runs once; at the end of each module call (children before parents) its output is compared
    with the candidate's (the *propagated* error, then the candidate's copy is dropped), and the candidate's
-   counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error), as is
-   the reference's module at the candidate's dtype (the *twin*: the error precision alone makes there);
+   counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error; for an
+   ONNX candidate the site's nodes extracted as a subgraph, :mod:`.onnxsites`), as is the reference's module at
+   the candidate's dtype (the *twin*: the error precision alone makes there). Under ``autocast`` each
+   teacher-forced call is observed below the autocast key and the site judged at the dtype its ops ran at;
 3. a site diverges when its own error exceeds :func:`.metrics.bound`; the first one is the culprit. At a norm
    site both contracts are inferred (``normscope.infer``) and their differences printed in the contract's words.
 

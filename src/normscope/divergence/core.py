@@ -419,7 +419,6 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
     return records, error, peak[0]
 
 
-# ---------------------------------------------------------------------------------------------- ONNX
 # ---------------------------------------------------------------------------------------------- diff
 def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autocast=None, grad: bool = False,
          loss_fn=None, keep: bool = False, progress=True) -> Diff:

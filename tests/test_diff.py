@@ -78,8 +78,60 @@ def test_same_model_bf16_is_no_divergence(llama):
     assert len(norms) == 5 and all(s.elementwise is not None for s in norms), [s.note for s in norms]
     assert all(s.elementwise["ok"] and 0 < s.elementwise["worst_error"] <= s.elementwise["worst_bound"]
                and s.elementwise["reference_check"]["max_ratio"] <= 1 for s in norms)
+    # the contract reproduces the reference within a quarter of the bf16 candidate's bound: no fp32 check needed
+    assert all(s.elementwise["reference_check"]["rule"].startswith("within 0.25") for s in norms)
     assert max(s.propagated_error for s in d.sites if s.propagated) > 1e-3
     _unchanged(llama, snap)
+
+
+class _InPlaceParent(torch.nn.Module):
+    """Calls its children on its own input and then writes a child's output in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(D, D), torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.mul_(2)  # the output a memo returned must not be trusted after this
+        return self.c(h + self.b(x) + self.a(x))
+
+
+class _InPlaceTop(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p, self.n = _InPlaceParent(), torch.nn.LayerNorm(D)
+
+    def forward(self, x):
+        return self.n(self.p(x))
+
+
+def test_teacher_forcing_reuses_leaf_outputs_with_identical_results(llama, monkeypatch):
+    """The private copies' leaves hand their teacher-forced outputs to their parents' teacher-forced runs: the
+    same numbers as running them again, leaves written in place are run again, and the user's modules are never
+    patched."""
+    import contextlib
+
+    from normscope.divergence import core
+
+    torch.manual_seed(1)
+    small = _InPlaceTop().eval()
+    cases = [(llama, None, _hf_inputs()), (llama, _altered(llama, SITE, lambda m: None), _hf_inputs()),
+             (small, None, torch.randn(2, 5, D))]
+    with_memo = [diff(r, c, x, candidate_dtype="bfloat16", progress=False) for r, c, x in cases]
+    monkeypatch.setattr(core._Memo, "installed", lambda self, *m: contextlib.nullcontext(self))
+    without = [diff(r, c, x, candidate_dtype="bfloat16", progress=False) for r, c, x in cases]
+    for a, b in zip(with_memo, without, strict=True):
+        assert a.stats["reused_leaf_outputs"] > 0 and b.stats["reused_leaf_outputs"] == 0
+        assert [(s.name, s.status, s.own, s.twin) for s in a.sites] == [(s.name, s.status, s.own, s.twin)
+                                                                        for s in b.sites]
+    # q/k/v of each attention, gate/up of each MLP: the candidate's copy and (a given candidate) the twin's
+    assert with_memo[0].stats["reused_leaf_outputs"] == 2 * 5 and with_memo[1].stats["reused_leaf_outputs"] == 20
+    # a(x) a second time (the site p.a#1), and the parent's a(x) and b(x); its last a(x) follows h.mul_(2) on the
+    # output a(x) gave it, which must be run again (a stale reuse would change the parent's own error)
+    assert with_memo[2].stats["reused_leaf_outputs"] == 3
+    for r, c, _ in cases:
+        assert not any("forward" in vars(m) for model in (r, c) if model is not None for m in model.modules())
 
 
 def test_faithful_port_by_user_norms_fp32():
@@ -201,6 +253,52 @@ def test_grad_fault_only_in_the_backward_is_named(llama):
     assert "gradients, first divergence: " + SITE in out.getvalue() and "dx " in out.getvalue()
 
 
+class _KwargsRMSNorm(torch.nn.Module):
+    """An RMSNorm written by a user, called as ``norm(hidden_states=x)``; ``detach=True`` stops the gradient
+    through its statistics (forward exact, backward wrong)."""
+
+    def __init__(self, detach: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(D, generator=torch.Generator().manual_seed(5)) + 0.5)
+        self.detach = detach
+
+    def forward(self, hidden_states):
+        v = hidden_states.pow(2).mean(-1, keepdim=True)
+        v = v.detach() if self.detach else v
+        return self.weight * (hidden_states * torch.rsqrt(v + 1e-6))
+
+
+class _KwargsModel(torch.nn.Module):
+    def __init__(self, detach: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(6)
+        self.fc = torch.nn.Linear(D, D)
+        self.norm = _KwargsRMSNorm(detach)
+        self.head = torch.nn.Linear(D, D)
+        with torch.no_grad():
+            for p in (*self.fc.parameters(), *self.head.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, x):
+        return self.head(self.norm(hidden_states=self.fc(x)))
+
+
+def test_grad_module_called_with_keyword_arguments_only():
+    """The norm's input reaches it as a keyword argument: it still gets an own gradient error, and a backward
+    fault there is named."""
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(7))
+    ref, bad = _KwargsModel().eval(), _KwargsModel(detach=True).eval()
+    clean = diff(ref, None, x, candidate_dtype="bfloat16", grad=True, progress=False)
+    assert not clean.diverged, clean.summary()
+    site = next(s for s in clean.grad_sites if s.name == "norm")
+    assert site.own is not None and site.elementwise is not None and site.elementwise["max_ratio"] <= 1
+    assert clean.site("norm").elementwise is not None  # the forward's error model finds the keyword input too
+    d = diff(ref, bad, x, grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence == "norm", d.summary()
+    s = next(s for s in d.grad_sites if s.name == "norm")
+    assert s.elementwise["gradient"] == "dx" and s.elementwise["max_ratio"] > 10, s.bound_rule
+
+
 class _LayerNormAsRMS(torch.nn.Module):
     """A LlamaRMSNorm ported as a LayerNorm (mean subtracted)."""
 
@@ -282,19 +380,72 @@ def test_order_alignment_and_fault():
 
 
 # ---------------------------------------------------------------------------------------------- ONNX
-def test_onnx_candidate(tmp_path):
+class _Residual(torch.nn.Module):
+    """f(a) + b: two inputs of one shape, told apart by value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+
+    def forward(self, a, b):
+        return self.fc(a) + b
+
+
+class _TwoInputs(torch.nn.Module):
+    """A stack whose second residual site gets two inputs with identical values (a and a copy of it): no input
+    mapping can be told apart, so that site's own error on ONNX is n/a, said in its row."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, D)
+        self.norm = torch.nn.LayerNorm(D)
+        self.res = _Residual()
+        self.same = _Residual()
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids))
+        h = self.res(h, h * 2)
+        return self.same(h, h + 0)
+
+
+@pytest.mark.parametrize("opset", [14, 17])  # 14: LayerNorm decomposed (ε a Constant); 17: LayerNormalization
+def test_onnx_candidate(tmp_path, opset):
     ref = Stack(["post", "post"]).eval()
     path = tmp_path / "m.onnx"
-    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=opset)
     d = diff(ref, str(path), IDS, progress=False)
     assert d.stats["alignment"] == "onnx scopes" and d.first_divergence is None, d.summary()
     mapped = [s for s in d.sites if s.propagated is not None]
     assert len(mapped) >= 10 and max(s.propagated_error for s in mapped) < 1e-5
+    # teacher forcing on ONNX: each site's subgraph on the reference's input; norm sites under the error model
+    own = [s for s in d.sites if s.own is not None]
+    norms = [s for s in own if s.kind == "norm"]
+    assert len(own) >= 10 and len(norms) == 5 and all(s.elementwise["ok"] for s in norms)
+    assert all(s.own_error < 1e-6 for s in own) and not any(s.own_missing for s in d.sites)
     bad = copy.deepcopy(ref)
     bad.blocks[1].n1.eps = 0.5
-    torch.onnx.export(bad, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    torch.onnx.export(bad, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=opset)
     d = diff(ref, path.read_bytes(), IDS, progress=False)
     assert d.first_divergence == "blocks.1.n1", d.summary()
+    s = d.site("blocks.1.n1")
+    assert s.own is not None and s.elementwise["max_ratio"] > 100, s.bound_rule
+    # the candidate's contract is inferred from the site's ONNX subgraph
+    assert "expected ε=1e-05; found ε=0.5" in d.divergence["differences"], d.divergence
+
+
+def test_onnx_site_without_a_clear_input_mapping_says_so(tmp_path):
+    ref = _TwoInputs().eval()
+    path = tmp_path / "two.onnx"
+    torch.onnx.export(ref, (IDS,), str(path), input_names=["ids"], dynamo=False, opset_version=17)
+    d = diff(ref, str(path), IDS, progress=False)
+    assert d.first_divergence is None, d.summary()
+    assert d.site("res").own is not None  # two inputs of one shape, different values: mapped by value
+    same = d.site("same")
+    assert same.own is None and "none clearly by value" in same.own_missing and "own error n/a" in same.bound_rule
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_diff(d, console)
+    row = next(line for line in console.export_text().splitlines() if "│ same " in line)
+    assert "n/a" in row and "own n/a — input" in row
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -368,6 +519,12 @@ def test_json_render_plot_and_cli(tmp_path, llama, capsys):
     assert data["grad"] and data["grad_first_divergence"] is None and data["grad_sites"] and data["param_grads"]
     with pytest.raises(InputError, match="--candidate-dtype"):
         command.run(parser.parse_args(["diff", "scan_models:pre_model"]), Console())
+    args = parser.parse_args(["diff", "scan_models:pre_model", "--autocast", "bfloat16", "--inputs", "ids:2,6",
+                              "--json"])
+    assert command.run(args, Console()) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["autocast"] == "bfloat16" and data["first_divergence"] is None
+    assert {s["dtype"] for s in data["sites"] if s["cls"] == "Linear"} == {"bfloat16"}
 
 
 # ---------------------------------------------------------------------------------------------- trained MiniLM
@@ -391,6 +548,56 @@ def test_minilm_bf16_clean_and_injected_fault(minilm):
     assert d.site(site).elementwise["max_ratio"] > 3, d.site(site).bound_rule
 
 
+def test_minilm_autocast_clean_sites_at_their_own_dtypes_and_fault(minilm):
+    """Under CPU autocast (torch 2.13) linears run at bf16 while LayerNorm runs at its input's dtype (fp32 here):
+    each site is judged at the dtype it ran at. bf16 noise is no divergence; an ε that bf16 rounding would hide
+    is seen at fp32 in the LayerNorm that autocast leaves in fp32."""
+    model, inputs = minilm
+    snap = _snapshot(model)
+    d = diff(model, None, inputs, autocast="bfloat16", progress=False)
+    assert d.first_divergence is None and d.autocast == "bfloat16", d.summary()
+    assert "autocast bfloat16" in d.summary() and "autocast(cpu, bfloat16)" in d.candidate
+    own = [s for s in d.sites if s.own is not None]
+    linears = [s for s in own if s.cls == "Linear"]
+    norms = [s for s in own if s.kind == "norm"]
+    assert len(linears) == 37 and len(norms) == 13  # 6 per layer and the pooler
+    # the linears' own errors are bf16 noise, bounded by their twin (the same module under the same autocast)
+    assert all(s.dtype == "bfloat16" and 1e-3 < s.own_error <= s.bound for s in linears)
+    # the LayerNorms ran at fp32 on the reference's fp32 input: exact, judged by the error model at fp32
+    assert all(s.dtype == "float32" and s.own_error < 1e-6 and s.elementwise["ok"] for s in norms)
+    assert all("at float32" in s.bound_rule for s in norms)
+    assert max(s.propagated_error for s in d.sites if s.propagated) > 1e-3  # the forward itself is at bf16
+    back = Diff.from_json(d.to_json())
+    assert back.autocast == "bfloat16" and [s.dtype for s in back.sites] == [s.dtype for s in d.sites]
+    _unchanged(model, snap)
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    bad = _altered(model, site, lambda m: setattr(m, "eps", 1e-3))
+    d = diff(model, bad, inputs, autocast="bfloat16", progress=False)
+    assert d.first_divergence == site, d.summary()
+    assert d.site(site).dtype == "float32" and d.site(site).elementwise["max_ratio"] > 100
+    assert all(t.status in ("within", "propagated") for t in d.sites[:d.site(site).order])
+    assert "expected ε=1e-12; found ε=0.001" in d.divergence["differences"], d.divergence
+
+
+def test_autocast_gradients_and_bad_input(llama):
+    snap = _snapshot(llama)
+    d = diff(llama, None, _hf_inputs(), autocast="bf16", grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence is None, d.summary()
+    own = [s for s in d.grad_sites if s.own is not None]
+    assert {s.dtype for s in own if s.cls == "Linear"} == {"bfloat16"}
+    assert {s.dtype for s in own if s.kind == "norm"} == {"float32"} and all(s.elementwise for s in own
+                                                                             if s.kind == "norm")
+    assert all(p.grad is None for p in llama.parameters())
+    _unchanged(llama, snap)
+    ref = Stack(["pre"]).eval()
+    with pytest.raises(InputError, match="not both"):
+        diff(ref, None, IDS, autocast="bfloat16", candidate_dtype="bfloat16", progress=False)
+    with pytest.raises(InputError, match="autocast must be one of"):
+        diff(ref, None, IDS, autocast="float32", progress=False)
+    with pytest.raises(InputError, match="autocast applies to torch candidates"):
+        diff(ref, b"onnx", IDS, autocast="bfloat16", progress=False)
+
+
 def test_minilm_onnx(minilm, tmp_path):
     model, inputs = minilm
 
@@ -409,6 +616,23 @@ def test_minilm_onnx(minilm, tmp_path):
     assert d.first_divergence is None, d.summary()
     mapped = [s for s in d.sites if s.propagated is not None]
     assert len(mapped) >= 60, len(mapped)
+    # own errors on onnxruntime: every mapped site that gets one in torch, the 13 LayerNorms under the error model
+    norms = [s for s in d.sites if s.kind == "norm"]
+    assert len(norms) == 13 and all(s.own is not None and s.elementwise["ok"] for s in norms)
+    assert sum(s.own is not None for s in d.sites) >= 80 and not any(s.own_missing for s in d.sites)
+    # one LayerNormalization's epsilon attribute edited in the exported graph
+    import onnx
+
+    proto = onnx.load(str(path))
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    node = next(n for n in proto.graph.node if n.op_type == "LayerNormalization"
+                and "/encoder/layer.3/attention/output/LayerNorm/" in n.name)
+    next(a for a in node.attribute if a.name == "epsilon").f = 1e-3
+    d = diff(model, proto, inputs, progress=False)
+    assert d.first_divergence == site, d.summary()
+    assert d.site(site).elementwise["max_ratio"] > 100
+    assert all(t.status in ("within", "propagated", "unmatched") for t in d.sites[:d.site(site).order])
+    assert "expected ε=1e-12; found ε=0.001" in d.divergence["differences"], d.divergence
 
 
 def test_registering_the_command_loads_neither_torch_nor_rich():

@@ -3,8 +3,10 @@ wrong (see docs/diff.md).
 
 ``diff`` is :func:`normscope.divergence.core.diff`; ``metrics`` holds the per-site error numbers and the bound,
 ``result`` the ``Diff``/``SiteDiff`` data (JSON ``normscope.diff/1``), ``render`` the table and the plot,
-``command`` the CLI glue. The names below are imported on first use, so the command line can register ``diff``
-without loading torch or rich.
+``contracts`` the norm sites' error model, ``gradients`` the ``grad=True`` pass, ``onnxsites`` an ONNX candidate
+(its values mapped to sites, its sites' subgraphs run on the reference's inputs), ``command`` the CLI glue.
+The names below are imported on first use, so the command line can register ``diff`` without loading torch or
+rich.
 """
 
 from __future__ import annotations

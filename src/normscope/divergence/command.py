@@ -2,7 +2,7 @@
 
 REFERENCE and CANDIDATE are what ``normscope scan`` takes (``package.module:factory``, a Hugging Face model
 directory, a ``config.json``); CANDIDATE may also be an ``.onnx`` file, or be left out with
-``--candidate-dtype`` (the reference against itself at that precision). Exit codes: 0 no divergence,
+``--candidate-dtype`` or ``--autocast`` (the reference against itself at that precision). Exit codes: 0 no divergence,
 5 diverged (the first divergent site is printed), 2 usage or input error (one line on stderr).
 """
 
@@ -25,20 +25,25 @@ def add_parser(subparsers) -> Any:
         "diff",
         help="compare two executions of one model site by site, down to the first site that is itself wrong",
         description="Run REFERENCE and CANDIDATE (another module, an .onnx file, or REFERENCE itself at "
-                    "--candidate-dtype) on the same inputs; per site, the candidate's own error (its module on the "
-                    "reference's input) and the propagated error; the first site whose own error exceeds what a "
-                    "faithful execution at the candidate's dtype is allowed. Exit 0 no divergence, 5 diverged, "
-                    "2 usage error.",
+                    "--candidate-dtype or under --autocast) on the same inputs; per site, the candidate's own "
+                    "error (its module on the reference's input) and the propagated error; the first site whose own "
+                    "error exceeds what a faithful execution at the candidate's dtype is allowed. Exit 0 no "
+                    "divergence, 5 diverged, 2 usage error.",
     )
     p.add_argument("reference", metavar="REFERENCE",
                    help="package.module:factory, a local Hugging Face model directory, or a config.json")
     p.add_argument("candidate", metavar="CANDIDATE", nargs="?",
-                   help="the same forms, or an .onnx file; omit with --candidate-dtype")
+                   help="the same forms, or an .onnx file; omit with --candidate-dtype or --autocast")
     p.add_argument("--inputs",
                    help="a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple "
                         "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
     p.add_argument("--candidate-dtype", dest="candidate_dtype",
-                   help="bfloat16, float16 or float32 (default: none, the candidate runs as given)")
+                   help="bfloat16, float16 or float32: the candidate (or REFERENCE itself) as a private copy cast to "
+                        "it (default: none, the candidate runs as given)")
+    p.add_argument("--autocast", metavar="DTYPE",
+                   help="bfloat16 or float16: the candidate (or REFERENCE itself) runs under torch.autocast at that "
+                        "dtype, each site judged at the dtype its ops ran at; excludes --candidate-dtype "
+                        "(default: no autocast)")
     add_model_args(p, "the factories")
     p.add_argument("--grad", action="store_true",
                    help="also compare the gradients of the sum of the output, activation and parameter gradients "
@@ -83,8 +88,9 @@ def run(args, console: Console) -> int:
     from .core import _is_onnx, diff
     from .render import plot_diff, render_diff
 
-    if args.candidate is None and not args.candidate_dtype:
-        raise InputError("give a CANDIDATE, or --candidate-dtype to compare REFERENCE with itself at that precision")
+    if args.candidate is None and not args.candidate_dtype and not args.autocast:
+        raise InputError("give a CANDIDATE, or --candidate-dtype (or --autocast) to compare REFERENCE with itself at "
+                         "that precision")
     reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
     candidate = None
     if args.candidate is not None:
@@ -102,7 +108,7 @@ def run(args, console: Console) -> int:
         inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
         if "use_cache" in inspect.signature(reference.forward).parameters:
             inputs["use_cache"] = False
-    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype,
+    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, autocast=args.autocast,
                   grad=getattr(args, "grad", False), progress=not args.json)
     result.inputs["model"] = origin
     if args.plot:

@@ -8,8 +8,10 @@ How it runs (streaming: never two full activation caches):
    exporter's node-name scopes;
 2. the reference runs once; at the end of each module call (children before parents) its output is compared
    with the candidate's (the *propagated* error, then the candidate's copy is dropped), and the candidate's
-   counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error), as is
-   the reference's module at the candidate's dtype (the *twin*: the error precision alone makes there);
+   counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error; for an
+   ONNX candidate the site's nodes extracted as a subgraph, :mod:`.onnxsites`), as is the reference's module at
+   the candidate's dtype (the *twin*: the error precision alone makes there). Under ``autocast`` each
+   teacher-forced call is observed below the autocast key and the site judged at the dtype its ops ran at;
 3. a site diverges when its own error exceeds :func:`.metrics.bound`; the first one is the culprit. At a norm
    site both contracts are inferred (``normscope.infer``) and their differences printed in the contract's words.
 
@@ -23,7 +25,6 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,10 +33,12 @@ from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
 from ..sites.core import _arguments, _describe, _progress, _redrawn, known_class, private_copy, untouched
 from ..sites.dataflow import block_modules
-from . import contracts, metrics
+from . import contracts, metrics, onnxsites
+from .onnxsites import is_onnx as _is_onnx
 from .result import Diff, SiteDiff
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
+_AUTOCAST = ("bfloat16", "float16")
 _WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 _SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
@@ -96,9 +99,94 @@ def _model_dtype(model: torch.nn.Module) -> str:
     return "float32"
 
 
+def _device_type(model: torch.nn.Module) -> str:
+    """The device type autocast runs on: the model's first parameter's or buffer's (cpu without any)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dev = t.device.type
+        if not torch.amp.is_autocast_available(dev):
+            raise InputError(f"autocast is not available on {dev}; use candidate_dtype= instead")
+        return dev
+    return "cpu"
+
+
+def _input_at(args, kwargs, out: torch.Tensor | None = None) -> tuple[str, int | str] | None:
+    """Where a call's main input is: ``("arg", i)``, the first floating positional tensor, or for a module called
+    with keyword arguments only ``("kw", name)``, the floating keyword tensor of the output's shape (else the
+    first floating one); None without a floating tensor."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return "arg", i
+    floating = [k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not floating:
+        return None
+    same = [k for k in floating if out is not None and tuple(kwargs[k].shape) == tuple(out.shape)]
+    return "kw", (same or floating)[0]
+
+
+def _input(args, kwargs, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    at = _input_at(args, kwargs, out)
+    return None if at is None else (args if at[0] == "arg" else kwargs)[at[1]]
+
+
 def _versions(args) -> tuple:
     """The version counters of the positional tensors: a module that writes its input in place changes them."""
     return tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def _lowest(dtypes, default: str) -> str:
+    """The least precise of ``dtypes`` (torch dtypes or names): the one with the largest unit roundoff."""
+    from ..dtypes import UNIT_ROUNDOFF
+
+    names = {str(d).replace("torch.", "") for d in dtypes} & set(UNIT_ROUNDOFF)
+    return max(names, key=lambda n: UNIT_ROUNDOFF[n]) if names else default
+
+
+def _observer():
+    """A dispatch mode that records the floating dtypes the ops of a call produced. Under autocast it sits below
+    the autocast key: it sees each op after autocast cast its inputs, i.e. the dtype the op actually ran at."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.dtypes.add(t.dtype)
+            return out
+
+    return _Observed()
+
+
+class _Autocast:
+    """The candidate's execution context: ``torch.autocast`` on the model's device type at one dtype, or nothing.
+    ``observe()`` wraps a call and says the least precise dtype its ops ran at (None without autocast)."""
+
+    def __init__(self, dtype: str | None, device_type: str):
+        self.dtype, self.device_type = dtype, device_type
+
+    def __bool__(self) -> bool:
+        return self.dtype is not None
+
+    def __call__(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=getattr(torch, self.dtype))
+
+    @contextlib.contextmanager
+    def observe(self):
+        """Yields a list that holds, after the block, the least precise floating dtype produced inside it."""
+        seen: list[str] = []
+        if self.dtype is None:
+            yield seen
+            return
+        obs = _observer()
+        with self(), obs:
+            yield seen
+        seen.append(_lowest(obs.dtypes, ""))
 
 
 class _CallStack:
@@ -123,6 +211,102 @@ class _CallStack:
         if self.frames and not leaf:
             self.frames[-1]["leaf_children"] = False
         return f, leaf
+
+
+class _Memo:
+    """Teacher forcing reuses what it has just run. On a private copy (a candidate or twin that ``diff`` made
+    itself, never the user's modules) each leaf remembers its last output by the identity and version counter of
+    its input tensors; a parent's teacher-forced run that calls the leaf on the very same tensor (an attention
+    module's query/key/value projections, an MLP's first linear) gets that output back instead of running the
+    leaf again. Inputs are cast once per reference tensor (:meth:`cast`), so a leaf's and its parent's
+    teacher-forced runs hand the leaf the same tensor object. A few entries only (children complete just before
+    their parent); an output changed in place since is run again. Active only inside teacher-forced calls, and
+    the copies' ``forward`` is restored on exit."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+        self.casts: list[tuple] = []
+        self.active = False
+        self.hits = 0
+        self.patched: list[torch.nn.Module] = []
+
+    @contextlib.contextmanager
+    def installed(self, *models):
+        try:
+            for model in {id(m): m for m in models if m is not None}.values():
+                for m in model.modules():
+                    if next(m.children(), None) is None and "forward" not in vars(m):
+                        m.forward = self._wrap(m, m.forward)
+                        self.patched.append(m)
+            yield self
+        finally:
+            for m in self.patched:
+                vars(m).pop("forward", None)
+            self.patched.clear()
+            self.entries.clear()
+            self.casts.clear()
+
+    @contextlib.contextmanager
+    def on(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    @staticmethod
+    def _key(args, kwargs):
+        key = []
+        for v in list(args) + [v for _, v in sorted(kwargs.items())]:
+            if isinstance(v, torch.Tensor):
+                key.append((id(v), v._version))
+            elif isinstance(v, _SAFE):
+                key.append(v)
+            else:
+                return None
+        return tuple(key) + tuple(sorted(kwargs))
+
+    def _wrap(self, module, forward):
+        def memo_forward(*args, **kwargs):
+            key = self._key(args, kwargs) if self.active else None
+            if key is None:
+                return forward(*args, **kwargs)
+            hit = self.entries.get(id(module))
+            if hit is not None and hit[0] == key and hit[2]._version == hit[3]:
+                self.hits += 1
+                return hit[2]
+            out = forward(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.entries.pop(id(module), None)
+                self.entries[id(module)] = (key, (args, kwargs), out, out._version)  # holds its inputs: ids stay
+                while len(self.entries) > self.SIZE:
+                    self.entries.pop(next(iter(self.entries)))
+            return out
+
+        return memo_forward
+
+    def cast(self, obj, dtype: torch.dtype | None, clamp: bool = False):
+        """:func:`_cast`, one cast tensor per reference tensor (and version) among the last few."""
+        if dtype is None:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            if clamp and obj.is_floating_point() and obj.numel() and \
+                    bool(obj.detach().abs().amax() <= torch.finfo(dtype).max):
+                clamp = False  # nothing to clamp: the same cast as a positional argument's
+            for src, version, cl, out in self.casts:
+                if src is obj and version == obj._version and cl == clamp:
+                    return out
+            out = _cast(obj, dtype, clamp)
+            self.casts.append((obj, obj._version, clamp, out))
+            del self.casts[:-self.SIZE]
+            return out
+        if isinstance(obj, tuple | list):
+            return type(obj)(self.cast(o, dtype, clamp) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.cast(v, dtype, clamp) for k, v in obj.items()}
+        return obj
 
 
 def _reduce_len(args, out: torch.Tensor) -> int:
@@ -204,7 +388,8 @@ class _Record:
         self.used = False
 
 
-def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tuple[list[_Record], str | None, int]:
+def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
+                         context=contextlib.nullcontext) -> tuple[list[_Record], str | None, int]:
     """One forward of the candidate; the primary output of every module call, in completion order."""
     records: list[_Record] = []
     peak = [0]
@@ -225,7 +410,7 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tupl
 
     hooks = _Hooks(model, pre, post)
     error = None
-    with hooks.active(), torch.no_grad():
+    with hooks.active(), torch.no_grad(), context():
         try:
             model(*_cast(args, dtype), **_cast(kwargs, dtype, True))
         except Exception as exc:
@@ -234,107 +419,18 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None) -> tupl
     return records, error, peak[0]
 
 
-# ---------------------------------------------------------------------------------------------- ONNX
-def _is_onnx(obj) -> bool:
-    if isinstance(obj, bytes | bytearray):
-        return True
-    if isinstance(obj, str | Path):
-        return str(obj).endswith(".onnx")
-    return type(obj).__name__ == "ModelProto"
-
-
-def _onnx_values(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, str], str]:
-    """Every intermediate value of the ONNX graph run on onnxruntime, and node scope → its last output."""
-    try:
-        import onnx
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise InputError(f"an ONNX candidate needs onnx and onnxruntime ({exc})") from None
-    if isinstance(model_obj, str | Path):
-        if not Path(model_obj).is_file():
-            raise InputError(f"no such ONNX file: {model_obj}")
-        proto = onnx.load(str(model_obj))
-        desc = str(model_obj)
-    elif isinstance(model_obj, bytes | bytearray):
-        proto = onnx.load_from_string(bytes(model_obj))
-        desc = "ONNX model (bytes)"
-    else:
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model_obj)
-        desc = f"ONNX model {proto.graph.name or ''}".strip()
-    g = proto.graph
-    existing = {o.name for o in g.output}
-    initial = {i.name for i in g.initializer}
-    scope_out: dict[str, str] = {}  # scope (dotted) → the last output produced in it
-    for node in g.node:
-        if node.op_type == "Constant" or not node.output:
-            continue
-        if "/" in node.name:
-            scope = node.name.strip("/").rsplit("/", 1)[0].replace("/", ".")
-            scope_out[scope] = node.output[0]
-            # the parents' scopes end with their last node too
-            parts = scope.split(".")
-            for i in range(1, len(parts)):
-                scope_out.setdefault(".".join(parts[:i]), "")
-                scope_out[".".join(parts[:i])] = node.output[0]
-        for o in node.output:
-            if o and o not in existing and o not in initial:
-                g.output.append(onnx.ValueInfoProto(name=o))
-                existing.add(o)
-    feeds = {}
-    names = [i.name for i in g.input if i.name not in initial]
-    flat = list(args) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    if isinstance(kwargs, dict):
-        for k in names:
-            if k in kwargs and isinstance(kwargs[k], torch.Tensor):
-                feeds[k] = kwargs[k].numpy()
-    if not feeds:
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        if len(tensors) < len(names):
-            raise InputError(f"the ONNX model takes {len(names)} inputs ({', '.join(names)}); "
-                             f"got {len(tensors)} tensors")
-        feeds = {n: t.numpy() for n, t in zip(names, tensors, strict=False)}
-    try:
-        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-        outs = sess.run(None, feeds)
-    except Exception as exc:
-        raise TargetError(f"onnxruntime could not run the candidate: {type(exc).__name__}: {exc}") from None
-    values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
-    return values, scope_out, desc
-
-
-def _onnx_records(values, scope_out, ref_paths: list[str]) -> list[_Record]:
-    """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix)."""
-    out = []
-    for path in ref_paths:
-        if not path:
-            continue
-        best = None
-        for scope, name in scope_out.items():
-            if scope == path or scope.endswith("." + path):
-                if best is None or len(scope) < len(best[0]):
-                    best = (scope, name)
-        if best is None or not best[1] or best[1] not in values:
-            continue
-        v = values[best[1]]
-        try:
-            t = torch.from_numpy(v.copy())
-        except TypeError:
-            continue
-        if t.is_floating_point():
-            out.append(_Record(path, 0, None, t))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------- diff
-def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: bool = False, loss_fn=None,
-         keep: bool = False, progress=True) -> Diff:
+def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autocast=None, grad: bool = False,
+         loss_fn=None, keep: bool = False, progress=True) -> Diff:
     """Compare two executions of ``reference`` site by site; see the module docstring.
 
     ``candidate``: another torch module with the same architecture (aligned by module name, else by execution
     order and output shapes), an ONNX model (path, bytes or ``ModelProto``, run on onnxruntime), or None: the
     reference itself at ``candidate_dtype`` (a private copy). ``candidate_dtype`` ('bfloat16', 'float16',
-    'float32') also runs a torch candidate as a private copy at that dtype. ``inputs`` as in ``scan``.
+    'float32') also runs a torch candidate as a private copy at that dtype. ``autocast`` ('bfloat16',
+    'float16'; exclusive with ``candidate_dtype``): the candidate (the reference itself when None) runs as it is
+    under ``torch.autocast`` on its device type, and each site is judged at the dtype its ops were observed to
+    run at. ``inputs`` as in ``scan``.
     ``grad=True`` also compares the gradients of a scalar loss (the sum of the primary output, or
     ``loss_fn(output)``) site by site (:mod:`.gradients`; torch candidates only). ``keep=True`` keeps the
     first divergent site's input and outputs in ``Diff.tensors``.
@@ -350,9 +446,22 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
         if candidate_dtype not in _LOW:
             raise InputError(f"candidate_dtype must be one of {', '.join(_LOW)}; got {candidate_dtype!r}")
     onnx_cand = candidate is not None and _is_onnx(candidate)
-    if candidate is None and candidate_dtype is None:
-        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= to compare "
-                         "the reference with itself at a lower precision (e.g. candidate_dtype='bfloat16')")
+    if autocast is not None:
+        if candidate_dtype is not None:
+            raise InputError("give autocast= or candidate_dtype=, not both: autocast runs the candidate as it is under "
+                             "torch.autocast, candidate_dtype runs a private copy cast to that dtype")
+        try:
+            autocast = dtype_name(autocast)
+        except Exception as exc:
+            raise InputError(f"autocast: {exc}") from None
+        if autocast not in _AUTOCAST:
+            raise InputError(f"autocast must be one of {', '.join(_AUTOCAST)}; got {autocast!r}")
+        if onnx_cand:
+            raise InputError("an ONNX candidate runs as exported; autocast applies to torch candidates only")
+    if candidate is None and candidate_dtype is None and autocast is None:
+        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= (or "
+                         "autocast=) to compare the reference with itself at a lower precision (e.g. "
+                         "candidate_dtype='bfloat16')")
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
                          f"None; got a {type(candidate).__name__}")
@@ -371,13 +480,20 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
         reference.eval()
         # ------------------------------------------------------------------ the candidate's own forward
         cand_torch_dtype = None
+        ac = _Autocast(None, "cpu")
         if onnx_cand:
             say("running the ONNX candidate on onnxruntime")
-            values, scopes, cand_desc = _onnx_values(candidate, args, kwargs)
+            values, scopes, cand_desc, subgraphs = onnxsites.run_candidate(candidate, args, kwargs)
             cand_dtype = "float32"
             cand_model = None
         else:
-            if candidate is None:
+            if autocast is not None:
+                if candidate is not None:
+                    stack.enter_context(untouched(candidate))
+                cand_model = reference if candidate is None else candidate.eval()
+                ac = _Autocast(autocast, _device_type(cand_model))
+                cand_desc = f"{type(cand_model).__name__} under autocast({ac.device_type}, {autocast})"
+            elif candidate is None:
                 cand_model = private_copy(reference).to(getattr(torch, candidate_dtype))
                 cand_desc = f"{type(reference).__name__} at {candidate_dtype} (a private copy)"
             elif candidate_dtype is not None:
@@ -388,14 +504,16 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 stack.enter_context(untouched(candidate))
                 cand_model = candidate.eval()
                 cand_desc = type(candidate).__name__
-            cand_dtype = candidate_dtype or _model_dtype(cand_model)
-            cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype else None
+            cand_dtype = autocast or candidate_dtype or _model_dtype(cand_model)
+            cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype and not ac else None
             say("running the candidate")
-            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype)
+            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype, ac)
             if cand_error:
                 notes.append(cand_error)
         twin = None
-        if cand_dtype != ref_dtype and not onnx_cand:
+        if ac:  # the reference's own modules under the same autocast (the candidate itself when it is the reference)
+            twin = reference
+        elif cand_dtype != ref_dtype and not onnx_cand:
             twin = cand_model if candidate is None else private_copy(reference).to(getattr(torch, cand_dtype))
         twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
         blocks = block_modules(reference)
@@ -408,7 +526,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
         # ------------------------------------------------------------------ alignment
         ref_paths = [p for p, _ in reference.named_modules()]
         if onnx_cand:
-            records = _onnx_records(values, scopes, ref_paths)
+            records = onnxsites.records(values, scopes, ref_paths, _Record)
             cand_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
             del values
             mode = "onnx scopes"
@@ -482,28 +600,35 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 return
             else:
                 s.status = "propagated"
-            if onnx_cand:
-                if s.status == "propagated" and s.propagated is not None:
-                    s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
-                    s.bound_rule += " (ONNX: propagated error; the site's own error is not measured)"
-                    if s.propagated["normalized"] > s.bound:
-                        s.status = "diverged"
-                return
             own_site = (leaf or f["leaf_children"]) and id(module) not in block_or_above
             if not own_site or r.module is None:
+                if onnx_cand:
+                    _onnx_propagated(s, n)
                 return
-            if f["args"] and y is f["args"][0]:
+            x_in = _input(f["args"], kw, y)
+            if x_in is not None and y is x_in:
                 s.note = "returns its input (an identity in evaluation mode): nothing of its own to compare"
                 return
             if _versions(f["args"]) != f["versions"]:
                 s.note = "own error not measured: the module wrote its input in place"
                 return
-            if not (_stateless(f["args"]) and _stateless(kw)):
-                s.note = "own error not measured: the call takes a stateful argument (a cache object)"
-                return
-            with torch.no_grad():
+            if onnx_cand:  # the site's nodes as a subgraph of their own, on the reference's inputs
                 try:
-                    yc = _primary(r.module(*_cast(f["args"], cand_torch_dtype), **_cast(kw, cand_torch_dtype, True)))
+                    with torch.no_grad():
+                        yc = torch.from_numpy(subgraphs.run(*r.module, f["args"], kw))
+                except onnxsites.NotExtractable as exc:
+                    s.own_missing = str(exc)
+                    _onnx_propagated(s, n)
+                    return
+                site_dtype, cand_ref = cand_dtype, onnxsites.Site(subgraphs, *r.module)
+            else:
+                if not (_stateless(f["args"]) and _stateless(kw)):
+                    s.note = "own error not measured: the call takes a stateful argument (a cache object)"
+                    return
+                try:
+                    with torch.no_grad(), ac.observe() as seen, memo.on():
+                        yc = _primary(r.module(*memo.cast(f["args"], cand_torch_dtype),
+                                               **memo.cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
                     s.status = "raised"
                     s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
@@ -513,50 +638,71 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                 if not isinstance(yc, torch.Tensor):
                     s.note = "the candidate's module returned no tensor on the reference's input"
                     return
-                s.own = metrics.errors(yc, y)
-                if "error" in s.own:
-                    s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
-                    _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
+                site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else cand_dtype
+                cand_ref = r.module
+            s.dtype = site_dtype
+            s.own = metrics.errors(yc, y)
+            if "error" in s.own:
+                s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
+                _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
+                return
+            if kind == "norm":
+                v = contracts.judge(site_contracts, module, None if onnx_cand else r.module, x_in, y, yc, ref_dtype,
+                                    site_dtype) if x_in is not None else {"error": "no floating tensor input"}
+                if "error" not in v:
+                    s.elementwise = v
+                    s.bound, s.bound_rule = None, contracts.rule(v, site_dtype)
+                    s.status = "within" if v["ok"] else "diverged"
+                    if s.status == "diverged":
+                        _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
                     return
-                if kind == "norm":
-                    v = contracts.judge(site_contracts, module, r.module, f["args"][0], y, yc, ref_dtype, cand_dtype) \
-                        if f["args"] and isinstance(f["args"][0], torch.Tensor) else {"error": "no tensor input"}
-                    if "error" not in v:
-                        s.elementwise = v
-                        s.bound, s.bound_rule = None, contracts.rule(v, cand_dtype)
-                        s.status = "within" if v["ok"] else "diverged"
-                        if s.status == "diverged":
-                            _remember(first, s, module, r.module, f["args"], y, yc, keep)
-                        return
-                    s.note = f"judged by the dtype-derived rule: {v['error']}"
-                tw = None
-                if twin is not None and path in twin_modules:
-                    if twin is cand_model and r.module is twin_modules[path]:
-                        tw = s.own["normalized"]
-                    else:
-                        try:
-                            yt = _primary(twin_modules[path](*_cast(f["args"], cand_torch_dtype),
-                                                             **_cast(kw, cand_torch_dtype, True)))
-                            tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
-                        except Exception:
-                            tw = None
-                    if tw is not None and not math.isfinite(tw):
+                s.note = f"judged by the dtype-derived rule: {v['error']}"
+            tw = None
+            if twin is not None and path in twin_modules and site_dtype != ref_dtype:
+                if twin is cand_model and r.module is twin_modules[path]:
+                    tw = s.own["normalized"]
+                else:
+                    try:
+                        with torch.no_grad(), ac(), memo.on():
+                            yt = _primary(twin_modules[path](*memo.cast(f["args"], cand_torch_dtype),
+                                                             **memo.cast(kw, cand_torch_dtype, True)))
+                        tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+                    except Exception:
                         tw = None
-                        s.note = "the reference's module at the candidate's dtype is not finite here"
-                s.twin = tw
-            if twin is not None and s.twin is None:
-                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+                if tw is not None and not math.isfinite(tw):
+                    tw = None
+                    s.note = "the reference's module at the candidate's dtype is not finite here"
+            s.twin = tw
+            if twin is not None and s.twin is None and site_dtype != ref_dtype:
+                s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, None, n)
                 s.bound_rule += " (no faithful twin measured)"
             else:
-                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, s.twin, n)
+                s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, s.twin, n)
+            if onnx_cand:
+                s.bound_rule += " (ONNX: the site's subgraph on the reference's input)"
             s.status = "diverged" if s.own["normalized"] > s.bound else "within"
             if s.status == "diverged":
-                _remember(first, s, module, r.module, f["args"], y, yc, keep)
+                _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
+
+        def _onnx_propagated(s: SiteDiff, n: int) -> None:
+            """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n)."""
+            if s.status == "propagated" and s.propagated is not None:
+                s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+                s.bound_rule += " (ONNX: on the propagated error" + (
+                    f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
+                if s.propagated["normalized"] > s.bound:
+                    s.status = "diverged"
 
         say("running the reference, comparing site by site")
         hooks = _Hooks(reference, pre, post)
+        # the copies diff made itself (a candidate or twin at candidate_dtype) reuse their leaves' outputs
+        memo = _Memo()
+        private = [m for m in (cand_model if candidate_dtype is not None else None,
+                               twin if twin is not None and twin is not cand_model and not ac else None)
+                   if m is not None]
         try:
-            with hooks.active(), torch.no_grad():
+            with hooks.active(), torch.no_grad(), memo.installed(*private):
                 reference(*args, **kwargs)
         except NormscopeError:
             raise
@@ -593,17 +739,17 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, grad: 
                              "reference's, so gradient sites are unmatched")
             from . import gradients
 
-            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype,
+            g = gradients.run(reference, cand_model, twin, args, kwargs, cand_torch_dtype=cand_torch_dtype, ac=ac,
                               ref_dtype=ref_dtype, cand_dtype=cand_dtype, loss_fn=loss_fn,
                               own_site=lambda m, flag: flag and id(m) not in block_or_above,
                               site_contracts=site_contracts, say=say)
             notes.extend(g["notes"][:5])
     return Diff(reference=type(reference).__name__, candidate=cand_desc, reference_dtype=ref_dtype,
-                candidate_dtype=cand_dtype, inputs=_describe(args, kwargs), sites=sites,
+                candidate_dtype=cand_dtype, autocast=autocast, inputs=_describe(args, kwargs), sites=sites,
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
                 unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
                 stats={"alignment": mode, "sites": len(sites),
-                       "own_measured": sum(s.own is not None for s in sites),
+                       "own_measured": sum(s.own is not None for s in sites), "reused_leaf_outputs": memo.hits,
                        "candidate_cache_bytes": int(cand_bytes)},
                 seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
                 grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])
@@ -621,6 +767,8 @@ def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bo
 def _infer(module, shape):
     from ..probe.infer import infer
 
+    if isinstance(module, onnxsites.Site):  # an ONNX site: its subgraph, as onnxruntime runs it
+        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0).spec
     m = private_copy(module).float()
     try:
         return infer(m, shape=shape, dtypes=("float32",), seed=0).spec

@@ -15,6 +15,7 @@ gradients are compared by name and reported; they carry everything downstream of
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -39,20 +40,26 @@ def _loss(out, loss_fn) -> torch.Tensor:
     return y.float().sum()
 
 
-def _vjp(module, args, kw, dy, dtype):
-    """dx (w.r.t. the first floating positional input) and the module's own parameter gradients, at ``dtype``
-    (None: as given), for output gradient ``dy``."""
-    from .core import _cast, _primary
+def _vjp(module, args, kw, dy, dtype, ac=None):
+    """dx (w.r.t. the call's main input: the first floating positional tensor, or for a call with keyword
+    arguments only the floating keyword tensor of the output's shape) and the module's own parameter gradients,
+    at ``dtype`` (None: as given), for output gradient ``dy``; and, under ``ac`` (autocast), the least precise
+    dtype the forward's ops ran at (else None)."""
+    from .core import _cast, _input_at, _primary
 
-    xs = list(_cast(args, dtype))
-    at = next(i for i, a in enumerate(xs) if isinstance(a, torch.Tensor) and a.is_floating_point())
-    xs[at] = xs[at].detach().requires_grad_(True)
+    xs, kws = list(_cast(args, dtype)), dict(_cast(kw, dtype, True))
+    where, key = _input_at(xs, kws, dy)
+    box = xs if where == "arg" else kws
+    box[key] = box[key].detach().requires_grad_(True)
     params = [(n, p) for n, p in module.named_parameters(recurse=True) if p.requires_grad]
+    seen: list[str] = []
     with torch.enable_grad():
-        y = _primary(module(*xs, **_cast(kw, dtype, True)))
+        with ac.observe() if ac else contextlib.nullcontext(seen) as seen:
+            y = _primary(module(*xs, **kws))
         g = dy if dtype is None else dy.to(dtype)
-        grads = torch.autograd.grad(y, [xs[at]] + [p for _, p in params], g.to(y.dtype), allow_unused=True)
-    return grads[0], {n: gp for (n, _), gp in zip(params, grads[1:], strict=True) if gp is not None}
+        grads = torch.autograd.grad(y, [box[key]] + [p for _, p in params], g.to(y.dtype), allow_unused=True)
+    return (grads[0], {n: gp for (n, _), gp in zip(params, grads[1:], strict=True) if gp is not None},
+            seen[0] if seen and seen[0] else None)
 
 
 def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dparams, ref_dtype, cand_dtype):
@@ -103,10 +110,10 @@ def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dpar
             "total": c.total, "nonfinite": c.nonfinite}
 
 
-def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtype: str, cand_dtype: str,
+def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_dtype: str, cand_dtype: str,
         loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
     """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
-    from .core import _CallStack, _cast, _Hooks, _primary, _site_name, _stateless
+    from .core import _CallStack, _cast, _Hooks, _input, _primary, _site_name, _stateless
 
     notes: list[str] = []
     # ------------------------------------------------------------------ the candidate
@@ -120,7 +127,7 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
 
     cparams = [(n, p) for n, p in cand_model.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        with _Hooks(cand_model, lambda *x: None, c_post).active():
+        with _Hooks(cand_model, lambda *x: None, c_post).active(), ac():
             out = cand_model(*_cast(args, cand_torch_dtype), **_cast(kwargs, cand_torch_dtype, True))
         loss = _loss(out, loss_fn)
         if not loss.requires_grad:
@@ -145,10 +152,11 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
         y = _primary(output)
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return
-        own = own_site(module, leaf or f["leaf_children"]) and bool(f["args"]) and y is not f["args"][0] \
-            and _stateless(f["args"]) and _stateless(kw) and any(
-                isinstance(t, torch.Tensor) and t.is_floating_point() for t in f["args"])
-        saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]), kw) if own else None
+        x = _input(f["args"], kw, y)  # a module called with keyword arguments only has its input there
+        own = own_site(module, leaf or f["leaf_children"]) and x is not None and y is not x \
+            and _stateless(f["args"]) and _stateless(kw)
+        saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]),
+                 {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}) if own else None
         y.register_hook(lambda g: _at_site(module, path, number, g, saved, leaf))
 
     def _at_site(module, path, number, g, saved, leaf):
@@ -177,20 +185,21 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
         if saved is None or cm is None:
             return
         a, kw = saved
-        ref_dx, ref_dp = _vjp(module, a, kw, g, None)
+        ref_dx, ref_dp, _ = _vjp(module, a, kw, g, None)
         try:
-            dx_c, dp_c = _vjp(cm, a, kw, g, cand_torch_dtype)
+            dx_c, dp_c, seen = _vjp(cm, a, kw, g, cand_torch_dtype, ac)
         except Exception as exc:
             s.status, s.note = "raised", f"the candidate's backward raised on the reference's input: " \
                                          f"{type(exc).__name__}: {exc}"
             return
+        site_dtype = s.dtype = seen or cand_dtype  # under autocast: the dtype its forward's ops ran at
         s.own = metrics.errors(dx_c, ref_dx)
-        x = next(t for t in a if isinstance(t, torch.Tensor) and t.is_floating_point())
+        x = _input(a, kw, g)
         if kind == "norm":
-            v = _norm_judge(site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, ref_dtype, cand_dtype)
+            v = _norm_judge(site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, ref_dtype, site_dtype)
             if "error" not in v:
                 s.elementwise = v
-                s.bound_rule = (f"backward error model of {v['spec']} at {cand_dtype}: worst {v['gradient']} "
+                s.bound_rule = (f"backward error model of {v['spec']} at {site_dtype}: worst {v['gradient']} "
                                 f"element |Δ| {v['worst_error']:.3g} vs bound {v['worst_bound']:.3g}")
                 s.status = "within" if v["ok"] else "diverged"
                 return
@@ -201,10 +210,11 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
             if n in ref_dp:
                 worst = max(worst, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
         tw = None
-        if twin is cand_model:
+        lowered = twin is not None and site_dtype != ref_dtype
+        if lowered and twin is cand_model:
             tw = worst  # the candidate is the reference's own copy at its dtype: it is its own twin
-        elif twin is not None and path in twin_modules:
-            t_dx, t_dp = _vjp(twin_modules[path], a, kw, g, cand_torch_dtype)
+        elif lowered and path in twin_modules:
+            t_dx, t_dp, _ = _vjp(twin_modules[path], a, kw, g, cand_torch_dtype, ac)
             tw = metrics.errors(t_dx, ref_dx).get("normalized")
             for n, gp in t_dp.items():
                 if n in ref_dp:
@@ -212,8 +222,8 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ref_dtyp
             tw = tw if tw is not None and math.isfinite(tw) else None
         s.twin = tw
         n = int(x.shape[-1]) if x.dim() else 1
-        s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, tw if twin is not None else None, n)
-        if twin is not None and tw is None:
+        s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, tw if lowered else None, n)
+        if lowered and tw is None:
             s.bound_rule += " (no faithful twin measured)"
         s.status = "diverged" if worst > s.bound else "within"
 

@@ -17,6 +17,9 @@ _STYLE = {"within": "green", "diverged": "bold red", "raised": "bold red", "shap
           "propagated": "dim", "unmatched": "yellow", "reference_not_finite": "yellow"}
 
 
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
 def _e(v) -> str:
     return "—" if v is None else fmt(v, 3)
 
@@ -60,20 +63,28 @@ def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
 
 
 def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
-    console.print(f"[bold]{escape(d.reference)}[/] ({d.reference_dtype}) vs [bold]{escape(d.candidate)}[/] "
-                  f"({d.candidate_dtype}): {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
+    at = "" if d.autocast else f" ({d.candidate_dtype})"  # the candidate's description names its autocast
+    console.print(f"[bold]{escape(d.reference)}[/] ({d.reference_dtype}) vs [bold]{escape(d.candidate)}[/]"
+                  f"{at}: {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
     t = Table(show_lines=False, header_style="bold")
-    for col in ("#", "site", "class", "own err", "bound", "propagated", "SQNR dB", "status"):
+    # under autocast each site runs at its own dtype: the column says which one it was judged at
+    cols = ("#", "site", "class") + (("ran at",) if d.autocast else ()) + ("own err", "bound", "propagated",
+                                                                           "SQNR dB", "status")
+    for col in cols:
         t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left",
                      overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
     shown = [s for s in d.sites if all_sites or s.own is not None or s.status not in ("propagated",)
-             or s.name == d.first_divergence]
+             or s.name == d.first_divergence or s.own_missing]
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
+        if s.own_missing:  # a site that would get an own error and could not: the row says why
+            status += f" (own n/a — {escape(s.own_missing)})"
         bound = _e(s.bound) if s.elementwise is None else \
             f"{s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), bound, _e(s.propagated_error),
+        ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
+        own = "n/a" if s.own_missing else _e(s.own_error)
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), *ran, own, bound, _e(s.propagated_error),
                   _db(s.propagated), f"[{style}]{status}[/]" if style else status)
     console.print(t)
     console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "

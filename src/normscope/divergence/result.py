@@ -69,6 +69,12 @@ class SiteDiff:
     note: str = ""
     # at a norm site judged by the error model: the contract, the worst element's error and bound, elements outside
     elementwise: dict[str, Any] | None = None
+    # the dtype the candidate's module ran at on the reference's input, which its bound is taken at (under
+    # autocast: the least precise dtype its ops were observed to produce)
+    dtype: str | None = None
+    # why the own error was not measured where the site would get one (an ONNX site whose subgraph cannot be
+    # extracted or fed): the row says "n/a" with it
+    own_missing: str = ""
 
     @property
     def own_error(self) -> float | None:
@@ -126,6 +132,8 @@ class Diff:
     grad_first_divergence: str | None = None
     grad_divergence: dict[str, Any] | None = None
     param_grads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: the autocast dtype the candidate ran under (``candidate_dtype`` is then that dtype too), or None
+    autocast: str | None = None
 
     @property
     def diverged(self) -> bool:
@@ -152,7 +160,8 @@ class Diff:
     def _forward_summary(self) -> str:
         if self.first_divergence is None:
             measured = sum(s.own is not None for s in self.sites)
-            return (f"no divergence: {measured} sites' own errors within the bound at {self.candidate_dtype} "
+            at = f"autocast {self.autocast}" if self.autocast else self.candidate_dtype
+            return (f"no divergence: {measured} sites' own errors within the bound at {at} "
                     f"({len(self.sites)} sites compared)")
         return f"first divergence at {self.first_divergence}: {self.divergence.get('reason', '')}"
 
@@ -161,6 +170,7 @@ class Diff:
             "schema": SCHEMA,
             "reference": self.reference, "candidate": self.candidate,
             "reference_dtype": self.reference_dtype, "candidate_dtype": self.candidate_dtype,
+            "autocast": self.autocast,
             "inputs": jsonable(self.inputs),
             "first_divergence": self.first_divergence,
             "divergence": jsonable(self.divergence),
@@ -186,7 +196,7 @@ class Diff:
             raise ValueError(f"not a {SCHEMA} document (schema {d.get('schema')!r})")
         return cls(
             reference=d["reference"], candidate=d["candidate"], reference_dtype=d["reference_dtype"],
-            candidate_dtype=d["candidate_dtype"], inputs=d.get("inputs", {}),
+            candidate_dtype=d["candidate_dtype"], autocast=d.get("autocast"), inputs=d.get("inputs", {}),
             sites=[SiteDiff.from_dict(s) for s in d["sites"]], first_divergence=d.get("first_divergence"),
             divergence=d.get("divergence"), unmatched_reference=list(d.get("unmatched_reference", [])),
             unmatched_candidate=list(d.get("unmatched_candidate", [])), notes=list(d.get("notes", [])),

@@ -16,8 +16,7 @@ if TYPE_CHECKING:  # the command line registers this parser without loading rich
     from rich.console import Console
 
 from .errors import InputError
-
-EXIT_OK, EXIT_USAGE = 0, 2
+from .exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:

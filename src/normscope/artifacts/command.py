@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
     from rich.console import Console
 
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+from ..exitcodes import EXIT_FAIL as EXIT_MISMATCH
+from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> None:

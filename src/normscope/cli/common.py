@@ -11,19 +11,17 @@ import re
 import sys
 from collections.abc import Callable
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_NOT_NORM, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
-EXIT_CODES = """exit codes:
-  0    success (check: every finding passed)
-  1    a check failed: a check finding, a contract mismatch between two
-       artifacts, a finding of scan --strict or diagnose --strict (never used
-       for anything else)
-  2    usage or input error: one line on stderr names the problem and the fix
-  3    infer: the target is not a normalization
-  4    the target hung: one call ran longer than --timeout
-  5    diff: the candidate diverged (a site's own error exceeds its bound)
-  130  interrupted (Ctrl-C)
-  141  the output pipe was closed early (e.g. normscope ... --json | head)"""
+from ..exitcodes import (  # noqa: F401  (re-exported for the subcommands of this package)
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES,
+    EXIT_FAIL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_NORM,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_USAGE,
+)
+
 TYPICAL_CALLS = {"infer": 40, "check --quick": 45, "check": 70}  # measured on torch LayerNorm/RMSNorm
 SLOW_CALL_S = 0.25  # slower calls than this get an up-front time estimate on stderr
 

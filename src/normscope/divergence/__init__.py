@@ -11,8 +11,9 @@ rich.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _LAZY = {
     "diff": ".core",
@@ -26,13 +27,7 @@ _LAZY = {
 __all__ = ["SCHEMA", "Diff", "SiteDiff", "diff", "plot_diff", "render_diff"]
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'normscope.divergence' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .core import diff

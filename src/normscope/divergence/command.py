@@ -15,7 +15,7 @@ from ..errors import InputError
 if TYPE_CHECKING:  # building the parser must not import rich
     from rich.console import Console
 
-EXIT_OK, EXIT_USAGE, EXIT_DIVERGED = 0, 2, 5
+from ..exitcodes import EXIT_DIVERGED, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
@@ -84,7 +84,7 @@ def parse_inputs(text: str | None, vocab: int | None = None):
 def run(args, console: Console) -> int:
     import torch
 
-    from ..sites.command import load_model  # the quiet loader (no library progress bars)
+    from ..sources import load_model
     from .core import _is_onnx, diff
     from .render import plot_diff, render_diff
 

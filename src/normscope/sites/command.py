@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
     from rich.console import Console
 
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+from ..exitcodes import EXIT_FAIL as EXIT_FINDINGS
+from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
@@ -38,14 +39,6 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.scan/1)")
     p.set_defaults(run=run)
     return p
-
-
-def __getattr__(name: str):
-    if name == "load_model":  # the diff command imports the model loader from here; its home is normscope.sources
-        from ..sources import load_model
-
-        return load_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def run(args, console: Console) -> int:

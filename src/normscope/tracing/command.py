@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # the command line registers this parser without loading rich
     from rich.console import Console
 
 from ..errors import InputError
-
-EXIT_OK, EXIT_FINDINGS, EXIT_USAGE = 0, 1, 2
+from ..exitcodes import EXIT_FAIL as EXIT_FINDINGS
+from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:

@@ -1,0 +1,27 @@
+"""The exit codes of the ``normscope`` command line, in one place (a leaf module: every subcommand imports it).
+
+Also printed by ``normscope --help`` (``EXIT_CODES``), and listed in the README and docs/usage.md.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0  # success (check: every finding passed)
+EXIT_FAIL = 1  # a check failed: a check finding, a contract mismatch, a scan/diagnose --strict finding
+EXIT_USAGE = 2  # usage or input error: one line on stderr names the problem and the fix
+EXIT_NOT_NORM = 3  # infer: the target is not a normalization
+EXIT_TIMEOUT = 4  # the target hung: one call ran longer than --timeout
+EXIT_DIVERGED = 5  # diff: the candidate diverged
+EXIT_INTERRUPTED = 130  # Ctrl-C
+EXIT_BROKEN_PIPE = 141  # the output pipe was closed early
+
+EXIT_CODES = """exit codes:
+  0    success (check: every finding passed)
+  1    a check failed: a check finding, a contract mismatch between two
+       artifacts, a finding of scan --strict or diagnose --strict (never used
+       for anything else)
+  2    usage or input error: one line on stderr names the problem and the fix
+  3    infer: the target is not a normalization
+  4    the target hung: one call ran longer than --timeout
+  5    diff: the candidate diverged (a site's own error exceeds its bound)
+  130  interrupted (Ctrl-C)
+  141  the output pipe was closed early (e.g. normscope ... --json | head)"""

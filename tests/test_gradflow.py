@@ -27,12 +27,7 @@ from normscope.spec import NormSpec
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def lm(placement: str = "pre", **kw) -> TinyLM:

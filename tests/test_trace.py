@@ -22,13 +22,7 @@ from normscope.errors import InputError
 from normscope.tracing import command, diagnose, read_run, trace
 from normscope.tracing.store import TRACE_FILE
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def first(run_dir):

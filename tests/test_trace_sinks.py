@@ -24,12 +24,7 @@ STEPS = 10
 ACT = ("layer_input", "norm_input", "norm_output", "sublayer_output", "residual_sum")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def events(log_dir):

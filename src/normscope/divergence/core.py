@@ -420,6 +420,16 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
 
 
 # ---------------------------------------------------------------------------------------------- diff
+def _dtype_argument(name: str, value, allowed) -> str:
+    try:
+        value = dtype_name(value)
+    except Exception as exc:
+        raise InputError(f"{name}: {exc}") from None
+    if value not in allowed:
+        raise InputError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
 def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autocast=None, grad: bool = False,
          loss_fn=None, keep: bool = False, progress=True) -> Diff:
     """Compare two executions of ``reference`` site by site; see the module docstring.
@@ -439,23 +449,13 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
     if not isinstance(reference, torch.nn.Module):
         raise InputError(f"diff takes a torch.nn.Module as the reference; got a {type(reference).__name__}")
     if candidate_dtype is not None:
-        try:
-            candidate_dtype = dtype_name(candidate_dtype)
-        except Exception as exc:
-            raise InputError(f"candidate_dtype: {exc}") from None
-        if candidate_dtype not in _LOW:
-            raise InputError(f"candidate_dtype must be one of {', '.join(_LOW)}; got {candidate_dtype!r}")
+        candidate_dtype = _dtype_argument("candidate_dtype", candidate_dtype, _LOW)
     onnx_cand = candidate is not None and _is_onnx(candidate)
     if autocast is not None:
         if candidate_dtype is not None:
             raise InputError("give autocast= or candidate_dtype=, not both: autocast runs the candidate as it is under "
                              "torch.autocast, candidate_dtype runs a private copy cast to that dtype")
-        try:
-            autocast = dtype_name(autocast)
-        except Exception as exc:
-            raise InputError(f"autocast: {exc}") from None
-        if autocast not in _AUTOCAST:
-            raise InputError(f"autocast must be one of {', '.join(_AUTOCAST)}; got {autocast!r}")
+        autocast = _dtype_argument("autocast", autocast, _AUTOCAST)
         if onnx_cand:
             raise InputError("an ONNX candidate runs as exported; autocast applies to torch candidates only")
     if candidate is None and candidate_dtype is None and autocast is None:

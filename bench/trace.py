@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normscope.tracing import diagnose, trace
+from normscope.tracing import diagnose, read_run, trace
 
 V, D, H, L, B, T = 4096, 256, 8, 6, 8, 128
 
@@ -141,6 +141,12 @@ def main():
         if k in targets:
             line += f"  target ≤ {1 + targets[k]:.2f}: {'met' if med - 1 <= targets[k] else 'MISSED'}"
         print(line)
+    # the tracer's own time, from its records: immune to the block-to-block noise of a shared machine, but blind
+    # to indirect costs (hook calls, the function mode's dispatch of the model's own ops, caches it evicts)
+    own = statistics.median(r["tracer_ms"] for r in read_run(f"{tmp}/e1")[1]) / 1e3
+    ub = statistics.median(base)
+    print(f"  tracer's own time per recorded step (median of its records' tracer_ms): {own * 1e3:.1f} ms = "
+          f"{own / ub:.1%} of an untraced step; at every=10: {own / 10 / ub:.1%}")
     d = diagnose(f"{tmp}/e1")
     print(f"\ntrace of the every=1 run: {len(d.steps)} records "
           f"(header lines from {args.rounds} tracer sessions), anomalies: {len(d.anomalies)}")

@@ -520,7 +520,9 @@ def test_sinks_receive_every_record_and_a_failing_sink_is_disabled(tmp_path, cap
         trace(GPT(), tmp_path / "x", sinks=[object()])
 
 
-def test_record_times_keep_their_precision(tmp_path):
+def test_record_times_keep_their_precision_and_the_tracers_own_time(tmp_path):
     train(tmp_path, steps=2)
-    times = [json.loads(line)["time"] for line in (tmp_path / TRACE_FILE).read_text().splitlines()]
-    assert all(t != float(f"{t:.7g}") for t in times)  # not rounded to 7 digits (1000 s at today's epoch)
+    recs = [json.loads(line) for line in (tmp_path / TRACE_FILE).read_text().splitlines()]
+    assert all(r["time"] != float(f"{r['time']:.7g}") for r in recs)  # not rounded to 7 digits (1000 s today)
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 2 and all(0 < r["tracer_ms"] < 1e4 for r in steps)

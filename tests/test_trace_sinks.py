@@ -85,7 +85,8 @@ def test_scalars_equal_the_trace(tmp_path):
     want = {t: (e["stage"], m, e["layer"], e["site"], h) for e in d.records[-1]["entries"]
             for t, m, h in expected_series(e)}
     tags = set(ea.Tags()["scalars"])
-    assert tags - set(want) == {"samples/embedding/nonfinite_samples", "samples/loss/nonfinite_samples"}
+    assert tags - set(want) == {"samples/embedding/nonfinite_samples", "samples/loss/nonfinite_samples",
+                                "trace/tracer_ms"}
     assert set(want) <= tags
     # per block: layer input 3, norm input/output 2·4 + 2·4, attention 3·4 heads + 1, sublayer and residual
     # outputs 4·3, grad 4 groups·3, update 4·2 (64); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·2 (30)
@@ -120,6 +121,7 @@ def test_scalars_equal_the_trace(tmp_path):
         assert ea.Scalars("max_logit/layer0/head2")[k].value == pytest.approx(e["max_logit"][2], rel=2e-6)
         assert ea.Scalars("loss")[k].value == pytest.approx(by[("loss", None, "")]["sum"], rel=2e-6)
         assert ea.Scalars("samples/loss/nonfinite_samples")[k].value == 0
+        assert ea.Scalars("trace/tracer_ms")[k].value == pytest.approx(rec["tracer_ms"], rel=2e-6) and rec["tracer_ms"] > 0
         # per-sample histograms: every sample, its largest value
         losses, emb = rec["samples"]["loss"]["loss"], rec["samples"]["embedding"]
         h = ea.Histograms("samples/loss")[k].histogram_value

@@ -83,6 +83,8 @@ def record_scalars(record: dict[str, Any]) -> dict[str, float]:
                         out[tag(stage, metric, layer, site, h)] = float(vh)
             elif v is not None:
                 out[tag(stage, metric, layer, site)] = float(v)
+    if isinstance(record.get("tracer_ms"), int | float):
+        out["trace/tracer_ms"] = float(record["tracer_ms"])  # what recording this step cost the training thread
     return out
 
 

@@ -453,8 +453,9 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
     onnx_cand = candidate is not None and _is_onnx(candidate)
     if autocast is not None:
         if candidate_dtype is not None:
-            raise InputError("give autocast= or candidate_dtype=, not both: autocast runs the candidate as it is under "
-                             "torch.autocast, candidate_dtype runs a private copy cast to that dtype")
+            raise InputError("give autocast (--autocast) or candidate_dtype (--candidate-dtype), not both: autocast "
+                             "runs the candidate as it is under torch.autocast, candidate_dtype runs a private copy "
+                             "cast to that dtype")
         autocast = _dtype_argument("autocast", autocast, _AUTOCAST)
         if onnx_cand:
             raise InputError("an ONNX candidate runs as exported; autocast applies to torch candidates only")

@@ -526,3 +526,37 @@ def test_record_times_keep_their_precision_and_the_tracers_own_time(tmp_path):
     assert all(r["time"] != float(f"{r['time']:.7g}") for r in recs)  # not rounded to 7 digits (1000 s today)
     steps = [r for r in recs if r["kind"] == "step"]
     assert len(steps) == 2 and all(0 < r["tracer_ms"] < 1e4 for r in steps)
+
+
+def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
+    """The numba path (Σx² and max |x| from the bit patterns in one read; the update's difference and its sums in
+    one read) gives the numbers of the exact definition, NaN/inf/-0/subnormals included, and torch's path agrees."""
+    from normscope.tracing import fused
+    from normscope.tracing import recorder as rec
+
+    assert fused.available()  # numba is in the dev extra: the tests run the fast path
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(1000, generator=g) * 3, torch.tensor([-0.0, 1e-40, -7.5, 2.0]),
+             torch.tensor([1.0, math.nan, -9.0]), torch.tensor([1.0, -math.inf, 3.0]), torch.full((5,), 3e38),
+             torch.randn(7, 33, generator=g)[:, ::2]]  # non-contiguous: torch's path
+    for x in cases:
+        got = rec.act_stats(x)
+        fin = torch.isfinite(x)
+        xd = x[fin].double()
+        assert got["nonfinite"] == int((~fin).sum())
+        assert got["max"] == (float(xd.abs().max()) if xd.numel() else 0.0)
+        assert got["sumsq"] == pytest.approx(float((xd ** 2).sum()), rel=1e-6)
+        monkeypatch.setattr(fused, "_KERNELS", [None])  # torch's reductions
+        assert rec.act_stats(x) == pytest.approx(got, rel=1e-5)
+        monkeypatch.undo()
+    assert fused.sumsq_max(torch.ones(3, dtype=torch.float64)) is None and fused.sumsq_max(torch.ones(0)) is None
+    old, new = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
+    want = (old.double() - new.double())
+    d = old.clone()
+    su, mx, sp = fused.update_sums(d, new)
+    assert torch.equal(d, old - new)  # the copy now holds the difference, as torch's subtraction would
+    assert su == pytest.approx(float((want ** 2).sum()), rel=1e-6) and mx == float((old - new).abs().max())
+    assert sp == pytest.approx(float((new.double() ** 2).sum()), rel=1e-9)
+    d = old.clone()
+    d[5] = math.nan
+    assert fused.update_sums(d, new)[1] == math.inf  # a non-finite difference: the caller's exact path

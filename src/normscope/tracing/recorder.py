@@ -38,6 +38,7 @@ from ..jsonable import jsonable
 from ..sites.core import known_class
 from ..sites.dataflow import block_modules
 from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX
+from . import fused
 from .store import SCHEMA, TRACE_FILE
 
 log = logging.getLogger("normscope.trace")
@@ -64,9 +65,9 @@ def act_stats(x: torch.Tensor) -> dict[str, float]:
 def batch_stats(xs: list[torch.Tensor], max_abs: bool = True) -> list[dict[str, float]]:
     """:func:`act_stats` of several tensors: one norm kernel per (device, dtype) and one host transfer per group.
 
-    The fast path is a 2-norm and a min/max per tensor; a tensor whose numbers come back non-finite (or overflow)
-    is summarised again exactly, its non-finite entries counted and left out. ``max_abs=False`` skips the min/max
-    pass (no ``"max"`` in the result).
+    The fast path is one read per tensor on the CPU (:mod:`.fused`), else a sum of squares and a min/max per
+    tensor; a tensor whose numbers come back non-finite (or overflow) is summarised again exactly, its non-finite
+    entries counted and left out. ``max_abs=False`` skips the min/max pass (no ``"max"`` in the result).
     """
     out: list[dict[str, float] | None] = [None] * len(xs)
     todo: dict[tuple, list[int]] = {}
@@ -78,6 +79,10 @@ def batch_stats(xs: list[torch.Tensor], max_abs: bool = True) -> list[dict[str, 
         ts.append(x)
         if x.numel() == 0:
             out[i] = {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
+            continue
+        one = fused.sumsq_max(x)  # CPU float32 with numba: both in one read
+        if one is not None:
+            out[i] = _finish(x, one[0], *((-one[1], one[1]) if max_abs else (None, None)))
         else:
             todo.setdefault((x.device, x.dtype), []).append(i)
     for ids in todo.values():
@@ -107,7 +112,7 @@ def _finish(x: torch.Tensor, ss: float, lo: float | None, hi: float | None) -> d
         fin = torch.isfinite(x)
         bad = int(x.numel() - int(fin.sum()))
         x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
-        ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float32)) ** 2
+        ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float64)) ** 2  # float64: no overflow of Σx²
         mx = None if mx is None else float(_absmax(x))
     st = {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
     if mx is None:
@@ -760,13 +765,25 @@ class Tracer:
                 own = [p for p in self._own(optimizer) if id(p) in self._old]
                 if not own:
                     return
-                new = [p.detach() for p in own]
-                diff = [self._old[id(p)] for p in own]
-                torch._foreach_sub_(diff, new)  # old - new, in place in the copies: the update, negated
-                moves, sizes = batch_stats(diff), batch_stats(new, max_abs=False)
-                for p, us, ps in zip(own, moves, sizes, strict=True):
-                    st = {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                          "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}
+                stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
+                rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+                for p in own:
+                    d, w = self._old[id(p)], p.detach()
+                    one = fused.update_sums(d, w)  # old - new in place in the copy, and its sums, in one read
+                    if one is not None and all(map(math.isfinite, one)):
+                        stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
+                                          "param_sumsq": one[2]}))
+                    else:
+                        if one is None:
+                            d.sub_(w)  # old - new, in place in the copy: the update, negated
+                        rest.append((p, d, w))
+                if rest:  # torch's reductions, batched; the exact path where a number is not finite
+                    moves = batch_stats([d for _, d, _ in rest])
+                    sizes = batch_stats([w for _, _, w in rest], max_abs=False)
+                    for (p, _, _), us, ps in zip(rest, moves, sizes, strict=True):
+                        stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
+                                          "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}))
+                for p, st in stats:
                     g = self.param_group[id(p)]
                     acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
                                                        "param_sumsq": 0.0})

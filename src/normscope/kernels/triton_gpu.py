@@ -71,6 +71,7 @@ def _forward_kernel(X, x_rs, R, r_rs, Y, H, STATS, W, B, n, eps,
             v = v.to(tl.float32)
         s += v
         ss += v * v
+    src = hrow if HAS_RES else xrow  # later passes read the residual sum where there is one
     nf = n * 1.0
     n_var = nf - 1.0 if UNBIASED else nf
     mean = 0.0
@@ -88,10 +89,7 @@ def _forward_kernel(X, x_rs, R, r_rs, Y, H, STATS, W, B, n, eps,
         for start in range(0, n, BLOCK):
             c = start + cols
             m = c < n
-            if HAS_RES:
-                v = tl.load(hrow + c, mask=m, other=0.0).to(tl.float32)
-            else:
-                v = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
+            v = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
             dv = tl.where(m, v - mean, 0.0)
             acc += dv * dv
         var = tl.sum(acc, axis=0) / n_var
@@ -103,10 +101,7 @@ def _forward_kernel(X, x_rs, R, r_rs, Y, H, STATS, W, B, n, eps,
     for start in range(0, n, BLOCK):
         c = start + cols
         m = c < n
-        if HAS_RES:
-            v = tl.load(hrow + c, mask=m, other=0.0).to(tl.float32)
-        else:
-            v = tl.load(xrow + c, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(src + c, mask=m, other=0.0).to(tl.float32)
         y = (v - mean) * inv
         if CAST_THEN_SCALE:
             y = _round(y, dt, BF16).to(tl.float32)

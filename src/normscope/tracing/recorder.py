@@ -717,25 +717,18 @@ class Tracer:
         return [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
 
     def _opt_pre(self, optimizer, args, kwargs) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._opt_pre_probe(optimizer)
-        finally:
-            self._cost += time.perf_counter() - t0
+        if self.recording:
+            self._guard("update", self._keep_parameters, optimizer)
 
-    def _opt_pre_probe(self, optimizer) -> None:
-        if not self.recording or "update" in self.disabled:
-            return
-        try:
-            with torch.no_grad():
-                own = self._own(optimizer)
-                if own:  # one batched copy into buffers kept while steps in a row are recorded
-                    bufs = [self._copy_buffer(p) for p in own]
-                    torch._foreach_copy_(bufs, [p.detach() for p in own])
-                    self._old.update(zip(map(id, own), bufs, strict=True))
-        except Exception as exc:
-            self._old.clear()
-            self._fail("update", exc)
+    def _keep_parameters(self, optimizer) -> None:
+        """Before the step: the parameters' values, in one batched copy into buffers kept while steps in a row are
+        recorded."""
+        with torch.no_grad():
+            own = self._own(optimizer)
+            if own:
+                bufs = [self._copy_buffer(p) for p in own]
+                torch._foreach_copy_(bufs, [p.detach() for p in own])
+                self._old.update(zip(map(id, own), bufs, strict=True))
 
     def _copy_buffer(self, p: torch.Tensor) -> torch.Tensor:
         """A buffer for the parameter's value before the step (fresh memory each step costs its page faults)."""
@@ -751,47 +744,41 @@ class Tracer:
         return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._opt_post_probe(optimizer)
-        finally:
-            self._cost += time.perf_counter() - t0
+        if self._old:
+            try:
+                self._guard("update", self._update_stats, optimizer)
+            finally:
+                self._old.clear()
 
-    def _opt_post_probe(self, optimizer) -> None:
-        if not self._old or "update" in self.disabled:
-            return
-        try:
-            with torch.no_grad():
-                own = [p for p in self._own(optimizer) if id(p) in self._old]
-                if not own:
-                    return
-                stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
-                rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-                for p in own:
-                    d, w = self._old[id(p)], p.detach()
-                    one = fused.update_sums(d, w)  # old - new in place in the copy, and its sums, in one read
-                    if one is not None and all(map(math.isfinite, one)):
-                        stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
-                                          "param_sumsq": one[2]}))
-                    else:
-                        if one is None:
-                            d.sub_(w)  # old - new, in place in the copy: the update, negated
-                        rest.append((p, d, w))
-                if rest:  # torch's reductions, batched; the exact path where a number is not finite
-                    moves = batch_stats([d for _, d, _ in rest])
-                    sizes = batch_stats([w for _, _, w in rest], max_abs=False)
-                    for (p, _, _), us, ps in zip(rest, moves, sizes, strict=True):
-                        stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                                          "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}))
-                for p, st in stats:
-                    g = self.param_group[id(p)]
-                    acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
-                                                       "param_sumsq": 0.0})
-                    _merge(acc, st)
-        except Exception as exc:
-            self._fail("update", exc)
-        finally:
-            self._old.clear()
+    def _update_stats(self, optimizer) -> None:
+        """After the step: the change of each parameter against its kept value, summed per parameter group."""
+        with torch.no_grad():
+            own = [p for p in self._own(optimizer) if id(p) in self._old]
+            if not own:
+                return
+            stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
+            rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+            for p in own:
+                d, w = self._old[id(p)], p.detach()
+                one = fused.update_sums(d, w)  # old - new in place in the copy, and its sums, in one read
+                if one is not None and all(map(math.isfinite, one)):
+                    stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
+                                      "param_sumsq": one[2]}))
+                else:
+                    if one is None:
+                        d.sub_(w)  # old - new, in place in the copy: the update, negated
+                    rest.append((p, d, w))
+            if rest:  # torch's reductions, batched; the exact path where a number is not finite
+                moves = batch_stats([d for _, d, _ in rest])
+                sizes = batch_stats([w for _, _, w in rest], max_abs=False)
+                for (p, _, _), us, ps in zip(rest, moves, sizes, strict=True):
+                    stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
+                                      "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}))
+            for p, st in stats:
+                g = self.param_group[id(p)]
+                acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
+                                                   "param_sumsq": 0.0})
+                _merge(acc, st)
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from command_runner import run_command
-from trace_models import FAULT, GPT, STEPS, B, T, V, train
+from trace_models import FAULT, GPT, STEPS, B, T, V, nan_gradient_at, train
 
 from normscope.errors import InputError
 from normscope.tracing import command, diagnose, read_run, trace
@@ -124,18 +124,7 @@ def test_eager_softmax_masked_row_and_head(tmp_path):
 
 
 def test_nonfinite_gradient(tmp_path):
-    def fault(model, opt, step, batch):
-        if step == FAULT:
-            def poison(h):
-                h.register_hook(lambda g: g * float("nan"))
-                return h
-            model.h[1].mlp.fault = poison
-
-            def undo():
-                model.h[1].mlp.fault = None
-            return undo
-
-    train(tmp_path, fault, steps=FAULT + 1)
+    train(tmp_path, nan_gradient_at(FAULT), steps=FAULT + 1)
     d, where = first(tmp_path)
     assert where == (FAULT, "grad", 1, None), d.first
     # the MLP input projection (32·128 + 128 of the group's 8352 parameters) is behind the NaN, its output one is not

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from trace_models import B, train  # the traced AdamW run on the 3-layer test decoder
+from trace_models import B, nan_gradient_at, train  # the traced AdamW run on the 3-layer test decoder
 
 from normscope.errors import InputError
 from normscope.tracing import diagnose, read_run
@@ -152,18 +152,8 @@ def test_record_scalars_of_other_records_and_missing_values():
 
 @needs_tb
 def test_nonfinite_values_are_written_not_raised(tmp_path):
-    def fault(model, opt, step, batch):
-        if step == 3:  # a NaN gradient behind the MLP of block 1: the update, then every activation, go NaN
-            def poison(h):
-                h.register_hook(lambda g: g * float("nan"))
-                return h
-            model.h[1].mlp.fault = poison
-
-            def undo():
-                model.h[1].mlp.fault = None
-            return undo
-
-    _, tr = train(tmp_path / "run", fault, steps=5, sinks=[TensorBoardSink(tmp_path / "tb")])
+    # a NaN gradient behind the MLP of block 1 at step 3: the update, then every activation, go NaN
+    _, tr = train(tmp_path / "run", nan_gradient_at(3), steps=5, sinks=[TensorBoardSink(tmp_path / "tb")])
     assert not tr.disabled
     ea = events(tmp_path / "tb")
     bad = [s.value for s in ea.Scalars("nonfinite/grad/layer1/mlp")]

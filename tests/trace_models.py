@@ -107,3 +107,18 @@ def train(run_dir, fault=None, steps=STEPS, every=1, eager=False, accumulate=1, 
             if undo:
                 undo()
     return model, tr
+
+
+def nan_gradient_at(fault_step: int, block: int = 1):
+    """A ``train`` fault: at ``fault_step`` the gradient behind block ``block``'s MLP hidden activation turns NaN."""
+    def fault(model, opt, step, batch):
+        if step == fault_step:
+            def poison(h):
+                h.register_hook(lambda g: g * float("nan"))
+                return h
+            model.h[block].mlp.fault = poison
+
+            def undo():
+                model.h[block].mlp.fault = None
+            return undo
+    return fault

@@ -20,7 +20,7 @@ from .exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from .cli.common import add_model_args
+    from .cli.common import MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "gradflow",
@@ -29,9 +29,7 @@ def add_parser(subparsers) -> Any:
                     "block; with --steps the optimizer runs and the same is measured again. The model file is "
                     "not changed. Exit 0 measured, 2 usage error.",
     )
-    p.add_argument("target", metavar="TARGET",
-                   help="package.module:factory, a local Hugging Face model directory, or a config.json "
-                        "(random weights)")
+    p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
     p.add_argument("--tokens", help="token-id input of shape B,T below the model's vocab_size (next-token loss; default: "
                         "a small batch for HF models)")
     p.add_argument("--shape",

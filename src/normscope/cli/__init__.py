@@ -19,10 +19,7 @@ from .. import gradient_flow_command as _gradflow
 from ..artifacts import command as _contract
 from ..divergence import command as _diff
 from ..errors import NormscopeError, TargetTimeout
-from ..sites import command as _scan
-from ..tracing import command as _diagnose
-from . import check, explain, infer, presets
-from .common import (
+from ..exitcodes import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES,
     EXIT_FAIL,
@@ -31,8 +28,11 @@ from .common import (
     EXIT_OK,
     EXIT_TIMEOUT,
     EXIT_USAGE,
-    Parser,
 )
+from ..sites import command as _scan
+from ..tracing import command as _diagnose
+from . import check, explain, infer, presets
+from .common import Parser
 
 __all__ = ["COMMANDS", "EXIT_BROKEN_PIPE", "EXIT_CODES", "EXIT_FAIL", "EXIT_INTERRUPTED", "EXIT_NOT_NORM", "EXIT_OK",
            "EXIT_TIMEOUT", "EXIT_USAGE", "build_parser", "main"]

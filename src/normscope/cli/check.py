@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ..errors import InputError
-from .common import EXIT_CODES, EXIT_FAIL, EXIT_OK, _progress, add_target_args, note_size, number, target_from_args
+from ..exitcodes import EXIT_CODES, EXIT_FAIL, EXIT_OK
+from .common import _progress, add_target_args, note_size, number, target_from_args
 
 
 def add_parser(sub) -> None:

@@ -1,4 +1,4 @@
-"""What the subcommands share: exit codes, argument types, the parser class, the TARGET arguments, progress.
+"""What the subcommands share: argument types, the parser class, the TARGET arguments, progress.
 
 Imports are lazy: building the parser loads neither NumPy nor torch nor rich.
 """
@@ -11,16 +11,11 @@ import re
 import sys
 from collections.abc import Callable
 
-from ..exitcodes import (  # noqa: F401  (re-exported for the subcommands of this package)
-    EXIT_BROKEN_PIPE,
-    EXIT_CODES,
-    EXIT_FAIL,
-    EXIT_INTERRUPTED,
-    EXIT_NOT_NORM,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    EXIT_USAGE,
-)
+from ..exitcodes import EXIT_USAGE
+
+#: the help of a TARGET that names a whole model (scan, gradflow; diff's REFERENCE)
+MODEL_TARGET_HELP = ("package.module:factory, a local Hugging Face model directory, or a config.json "
+                     "(random weights)")
 
 TYPICAL_CALLS = {"infer": 40, "check --quick": 45, "check": 70}  # measured on torch LayerNorm/RMSNorm
 SLOW_CALL_S = 0.25  # slower calls than this get an up-front time estimate on stderr

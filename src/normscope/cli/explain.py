@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from .common import EXIT_OK, number
+from ..exitcodes import EXIT_OK
+from .common import number
 
 
 def add_parser(sub) -> None:

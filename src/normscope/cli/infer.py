@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import EXIT_CODES, EXIT_NOT_NORM, EXIT_OK, _progress, add_target_args, note_size, target_from_args
+from ..exitcodes import EXIT_CODES, EXIT_NOT_NORM, EXIT_OK
+from .common import _progress, add_target_args, note_size, target_from_args
 
 
 def add_parser(sub) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import EXIT_OK
+from ..exitcodes import EXIT_OK
 
 
 def add_parser(sub) -> None:

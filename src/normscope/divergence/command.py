@@ -19,7 +19,7 @@ from ..exitcodes import EXIT_DIVERGED, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from ..cli.common import add_model_args
+    from ..cli.common import MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "diff",
@@ -30,8 +30,7 @@ def add_parser(subparsers) -> Any:
                     "error exceeds what a faithful execution at the candidate's dtype is allowed. Exit 0 no "
                     "divergence, 5 diverged, 2 usage error.",
     )
-    p.add_argument("reference", metavar="REFERENCE",
-                   help="package.module:factory, a local Hugging Face model directory, or a config.json")
+    p.add_argument("reference", metavar="REFERENCE", help=MODEL_TARGET_HELP)
     p.add_argument("candidate", metavar="CANDIDATE", nargs="?",
                    help="the same forms, or an .onnx file; omit with --candidate-dtype or --autocast")
     p.add_argument("--inputs",

@@ -18,7 +18,7 @@ from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from ..cli.common import add_model_args
+    from ..cli.common import MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "scan",
@@ -27,9 +27,7 @@ def add_parser(subparsers) -> Any:
                     "calls), infer each contract on its real input and classify its role from the dataflow. "
                     "Exit 0 scanned, 1 findings (with --strict), 2 usage error.",
     )
-    p.add_argument("target", metavar="TARGET",
-                   help="package.module:factory, a local Hugging Face model directory, or a config.json "
-                        "(random weights)")
+    p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
     p.add_argument("--shape", help="input shape for a model that takes one float tensor, e.g. 2,8,64 "
                                    "(Hugging Face text models get a small input_ids batch by default)")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")

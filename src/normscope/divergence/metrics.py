@@ -80,16 +80,25 @@ def _errors_numba(kernels, candidate: torch.Tensor, reference: torch.Tensor) -> 
     finite_r, finite_c = math.isfinite(rn2), math.isfinite(cn2)
     out: dict[str, Any] = {"finite": finite_c, "reference_finite": finite_r}
     if not finite_r or not finite_c:
-        out.update(max_abs=math.inf, max_rel=math.inf, mean_abs=math.inf, cosine=math.nan, sqnr_db=-math.inf,
-                   normalized=math.inf, max_normalized=math.inf)
-        return out
+        return {**out, **_NONFINITE}
     rn, cn, dn = math.sqrt(rn2), math.sqrt(cn2), math.sqrt(dn2)
+    floor = REL_FLOOR * rn / math.sqrt(n) if rn > 0 else 1e-30
+    return _summary(out, n, rn, cn, dn, dot, max_abs, s1 / n, float(max_rel(c, r, floor)) if c.size else 0.0)
+
+
+#: the metrics of a site where either side is not finite
+_NONFINITE = dict(max_abs=math.inf, max_rel=math.inf, mean_abs=math.inf, cosine=math.nan, sqnr_db=-math.inf,
+                  normalized=math.inf, max_normalized=math.inf)
+
+
+def _summary(out: dict[str, Any], n: int, rn: float, cn: float, dn: float, dot: float, max_abs: float,
+             mean_abs: float, max_rel: float) -> dict[str, Any]:
+    """The site's metrics from the norms of the reference, the candidate and their difference (both paths)."""
     rms = rn / math.sqrt(n)
-    floor = REL_FLOOR * rms if rms > 0 else 1e-30
     out.update(
         max_abs=max_abs,
-        max_rel=float(max_rel(c, r, floor)) if c.size else 0.0,
-        mean_abs=s1 / n,
+        max_rel=max_rel,
+        mean_abs=mean_abs,
         cosine=min(1.0, dot / (cn * rn)) if cn > 0 and rn > 0 else (1.0 if cn == rn else 0.0),
         sqnr_db=(20 * math.log10(rn / dn) if dn > 0 else math.inf) if rn > 0 else -math.inf,
         normalized=dn / rn if rn > 0 else (0.0 if dn == 0 else math.inf),
@@ -121,9 +130,7 @@ def errors(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
     finite_r, finite_c = math.isfinite(rn), math.isfinite(cn)
     out: dict[str, Any] = {"finite": finite_c, "reference_finite": finite_r}
     if not finite_r or not finite_c:
-        out.update(max_abs=math.inf, max_rel=math.inf, mean_abs=math.inf, cosine=math.nan, sqnr_db=-math.inf,
-                   normalized=math.inf, max_normalized=math.inf)
-        return out
+        return {**out, **_NONFINITE}
     d = c - r
     dn = float(torch.linalg.vector_norm(d))
     rms = rn / math.sqrt(n)
@@ -132,17 +139,7 @@ def errors(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
     floor = REL_FLOOR * rms if rms > 0 else 1e-30
     dot = float(torch.dot(c.reshape(-1), r.reshape(-1))) if cn > 0 and rn > 0 else 0.0
     max_rel = float(d.abs_().div_(r.abs().clamp_min_(floor)).max()) if d.numel() else 0.0
-    out.update(
-        max_abs=max_abs,
-        max_rel=max_rel,
-        mean_abs=mean_abs,
-        cosine=dot / (cn * rn) if cn > 0 and rn > 0 else (1.0 if cn == rn else 0.0),
-        sqnr_db=(20 * math.log10(rn / dn) if dn > 0 else math.inf) if rn > 0 else -math.inf,
-        normalized=dn / rn if rn > 0 else (0.0 if dn == 0 else math.inf),
-        max_normalized=max_abs / rms if rms > 0 else (0.0 if max_abs == 0 else math.inf),
-        rms=rms,
-    )
-    return out
+    return _summary(out, n, rn, cn, dn, dot, max_abs, mean_abs, max_rel)
 
 
 def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple[float, str]:

@@ -43,9 +43,6 @@ from .store import SCHEMA, TRACE_FILE
 
 log = logging.getLogger("normscope.trace")
 
-PROBES = ("data", "blocks", "norms", "attention", "residual", "grad", "update", "writer", "reduce")
-
-
 def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
     """max |x| (over ``dim``, else all) in float32, NaN-propagating, as ``max(amax(x), -amin(x))``.
 

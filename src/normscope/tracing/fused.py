@@ -1,11 +1,13 @@
-"""One-read statistics for the tracer on the CPU (numba): Σx² and max |x| of a float32 tensor in one pass, and a
-parameter update's difference with its sums of squares in one pass over the two copies.
+"""One-read statistics for the tracer on the CPU (numba): Σx², max |x| and the smallest row Σx² of float32
+tensors in one pass each, and a parameter update's sums in one pass over its two copies; one call per batch of
+tensors (all of a model's gradients, all of its parameters).
 
-torch needs two reductions for the first (a dot and a min/max) and four passes for the second (the difference,
-its sum of squares, its min/max, the parameter's sum of squares); at a recorded step these passes are most of the
-tracer's cost. max |x| is taken on the bit patterns (sign cleared), an integer maximum that vectorises and that a
-NaN or an infinity also reaches (their exponent bits are all ones): a result at or above ``INF_BITS`` means the
-tensor holds a non-finite value, and the caller takes its exact path. Sums accumulate in float64.
+torch needs two or three reductions for the first (a dot, a min/max, a row norm) and four passes for the second
+(the difference, its sum of squares, its min/max, the parameter's sum of squares), plus a Python dispatch per
+tensor; at a recorded step these passes are most of the tracer's cost. max |x| is taken on the bit patterns (sign
+cleared), an integer maximum that vectorises and that a NaN or an infinity also reaches (their exponent bits are
+all ones): a result at or above ``INF_BITS`` means the tensor holds a non-finite value, and the caller takes its
+exact path. Sums accumulate in float64.
 
 Used for contiguous CPU float32 tensors when numba is installed (the ``kernels`` extra); anything else, or a
 machine where numba cannot compile, gets torch's reductions (:func:`available` says which).
@@ -14,6 +16,7 @@ machine where numba cannot compile, gets torch's reductions (:func:`available` s
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -22,52 +25,34 @@ INF_BITS = 0x7F800000
 _KERNELS: list = []
 
 
-def _compile():
-    import numba
+class _Kernels:
+    def __init__(self):
+        import numba
 
-    fast = {"reassoc", "contract", "nsz"}  # reassociation lets the sums vectorise; NaN and inf still propagate
+        from . import fused_kernels
 
-    @numba.njit(cache=True, nogil=True, fastmath=fast, boundscheck=False)
-    def sumsq_maxbits(x, bits):  # pragma: no cover - compiled
-        s = 0.0
-        m = np.int32(0)
-        for i in range(x.size):
-            v = np.float64(x[i])
-            s += v * v
-            m = max(m, bits[i] & np.int32(0x7FFFFFFF))
-        return s, m
+        self.numba = numba
+        self._sums, self._update_sums = fused_kernels.choose()
 
-    @numba.njit(cache=True, nogil=True, fastmath=fast, boundscheck=False)
-    def subtract_sumsq(old, new):  # pragma: no cover - compiled
-        """old -= new in place; returns (Σ(old - new)², Σnew²)."""
-        su = 0.0
-        sp = 0.0
-        for i in range(old.size):
-            d = old[i] - new[i]
-            old[i] = d
-            w = np.float64(new[i])
-            su += np.float64(d) * np.float64(d)
-            sp += w * w
-        return su, sp
+    def _threads(self) -> None:
+        """As many of numba's threads as torch uses (numba cannot start more than it was configured with)."""
+        n = max(1, min(torch.get_num_threads(), self.numba.config.NUMBA_NUM_THREADS))
+        if self.numba.get_num_threads() != n:
+            self.numba.set_num_threads(n)
 
-    @numba.njit(cache=True, nogil=True, boundscheck=False)
-    def maxbits(bits):  # pragma: no cover - compiled
-        m = np.int32(0)
-        for i in range(bits.size):
-            m = max(m, bits[i] & np.int32(0x7FFFFFFF))
-        return m
+    def sums(self, *args) -> None:
+        self._threads()
+        self._sums(*args)
 
-    x = np.ones(4, np.float32)  # compile (or load from the cache) now, not inside a probe's first call
-    sumsq_maxbits(x, x.view(np.int32))
-    subtract_sumsq(x.copy(), x)
-    maxbits(x.view(np.int32))
-    return sumsq_maxbits, subtract_sumsq, maxbits
+    def update_sums(self, *args) -> None:
+        self._threads()
+        self._update_sums(*args)
 
 
-def _kernels():
+def _kernels() -> _Kernels | None:
     if not _KERNELS:
         try:
-            _KERNELS.append(_compile())
+            _KERNELS.append(_Kernels())
         except Exception:  # numba missing or unable to compile here: torch's reductions
             _KERNELS.append(None)
     return _KERNELS[0]
@@ -85,23 +70,65 @@ def _max_abs(bits: int) -> float:
     return math.inf if bits >= INF_BITS else float(np.int32(bits).view(np.float32))
 
 
+class Sums:
+    """Σx², max |x| (inf when the tensor holds a NaN or an infinity) and the smallest Σx² over its rows (the
+    last dimension)."""
+
+    __slots__ = ("sumsq", "max", "min_row_sumsq")
+
+    def __init__(self, sumsq: float, max_abs: float, min_row_sumsq: float):
+        self.sumsq, self.max, self.min_row_sumsq = sumsq, max_abs, min_row_sumsq
+
+
+def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | None:
+    """:class:`Sums` of each tensor, in one read each and one call for all; None for a tensor this path does not
+    take (the caller uses torch), None for the whole batch without numba. ``rows=False``: the whole tensor is one
+    row (its smallest row Σx² is Σx²), which keeps the loop vectorised when the last dimension is short."""
+    k = _kernels()
+    if k is None:
+        return None
+    take = [i for i, x in enumerate(xs) if eligible(x)]
+    out: list[Sums | None] = [None] * len(xs)
+    if not take:
+        return out
+    keep = [xs[i].detach() for i in take]  # alive (and their addresses valid) until the call returns
+    addresses = np.fromiter((x.data_ptr() for x in keep), np.int64, len(keep))
+    sizes = np.fromiter((x.numel() for x in keep), np.int64, len(keep))
+    row_sizes = np.fromiter((x.shape[-1] if rows and x.dim() else x.numel() for x in keep), np.int64, len(keep))
+    ss, mb, low = np.empty(len(keep)), np.empty(len(keep), np.int32), np.empty(len(keep))
+    k.sums(addresses, sizes, row_sizes, ss, mb, low)
+    for j, i in enumerate(take):
+        out[i] = Sums(float(ss[j]), _max_abs(int(mb[j])), float(low[j]))
+    return out
+
+
 def sumsq_max(x: torch.Tensor) -> tuple[float, float] | None:
-    """(Σx², max |x|) of a contiguous CPU float32 tensor in one read, max |x| = inf when the tensor holds a NaN or
-    an infinity; None where this path does not apply (the caller uses torch)."""
-    k = _kernels()
-    if k is None or not eligible(x):
+    """(Σx², max |x|) of one tensor (max |x| = inf when it holds a NaN or an infinity); None where this path does
+    not apply."""
+    got = sums([x])
+    if got is None or got[0] is None:
         return None
-    a = x.detach().reshape(-1).numpy()
-    s, m = k[0](a, a.view(np.int32))
-    return s, _max_abs(int(m))
+    return got[0].sumsq, got[0].max
 
 
-def update_sums(old: torch.Tensor, new: torch.Tensor) -> tuple[float, float, float] | None:
-    """Turn ``old`` into ``old - new`` in place and return (Σ(old - new)², max |old - new|, Σnew²); max is inf
-    when a difference is not finite. None where this path does not apply (``old`` is then unchanged)."""
+def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[tuple[float, float, float] | None]:
+    """Per pair: (Σ(old - new)², max |old - new|, Σnew²) in one read of both (neither is written); max is inf when
+    a difference is not finite. None for a pair this path does not take (and for all without numba)."""
+    out: list[tuple[float, float, float] | None] = [None] * len(olds)
     k = _kernels()
-    if k is None or not (eligible(old) and eligible(new)) or old.shape != new.shape:
-        return None
-    o, n = old.reshape(-1).numpy(), new.detach().reshape(-1).numpy()
-    su, sp = k[1](o, n)
-    return su, _max_abs(int(k[2](o.view(np.int32)))), sp
+    if k is None:
+        return out
+    take = [i for i, (o, n) in enumerate(zip(olds, news, strict=True))
+            if eligible(o) and eligible(n) and o.shape == n.shape]
+    if not take:
+        return out
+    keep_o = [olds[i].detach() for i in take]
+    keep_n = [news[i].detach() for i in take]
+    a = np.fromiter((x.data_ptr() for x in keep_o), np.int64, len(take))
+    b = np.fromiter((x.data_ptr() for x in keep_n), np.int64, len(take))
+    sizes = np.fromiter((x.numel() for x in keep_n), np.int64, len(take))
+    su, mb, sp = np.empty(len(take)), np.empty(len(take), np.int32), np.empty(len(take))
+    k.update_sums(a, b, sizes, su, mb, sp)
+    for j, i in enumerate(take):
+        out[i] = (float(su[j]), _max_abs(int(mb[j])), float(sp[j]))
+    return out

@@ -59,27 +59,27 @@ def act_stats(x: torch.Tensor) -> dict[str, float]:
     return batch_stats([x])[0]
 
 
-def batch_stats(xs: list[torch.Tensor], max_abs: bool = True) -> list[dict[str, float]]:
-    """:func:`act_stats` of several tensors: one norm kernel per (device, dtype) and one host transfer per group.
+def batch_stats(xs: list[torch.Tensor], max_abs: bool = True, rows: bool = False) -> list[dict[str, float]]:
+    """:func:`act_stats` of several tensors: one fused call for those it takes, else one norm kernel per (device,
+    dtype) and one host transfer per group.
 
     The fast path is one read per tensor on the CPU (:mod:`.fused`), else a sum of squares and a min/max per
     tensor; a tensor whose numbers come back non-finite (or overflow) is summarised again exactly, its non-finite
     entries counted and left out. ``max_abs=False`` skips the min/max pass (no ``"max"`` in the result).
+    ``rows=True`` adds ``"min_row_sumsq"`` (the smallest Σx² over the last dimension's rows) where the fused path
+    gave it and every entry is finite.
     """
     out: list[dict[str, float] | None] = [None] * len(xs)
+    ts = [x.detach() if x.is_floating_point() else x.detach().float() for x in xs]
+    one = fused.sums(ts, rows=rows) or [None] * len(ts)  # CPU float32 with numba: all in one read each
     todo: dict[tuple, list[int]] = {}
-    ts = []
-    for i, x in enumerate(xs):
-        x = x.detach()
-        if not x.is_floating_point():
-            x = x.float()
-        ts.append(x)
+    for i, (x, f) in enumerate(zip(ts, one, strict=True)):
         if x.numel() == 0:
             out[i] = {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
-            continue
-        one = fused.sumsq_max(x)  # CPU float32 with numba: both in one read
-        if one is not None:
-            out[i] = _finish(x, one[0], *((-one[1], one[1]) if max_abs else (None, None)))
+        elif f is not None:
+            out[i] = _finish(x, f.sumsq, *((-f.max, f.max) if max_abs else (None, None)))
+            if rows and not out[i]["nonfinite"]:
+                out[i]["min_row_sumsq"] = f.min_row_sumsq
         else:
             todo.setdefault((x.device, x.dtype), []).append(i)
     for ids in todo.values():
@@ -159,7 +159,29 @@ def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
             acc[k] = old + v
 
 
-_MEMO = 4  # activations whose statistics a forward keeps for reuse
+PENDING_BYTES = 256 << 20  # activations a forward may hold for its batched statistics before they are taken
+_IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+             "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+
+
+def _writes_in_place(name: str, args, kwargs) -> bool:
+    """Whether a call may write into a tensor it is given (``add_``, ``x += y``, ``x[i] = v``, ``out=``,
+    ``inplace=True``): the pending statistics are taken before it runs. A positional ``True`` counts too (the
+    ``inplace`` flag of ``F.relu(x, True)``); a false alarm only takes them early."""
+    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE
+            or kwargs.get("out") is not None or kwargs.get("inplace") is True
+            or any(a is True for a in args[1:]))
+
+
+def _deferrable(x: torch.Tensor) -> bool:
+    """A dense tensor with a version counter: its statistics can wait for the forward's batch."""
+    if x.layout != torch.strided or x.is_meta or not x.is_floating_point():
+        return False
+    try:
+        x._version
+    except Exception:  # inference tensors have no version counter
+        return False
+    return True
 ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
 MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
 
@@ -268,6 +290,8 @@ class _Mode(TorchFunctionMode):
         if tr._busy:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if (tr._pending_items or tr._pending_attention) and _writes_in_place(name, args, kwargs):
+            tr._flush()
         if func is F.scaled_dot_product_attention and "attention" not in tr.disabled:
             tr._guard("attention", tr._attention_sdpa, args, kwargs)
         elif name in SOFTMAX and "attention" not in tr.disabled and args and isinstance(args[0], torch.Tensor):
@@ -319,6 +343,7 @@ class Tracer:
         self._last_step = -1
         self.recording = True  # step 0 is recorded
         self._ids: torch.Tensor | None = None  # the token ids of the forward in flight
+        self._warned_stale = False
         self._reset()
         self.rank, self.world = 0, 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -477,7 +502,7 @@ class Tracer:
         self._updates: dict[tuple, dict[str, float]] = {}
         self._old: dict[int, torch.Tensor] = {}
         self._counters: dict[tuple, int] = {}
-        self._memo: dict[int, tuple[torch.Tensor, int, dict[str, Any]]] = {}
+        self._pending_reset()
         self._grad_batch: dict[int, torch.Tensor] = {}
         self._grad_queued = False
 
@@ -489,25 +514,85 @@ class Tracer:
         else:
             _merge(acc, stats)
 
-    def _stats(self, x: torch.Tensor) -> dict[str, Any]:
-        """:func:`act_stats` of a forward activation, computed once per tensor and forward.
+    # ------------------------------------------------------------------ batched statistics
+    def _pending_reset(self) -> None:
+        self._pending_tensors: list[torch.Tensor] = []
+        self._pending_versions: list[int] = []
+        self._pending_slots: dict[int, int] = {}  # id(tensor) -> index, while that tensor is pending
+        self._pending_items: list[tuple[tuple, int, str]] = []  # (entry key, tensor index, kind)
+        self._pending_attention: list[tuple[tuple, tuple, dict]] = []
+        self._pending_bytes = 0
 
-        The chain sees the same tensor several times (a block's input is the previous block's residual sum and its
-        first norm's input); the memo keys on identity and the version counter, so an in-place change recomputes.
-        It holds at most ``_MEMO`` recent tensors and is cleared when the forward ends.
+    def _defer(self, stage: str, layer: int | None, site: str, x: torch.Tensor, kind: str = "") -> None:
+        """Take the statistics of ``x`` for an entry with the rest of the forward's, in one batch.
+
+        The entry keeps its place in chain order now. The forward's activations are summarised together when it
+        ends (one fused call on the CPU, one host transfer per device otherwise), before a call that writes in place
+        (so a later in-place change is not seen), and when the held tensors pass ``PENDING_BYTES``. A tensor seen
+        twice (a block's input is the previous block's sum and its first norm's input) is read once. ``kind``:
+        ``"rows"`` adds the smallest row RMS (a norm's input), ``"scale"`` gives the norm's scale RMS.
         """
-        try:
-            ver = x._version
-        except Exception:  # inference tensors have no version counter
-            return act_stats(x)
-        hit = self._memo.get(id(x))
-        if hit is not None and hit[0] is x and hit[1] == ver:
-            return dict(hit[2])
-        st = act_stats(x)
-        self._memo[id(x)] = (x, ver, st)
-        if len(self._memo) > _MEMO:
-            self._memo.pop(next(iter(self._memo)))
-        return dict(st)
+        key = (stage, layer, site)
+        self._acc.setdefault(key, {})
+        if "statistics" in self.disabled:
+            return
+        if not _deferrable(x):  # now, on torch's path
+            self._apply([(key, 0, kind)], [x], [act_stats(x)])
+            return
+        i = self._pending_slots.get(id(x))
+        if i is None or self._pending_tensors[i] is not x or self._pending_versions[i] != x._version:
+            i = len(self._pending_tensors)
+            self._pending_tensors.append(x)
+            self._pending_versions.append(x._version)
+            self._pending_slots[id(x)] = i
+            self._pending_bytes += x.numel() * x.element_size()
+        self._pending_items.append((key, i, kind))
+        if self._pending_bytes > PENDING_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Take the pending statistics: activations in one batch, then the attention logits in call order. The
+        pending tensors are released first, so a failure (logged, that probe disabled) cannot keep them alive."""
+        tensors, versions = self._pending_tensors, self._pending_versions
+        items, attention = self._pending_items, self._pending_attention
+        self._pending_reset()
+        if items:
+            self._guard("statistics", self._batch, items, tensors, versions)
+        for key, args, kwargs in attention:
+            self._guard("attention", self._attention_stats, key, args, kwargs)
+
+    def _batch(self, items, tensors: list[torch.Tensor], versions: list[int]) -> None:
+        fresh = [t._version == v for t, v in zip(tensors, versions, strict=True)]
+        if not all(fresh):  # written in place by something the function mode does not see
+            self._stale(sum(not f for f in fresh))
+            items = [it for it in items if fresh[it[1]]]
+            tensors = [t if f else t.new_empty(0) for t, f in zip(tensors, fresh, strict=True)]
+        self._apply(items, tensors, batch_stats(tensors, rows=True))
+
+    def _apply(self, items, tensors: list[torch.Tensor], stats: list[dict[str, Any]]) -> None:
+        for key, i, kind in items:
+            st = dict(stats[i])
+            low = st.pop("min_row_sumsq", None)
+            x = tensors[i]
+            if kind == "scale":
+                st = {"max_scale_rms": math.sqrt(st["sumsq"] / st["n"])} if st["n"] else {}
+            elif kind == "rows" and x.dim() >= 1 and x.numel():
+                if low is not None:
+                    st["min_row_rms"] = math.sqrt(low / x.shape[-1])
+                else:  # torch's path, finite rows only
+                    rows = torch.linalg.vector_norm(x.detach(), 2, dim=-1, dtype=torch.float32) / math.sqrt(
+                        x.shape[-1])
+                    rows = rows[torch.isfinite(rows)]
+                    if rows.numel():
+                        st["min_row_rms"] = float(rows.min())
+            _merge(self._acc[key], st)
+
+    def _stale(self, n: int) -> None:
+        if not self._warned_stale:
+            self._warned_stale = True
+            log.warning("normscope.trace: %d activation(s) were changed in place, by an operation the tracer does not "
+                        "see, before their statistics were taken at step %d; their entries are left out of the "
+                        "record (logged once)", n, self._last_step + 1)
 
     def _active(self) -> bool:
         return self.recording and (self.record_eval or torch.is_grad_enabled())
@@ -539,8 +624,8 @@ class Tracer:
     def _exit_mode(self) -> None:
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            self._flush()
             self._streams.clear()
-            self._memo.clear()
             self._ids = None
             try:
                 mode.__exit__(None, None, None)
@@ -576,7 +661,7 @@ class Tracer:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module})
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            self._add("layer_input", layer, "", self._stats(x))
+            self._defer("layer_input", layer, "", x)
 
     def _block_post(self, module, args, output):
         if self._streams and self._streams[-1]["module"] is module:
@@ -595,14 +680,8 @@ class Tracer:
         return None
 
     def _norm_in(self, where: tuple[int | None, str], x: torch.Tensor) -> None:
-        layer, site = where
-        st = self._stats(x)
-        if x.dim() >= 1 and x.is_floating_point() and x.numel():
-            rows = torch.linalg.vector_norm(x.detach(), 2, dim=-1, dtype=torch.float32) / math.sqrt(x.shape[-1])
-            rows = rows[torch.isfinite(rows)]
-            if rows.numel():
-                st["min_row_rms"] = float(rows.min())
-        self._add("norm_input", layer, site, st)
+        if x.is_floating_point():
+            self._defer("norm_input", *where, x, "rows")
 
     def _norm_post(self, module, args, output):
         if self._mode is None:
@@ -614,12 +693,11 @@ class Tracer:
 
     def _norm_out(self, module, args, y: torch.Tensor) -> None:
         layer, site = self.norms[id(module)]
-        st = self._stats(y)
+        if y.is_floating_point():
+            self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel():
-            st["max_scale_rms"] = float(torch.linalg.vector_norm(w.detach(), 2, dtype=torch.float32)) / math.sqrt(
-                w.numel())
-        self._add("norm_output", layer, site, st)
+        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():
+            self._defer("norm_output", layer, site, w, "scale")
         s = self._streams[-1] if self._streams else None
         if s is not None and args and args[0] is s["stream"]:
             s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads
@@ -633,16 +711,23 @@ class Tracer:
         x = args[0] if args else kwargs.get("input")
         if isinstance(x, torch.Tensor):
             self._norm_in((layer, site), x)
-        if isinstance(out, torch.Tensor):
-            self._add("norm_output", layer, site, self._stats(out))
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            self._defer("norm_output", layer, site, out)
             s = self._streams[-1] if self._streams else None
             if s is not None and x is s["stream"]:
                 s["alt"] = out
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
+        """The logits are recomputed with the forward's other statistics (q, k and the mask are held until then;
+        autograd keeps q and k for the backward anyway)."""
+        key = self._logits_key()
+        self._acc.setdefault(key, {})
+        self._pending_attention.append((key, tuple(args), dict(kwargs)))
+
+    def _attention_stats(self, key: tuple, args, kwargs) -> None:
         logits, masked = _sdpa_logits(args, kwargs, self._logit_buffer)
-        self._logits(logits, masked, owned=True)
+        _merge(self._acc[key], _logit_stats(logits, masked, owned=True))
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
@@ -652,13 +737,16 @@ class Tracer:
         lo = torch.finfo(x.dtype).min / 2
         self._logits(x, x <= lo)
 
-    def _logits(self, logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> None:
+    def _logits(self, logits: torch.Tensor, masked: torch.Tensor) -> None:
+        self._add(*self._logits_key(), _logit_stats(logits, masked))
+
+    def _logits_key(self) -> tuple:
         layer = self._layer()
         if self._streams:
             self._streams[-1]["attn"] = True
         k = self._counters.get(("attn", layer), 0)
         self._counters[("attn", layer)] = k + 1
-        self._add("attention_logits", layer, "" if k == 0 else f"#{k}", _logit_stats(logits, masked, owned))
+        return "attention_logits", layer, "" if k == 0 else f"#{k}"
 
     def _residual(self, args, out) -> None:
         s = self._streams[-1]
@@ -678,8 +766,8 @@ class Tracer:
         k = self._counters.get((s["layer"], part), 0)
         self._counters[(s["layer"], part)] = k + 1
         site = part if k == 0 else f"{part}#{k}"
-        self._add("sublayer_output", s["layer"], site, self._stats(branch))
-        self._add("residual_sum", s["layer"], site, self._stats(out))
+        self._defer("sublayer_output", s["layer"], site, branch)
+        self._defer("residual_sum", s["layer"], site, out)
         s["stream"], s["alt"], s["attn"] = out, None, False
 
     # ------------------------------------------------------------------ gradients and updates
@@ -755,15 +843,14 @@ class Tracer:
                 return
             stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
             rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            for p in own:
-                d, w = self._old[id(p)], p.detach()
-                one = fused.update_sums(d, w)  # old - new in place in the copy, and its sums, in one read
+            olds, news = [self._old[id(p)] for p in own], [p.detach() for p in own]
+            # the change and its sums in one read of both copies, one call for all parameters
+            for p, d, w, one in zip(own, olds, news, fused.update_sums(olds, news), strict=True):
                 if one is not None and all(map(math.isfinite, one)):
                     stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
                                       "param_sumsq": one[2]}))
                 else:
-                    if one is None:
-                        d.sub_(w)  # old - new, in place in the copy: the update, negated
+                    d.sub_(w)  # old - new, in place in the copy: the update, negated
                     rest.append((p, d, w))
             if rest:  # torch's reductions, batched; the exact path where a number is not finite
                 moves = batch_stats([d for _, d, _ in rest])
@@ -800,9 +887,12 @@ class Tracer:
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
         if self._grad_batch:  # a backward whose end-callback did not run
             self._grad_flush()
+        if self._pending_items or self._pending_attention:  # a forward whose end was not seen
+            self._flush()
         entries = []
         for (stage, layer, site), st in self._acc.items():
-            entries.append({"stage": stage, "layer": layer, "site": site, **st})
+            if st:  # an entry whose statistics were not taken (a disabled probe, an in-place change) is left out
+                entries.append({"stage": stage, "layer": layer, "site": site, **st})
         samples = {k: {f: list(v) for f, v in d.items()} for k, d in self._samples.items()}
         if loss is not None:
             lv = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)

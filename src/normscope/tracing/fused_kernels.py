@@ -1,0 +1,184 @@
+"""The numba kernels behind :mod:`.fused` (imported only when numba is installed).
+
+Each kernel takes a batch of tensors as arrays of data addresses and element counts, so a recorded step pays one
+call for all of a model's gradients, parameters or activations instead of one per tensor. The work is cut into
+chunks of whole rows (about ``CHUNK`` elements) that run on numba's threads (``*_parallel``) or on the calling
+thread (``*_serial``); partial results are combined per tensor in chunk order. The caller guarantees that every
+address is a live, contiguous float32 buffer of the stated size for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+# reassociation lets the sums vectorise; no "nnan"/"ninf": a NaN or an infinity still reaches the results
+_FAST = {"reassoc", "contract", "nsz"}
+_ABS = np.int32(0x7FFFFFFF)
+CHUNK = 1 << 16  # elements per unit of work
+_STAGE = 1024  # update differences staged per block, so the max |d| runs on their bit patterns (vectorised)
+_JIT = {"cache": True, "nogil": True, "fastmath": _FAST, "boundscheck": False}
+
+
+@intrinsic
+def _f32_at(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def _i32_at(typingctx, address):
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int32)))
+
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@numba.njit(**_JIT)
+def _plan(sizes, row_sizes):  # pragma: no cover - compiled
+    """Chunks of whole rows: (owner tensor, first element, element count) per chunk, tensor by tensor."""
+    per = np.empty(sizes.size, np.int64)
+    total = 0
+    for t in range(sizes.size):
+        per[t] = max(1, CHUNK // row_sizes[t]) * row_sizes[t]
+        total += (sizes[t] + per[t] - 1) // per[t]
+    owner = np.empty(total, np.int64)
+    first = np.empty(total, np.int64)
+    count = np.empty(total, np.int64)
+    c = 0
+    for t in range(sizes.size):
+        for start in range(0, sizes[t], per[t]):
+            owner[c] = t
+            first[c] = start
+            count[c] = min(per[t], sizes[t] - start)
+            c += 1
+    return owner, first, count
+
+
+@numba.njit(**_JIT)
+def _chunk_sums(address, start, count, row):  # pragma: no cover - compiled
+    """Σx², the largest |x| bit pattern (sign cleared: an integer maximum that a NaN or an infinity also reaches)
+    and the smallest row Σx² of ``count`` elements from ``start``, rows of ``row`` elements."""
+    s = 0.0
+    low = np.inf
+    m = np.int32(0)
+    for r0 in range(start, start + count, row):
+        k = min(row, start + count - r0)
+        # a view per row, indexed from 0: the form of loop LLVM vectorises (an offset index range is not)
+        x = numba.carray(_f32_at(address + 4 * r0), (k,))
+        bits = numba.carray(_i32_at(address + 4 * r0), (k,))
+        rs = 0.0
+        for i in range(k):
+            v = np.float64(x[i])
+            rs += v * v
+            m = max(m, bits[i] & _ABS)
+        s += rs
+        low = min(low, rs)
+    return s, m, low
+
+
+@numba.njit(**_JIT)
+def _chunk_update(old_address, new_address, start, count):  # pragma: no cover - compiled
+    """Σ(old - new)², the largest |old - new| bit pattern and Σnew² of ``count`` elements from ``start``."""
+    stage = np.empty(_STAGE, np.float32)
+    stage_bits = stage.view(np.int32)
+    su = 0.0
+    sp = 0.0
+    m = np.int32(0)
+    for b0 in range(start, start + count, _STAGE):
+        k = min(_STAGE, start + count - b0)
+        old = numba.carray(_f32_at(old_address + 4 * b0), (k,))
+        new = numba.carray(_f32_at(new_address + 4 * b0), (k,))
+        for i in range(k):
+            w = new[i]
+            d = old[i] - w
+            stage[i] = d
+            su += np.float64(d) * np.float64(d)
+            sp += np.float64(w) * np.float64(w)
+        for i in range(k):
+            m = max(m, stage_bits[i] & _ABS)
+    return su, m, sp
+
+
+@numba.njit(**_JIT)
+def _combine(owner, p0, p1, p2, out0, out1, out2, low_is_min):  # pragma: no cover - compiled
+    """Per tensor: the chunks' first and third results added (or the third's minimum), the second's maximum."""
+    for t in range(out0.size):
+        out0[t] = 0.0
+        out1[t] = 0
+        out2[t] = np.inf if low_is_min else 0.0
+    for c in range(owner.size):
+        t = owner[c]
+        out0[t] += p0[c]
+        out1[t] = max(out1[t], p1[c])
+        out2[t] = min(out2[t], p2[c]) if low_is_min else out2[t] + p2[c]
+
+
+def _sums(parallel: bool):
+    loop = numba.prange if parallel else range
+
+    def sums(addresses, sizes, row_sizes, sumsq, maxbits, min_row):  # pragma: no cover - compiled
+        """Per tensor t: Σx², the largest |x| bit pattern and the smallest Σx² of a row of ``row_sizes[t]``
+        consecutive elements."""
+        owner, first, count = _plan(sizes, row_sizes)
+        p0 = np.empty(owner.size)
+        p1 = np.empty(owner.size, np.int32)
+        p2 = np.empty(owner.size)
+        for c in loop(owner.size):
+            t = owner[c]
+            p0[c], p1[c], p2[c] = _chunk_sums(addresses[t], first[c], count[c], row_sizes[t])
+        _combine(owner, p0, p1, p2, sumsq, maxbits, min_row, True)
+
+    return sums
+
+
+def _update(parallel: bool):
+    loop = numba.prange if parallel else range
+
+    def update_sums(olds, news, sizes, update_sumsq, update_maxbits, new_sumsq):  # pragma: no cover - compiled
+        """Per tensor t: Σ(old - new)², the largest |old - new| bit pattern and Σnew², in one read of both copies
+        (neither is written)."""
+        owner, first, count = _plan(sizes, np.ones(sizes.size, np.int64))
+        p0 = np.empty(owner.size)
+        p1 = np.empty(owner.size, np.int32)
+        p2 = np.empty(owner.size)
+        for c in loop(owner.size):
+            t = owner[c]
+            p0[c], p1[c], p2[c] = _chunk_update(olds[t], news[t], first[c], count[c])
+        _combine(owner, p0, p1, p2, update_sumsq, update_maxbits, new_sumsq, False)
+
+    return update_sums
+
+
+sums_serial = numba.njit(**_JIT)(_sums(False))
+update_sums_serial = numba.njit(**_JIT)(_update(False))
+sums_parallel = numba.njit(parallel=True, **_JIT)(_sums(True))
+update_sums_parallel = numba.njit(parallel=True, **_JIT)(_update(True))
+
+
+def _warm(sums, update_sums) -> None:
+    x = np.ones(4, np.float32)
+    a = np.array([x.ctypes.data], np.int64)
+    n = np.array([4], np.int64)
+    out = (np.zeros(1), np.zeros(1, np.int32), np.zeros(1))
+    sums(a, n, n, *out)
+    update_sums(a, a, n, *out)
+
+
+def choose() -> tuple:
+    """(sums, update_sums), compiled (or loaded from the cache) now rather than inside a probe's first call: the
+    parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
+    layer aborts the process when two threads launch parallel work at once, which a tracer must never risk)."""
+    _warm(sums_serial, update_sums_serial)
+    try:
+        if numba.config.NUMBA_NUM_THREADS > 1:
+            _warm(sums_parallel, update_sums_parallel)
+            if numba.threading_layer() in ("omp", "tbb"):
+                return sums_parallel, update_sums_parallel
+    except Exception:  # no usable threading layer: the serial kernels
+        pass
+    return sums_serial, update_sums_serial

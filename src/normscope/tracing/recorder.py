@@ -178,10 +178,9 @@ def _deferrable(x: torch.Tensor) -> bool:
     if x.layout != torch.strided or x.is_meta or not x.is_floating_point():
         return False
     try:
-        x._version
+        return x._version >= 0
     except Exception:  # inference tensors have no version counter
         return False
-    return True
 ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
 MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
 

@@ -165,7 +165,7 @@ def test_no_grad_eval_and_autocast(tmp_path):
 
 
 def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
-    import normscope.tracing.recorder as rec
+    from normscope.tracing import attention
 
     calls = []
 
@@ -173,7 +173,7 @@ def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(rec, "_logit_stats", broken)
+    monkeypatch.setattr(attention, "group_stats", broken)
     with caplog.at_level("WARNING", logger="normscope.trace"):
         _, tr = train(tmp_path, steps=4)
     assert len(calls) == 1 and tr.disabled == {"attention"}
@@ -355,6 +355,14 @@ def test_hugging_face_llama_left_padding(tmp_path):
     assert [e["layer"] for e in att] == [0, 1] and all(e["masked_rows"] == [4, 4, 4, 4] for e in att)
 
 
+def _sdpa_stats(args, kwargs) -> dict:
+    """The tracer's statistics of one SDPA call, recomputed as at the end of a forward."""
+    from normscope.tracing import attention
+
+    logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
+    return attention.logit_stats(logits, masked, owned=True)[0]
+
+
 def test_fused_statistics_match_brute_force():
     """The fast paths (amax/amin for max |x|, broadcast masks, foreach update norms) give the exact numbers."""
     from normscope.tracing import recorder as rec
@@ -378,8 +386,7 @@ def test_fused_statistics_match_brute_force():
     add = torch.zeros(b, 1, t, t)
     add[0, :, 3, :] = -math.inf  # one fully masked query row in sample 0, per head
     for kw in ({"attn_mask": pad}, {"attn_mask": add, "is_causal": True}, {"is_causal": True}):
-        logits, masked = rec._sdpa_logits((q, k, v), kw)
-        st = rec._logit_stats(logits, masked)
+        st = _sdpa_stats((q, k, v), kw)
         full = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
         m = torch.zeros(b, h, t, t, dtype=torch.bool)
         if "attn_mask" in kw:
@@ -389,7 +396,7 @@ def test_fused_statistics_match_brute_force():
         want = full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3))
         assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-5)
         assert st["masked_rows"] == m.all(-1).sum(dim=(0, 2)).tolist()
-    assert rec._logit_stats(*rec._sdpa_logits((q, k, v), {"attn_mask": pad}))["masked_rows"] == [t] * h
+    assert _sdpa_stats((q, k, v), {"attn_mask": pad})["masked_rows"] == [t] * h
 
 
 class _InPlaceBlock(torch.nn.Module):
@@ -467,7 +474,7 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
 def test_logit_entropy_exact_and_float_masks():
     """The entropy equals -Σ p log p on the sampled rows; fill values of float masks (finfo.min, -10000) are masked
     keys, not logits of magnitude 3e38."""
-    from normscope.tracing import recorder as rec
+    from normscope.tracing import attention
 
     torch.manual_seed(0)
     b, h, t, d = 3, 4, 64, 8
@@ -478,10 +485,10 @@ def test_logit_entropy_exact_and_float_masks():
     for kw in ({"is_causal": True}, {"attn_mask": pad},
                {"attn_mask": torch.where(pad, 0.0, torch.finfo(torch.float32).min)},
                {"attn_mask": torch.where(pad, 0.0, -10000.0)}):
-        logits, masked = rec._sdpa_logits((q, k, v), kw)
-        st = rec._logit_stats(logits, masked, owned=True)
+        st = _sdpa_stats((q, k, v), kw)
+        logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall((q, k, v), kw))
         m = masked.expand(b, h, t, t)
-        rows = slice(None, None, max(1, t // rec.ENTROPY_ROWS))
+        rows = slice(None, None, max(1, t // attention.ENTROPY_ROWS))
         p = full.masked_fill(m, -math.inf)[:, :, rows].softmax(-1)
         live = ~m.all(-1)[:, :, rows]
         want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
@@ -593,3 +600,41 @@ def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
         assert sp == pytest.approx(float((new.double() ** 2).sum()), rel=1e-9)
     olds[0][5] = math.nan
     assert fused.update_sums(olds, news)[0][1] == math.inf  # a non-finite difference: the caller's exact path
+
+
+def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers_of_each():
+    """SDPA calls that share shapes, scale and mask are summarised as one group: each call's statistics equal
+    those of the call alone on torch's path (grouped-query k, an ALiBi-style float bias with -inf keys); calls
+    that differ are grouped apart, and a group never holds more than GROUP_BYTES of logits."""
+    from normscope.tracing import attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 4, 12, 8
+    bias = torch.zeros(1, h, t, t)
+    bias += torch.arange(t).float() * -0.1
+    bias[..., 9:] = -math.inf
+    calls = []
+    for i in range(3):
+        q, k, v = (torch.randn(b, h, t, d, generator=g) * (i + 1) for _ in range(3))
+        calls.append(((q, k[:, :2], v[:, :2]), {"attn_mask": bias, "enable_gqa": True}))
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    calls.append(((q, k, v), {"is_causal": True}))
+    bound = [(i, attention.SdpaCall(*c)) for i, c in enumerate(calls)]
+    grouped = attention.groups(bound)
+    assert [[i for i, _ in grp] for grp in grouped] == [[0, 1, 2], [3]]
+    got = {}
+    for grp in grouped:  # the one-read maxima (numba) and one entropy for the group, against torch's path alone
+        got.update(zip((i for i, _ in grp), attention.group_stats([c for _, c in grp]), strict=True))
+    for i, c in enumerate(calls):
+        alone = _sdpa_stats(*c)
+        assert got[i].keys() == alone.keys()
+        for name, v in alone.items():
+            assert got[i][name] == pytest.approx(v, rel=1e-6), name
+    assert got[0]["masked_rows"] == [0] * h and got[0]["max_logit"] != got[1]["max_logit"]
+    one = bound[0][1].logit_bytes()
+    old = attention.GROUP_BYTES
+    try:
+        attention.GROUP_BYTES = 2 * one
+        assert [len(grp) for grp in attention.groups(bound)] == [2, 1, 1]
+    finally:
+        attention.GROUP_BYTES = old

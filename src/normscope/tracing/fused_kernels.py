@@ -154,31 +154,65 @@ def _update(parallel: bool):
     return update_sums
 
 
+def _logits(parallel: bool):
+    loop = numba.prange if parallel else range
+
+    def logit_maxima(bits, masked, maxbits, full_rows):  # pragma: no cover - compiled
+        """Per (sample, head) of (N, H, Tq, Tk) logits (as int32 bit patterns): the largest |logit| bit pattern
+        over the unmasked entries and the number of query rows with every key masked. ``masked`` is a contiguous
+        uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked: a dimension of 1 is shared."""
+        n, h, tq, tk = bits.shape
+        mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
+        for u in loop(n * h):
+            a, b = u // h, u % h
+            m = np.int32(0)
+            full = 0
+            for i in range(tq):
+                row = bits[a, b, i]
+                mrow = masked[a if mn else 0, b if mh else 0, i if mq else 0]
+                live = np.int32(0)
+                for j in range(tk):
+                    keep = np.int32(1) - np.int32(mrow[j])
+                    m = max(m, (row[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
+                    live += keep
+                full += live == 0
+            maxbits[a, b] = m
+            full_rows[a, b] = full
+
+    return logit_maxima
+
+
 sums_serial = numba.njit(**_JIT)(_sums(False))
 update_sums_serial = numba.njit(**_JIT)(_update(False))
 sums_parallel = numba.njit(parallel=True, **_JIT)(_sums(True))
 update_sums_parallel = numba.njit(parallel=True, **_JIT)(_update(True))
+logit_maxima_serial = numba.njit(**_JIT)(_logits(False))
+logit_maxima_parallel = numba.njit(parallel=True, **_JIT)(_logits(True))
 
 
-def _warm(sums, update_sums) -> None:
+def _warm(sums, update_sums, logit_maxima) -> None:
     x = np.ones(4, np.float32)
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
     out = (np.zeros(1), np.zeros(1, np.int32), np.zeros(1))
     sums(a, n, n, *out)
     update_sums(a, a, n, *out)
+    bits = np.zeros((1, 1, 2, 2), np.int32)
+    logit_maxima(bits, np.zeros((1, 1, 2, 2), np.uint8), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64))
 
 
 def choose() -> tuple:
-    """(sums, update_sums), compiled (or loaded from the cache) now rather than inside a probe's first call: the
-    parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
+    """(sums, update_sums, logit_maxima), compiled (or loaded from the cache) now rather than inside a probe's first
+    call: the parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
     layer aborts the process when two threads launch parallel work at once, which a tracer must never risk)."""
-    _warm(sums_serial, update_sums_serial)
+    serial = sums_serial, update_sums_serial, logit_maxima_serial
+    _warm(*serial)
     try:
         if numba.config.NUMBA_NUM_THREADS > 1:
-            _warm(sums_parallel, update_sums_parallel)
+            parallel = sums_parallel, update_sums_parallel, logit_maxima_parallel
+            _warm(*parallel)
             if numba.threading_layer() in ("omp", "tbb"):
-                return sums_parallel, update_sums_parallel
+                return parallel
     except Exception:  # no usable threading layer: the serial kernels
         pass
-    return sums_serial, update_sums_serial
+    return serial

@@ -38,21 +38,11 @@ from ..jsonable import jsonable
 from ..sites.core import known_class
 from ..sites.dataflow import block_modules
 from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX
-from . import fused
+from . import attention, fused
+from .fused import absmax
 from .store import SCHEMA, TRACE_FILE
 
 log = logging.getLogger("normscope.trace")
-
-def _absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
-    """max |x| (over ``dim``, else all) in float32, NaN-propagating, as ``max(amax(x), -amin(x))``.
-
-    On the CPU ``amax``/``amin`` are vectorised reductions, while ``vector_norm(x, inf)`` and ``abs().max()`` run
-    a slow generic kernel: about 45x slower on a (8, 128, 256) activation, the largest cost of a traced step.
-    """
-    if dim is None:
-        return torch.maximum(torch.amax(x), -torch.amin(x)).float()
-    return torch.maximum(torch.amax(x, dim=dim), -torch.amin(x, dim=dim)).float()
-
 
 def act_stats(x: torch.Tensor) -> dict[str, float]:
     """Sum of squares, count, max |x| and non-finite count of a tensor (finite entries only), in float32."""
@@ -110,7 +100,7 @@ def _finish(x: torch.Tensor, ss: float, lo: float | None, hi: float | None) -> d
         bad = int(x.numel() - int(fin.sum()))
         x = torch.where(fin, x, torch.zeros((), dtype=x.dtype))
         ss = float(torch.linalg.vector_norm(x, 2, dtype=torch.float64)) ** 2  # float64: no overflow of Σx²
-        mx = None if mx is None else float(_absmax(x))
+        mx = None if mx is None else float(absmax(x))
     st = {"sumsq": ss, "n": x.numel(), "max": mx, "nonfinite": bad}
     if mx is None:
         del st["max"]
@@ -127,14 +117,14 @@ def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
         flat = flat.float()
     rows = flat.shape[0]
     ss, mx = torch.stack([torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2,
-                          _absmax(flat, dim=1)]).tolist() if rows else ([], [])
+                          absmax(flat, dim=1)]).tolist() if rows else ([], [])
     bad = [0] * rows
     if not all(math.isfinite(v) for v in ss + mx):
         fin = torch.isfinite(flat)
         bad = (~fin).sum(1).tolist()
         flat = torch.where(fin, flat, torch.zeros((), dtype=flat.dtype))
         ss = (torch.linalg.vector_norm(flat, 2, dim=1, dtype=torch.float32) ** 2).tolist()
-        mx = _absmax(flat, dim=1).tolist()
+        mx = absmax(flat, dim=1).tolist()
     return {"sumsq": ss, "n": [flat.shape[1]] * rows, "max": mx, "nonfinite": bad}
 
 
@@ -181,102 +171,6 @@ def _deferrable(x: torch.Tensor) -> bool:
         return x._version >= 0
     except Exception:  # inference tensors have no version counter
         return False
-ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
-MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
-
-
-def _logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, list]:
-    """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum.
-
-    ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
-    or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
-    entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
-    its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
-    """
-    lg = logits.detach()
-    if lg.dim() < 3:
-        lg = lg.reshape(1, *lg.shape)
-    m = masked.detach()
-    while m.dim() < lg.dim():
-        m = m.unsqueeze(0)
-    lg = lg.reshape(-1, *lg.shape[-3:])
-    if all(d == 1 for d in m.shape[:-3]):
-        m = m.reshape(1, *m.shape[-3:])
-    else:
-        m = m.expand(*logits.shape[:-3] if logits.dim() >= 3 else (), *m.shape[-3:]).reshape(-1, *m.shape[-3:])
-    heads, tq = lg.shape[1], lg.shape[2]
-    # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
-    # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
-    keep = (~m).to(lg.dtype)
-    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
-    mx = _absmax(live, dim=(0, 2, 3))
-    bad = 0
-    if not bool(torch.isfinite(mx).all()):
-        live = torch.where(m, torch.zeros((), dtype=lg.dtype), live)
-        nan = ~torch.isfinite(live)
-        bad = int(nan.sum())
-        live = live.masked_fill(nan, 0)
-        mx = _absmax(live, dim=(0, 2, 3))
-    full = m.all(-1).expand(lg.shape[:3])  # (B, H, Tq), a view when the mask is shared
-    stride = max(1, tq // ENTROPY_ROWS)
-    msub = m[:, :, ::stride] if m.shape[2] > 1 else m
-    sub = live[:, :, ::stride].float()  # masked entries are 0 here
-    # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
-    # maximum; exp sees no -inf or far-negative argument (both take a slow path): masked keys are zeroed after it
-    top = (sub + torch.zeros(msub.shape, dtype=sub.dtype).masked_fill_(msub, -math.inf)).amax(-1, keepdim=True)
-    e = (sub - top).clamp_(max=0).exp_().mul_((~msub).to(sub.dtype))
-    s = e.sum(-1)
-    pz = torch.linalg.vecdot(e, sub).div_(s)
-    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (B, H, rows)
-    ok = torch.isfinite(ent) & ~full[:, :, ::stride]
-    ent = ent.masked_fill(~ok, 0)
-    return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
-            "rows": [lg.shape[0] * tq] * heads, "entropy_sum": ent.sum(dim=(0, 2)).tolist(),
-            "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": bad}
-
-
-def _sdpa_logits(args, kwargs, buffer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits SDPA computes (a private tensor), and their mask in its own broadcastable shape (not expanded).
-
-    A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
-    below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
-    """
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    b = dict(zip(names, args, strict=False))
-    b.update(kwargs)
-    q, k = b["query"].detach(), b["key"].detach()
-    if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scale = b.get("scale")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    # scaling q (a pass over q, not over the logits) into contiguous memory: a strided batched matmul is slower
-    qs = torch.mul(q.float(), scale, out=torch.empty(q.shape, dtype=torch.float32, device=q.device))
-    kt = k.float().contiguous().transpose(-2, -1)
-    if buffer is not None and qs.dim() >= 2 and kt.dim() >= 2:  # ``buffer(shape, device)``: reused memory
-        shape = torch.Size((*torch.broadcast_shapes(qs.shape[:-2], kt.shape[:-2]), qs.shape[-2], kt.shape[-1]))
-        logits = torch.matmul(qs, kt, out=buffer(shape, qs.device))
-    else:
-        logits = torch.matmul(qs, kt)
-    tq, tk = logits.shape[-2], logits.shape[-1]
-    masked = torch.zeros((1, 1), dtype=torch.bool)
-    m = b.get("attn_mask")
-    if isinstance(m, torch.Tensor):
-        m = m.detach()
-        if m.dtype == torch.bool:
-            masked = masked | ~m
-        else:
-            m = m.float()
-            hard = m <= MASK_BIAS
-            masked = masked | hard
-            soft = m.masked_fill(hard, 0)
-            if bool(soft.any()):  # a real bias (ALiBi, relative positions) on the unmasked keys
-                logits = logits.add_(soft) if soft.dim() <= logits.dim() and torch.broadcast_shapes(
-                    soft.shape, logits.shape) == logits.shape else logits + soft
-    if b.get("is_causal"):
-        causal = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
-        masked = masked | ~causal
-    return logits, masked
-
 
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
@@ -519,7 +413,7 @@ class Tracer:
         self._pending_versions: list[int] = []
         self._pending_slots: dict[int, int] = {}  # id(tensor) -> index, while that tensor is pending
         self._pending_items: list[tuple[tuple, int, str]] = []  # (entry key, tensor index, kind)
-        self._pending_attention: list[tuple[tuple, tuple, dict]] = []
+        self._pending_attention: list[tuple[tuple, attention.SdpaCall]] = []
         self._pending_bytes = 0
 
     def _defer(self, stage: str, layer: int | None, site: str, x: torch.Tensor, kind: str = "") -> None:
@@ -553,12 +447,12 @@ class Tracer:
         """Take the pending statistics: activations in one batch, then the attention logits in call order. The
         pending tensors are released first, so a failure (logged, that probe disabled) cannot keep them alive."""
         tensors, versions = self._pending_tensors, self._pending_versions
-        items, attention = self._pending_items, self._pending_attention
+        items, calls = self._pending_items, self._pending_attention
         self._pending_reset()
         if items:
             self._guard("statistics", self._batch, items, tensors, versions)
-        for key, args, kwargs in attention:
-            self._guard("attention", self._attention_stats, key, args, kwargs)
+        for group in attention.groups(calls):
+            self._guard("attention", self._attention_group, group)
 
     def _batch(self, items, tensors: list[torch.Tensor], versions: list[int]) -> None:
         fresh = [t._version == v for t, v in zip(tensors, versions, strict=True)]
@@ -718,26 +612,28 @@ class Tracer:
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
-        """The logits are recomputed with the forward's other statistics (q, k and the mask are held until then;
-        autograd keeps q and k for the backward anyway)."""
+        """The logits are recomputed with the forward's other statistics, the calls that share shapes and mask in
+        one batch (q, k and the mask are held until then; autograd keeps q and k for the backward anyway)."""
         key = self._logits_key()
         self._acc.setdefault(key, {})
-        self._pending_attention.append((key, tuple(args), dict(kwargs)))
+        self._pending_attention.append((key, attention.SdpaCall(args, kwargs)))
 
-    def _attention_stats(self, key: tuple, args, kwargs) -> None:
-        logits, masked = _sdpa_logits(args, kwargs, self._logit_buffer)
-        _merge(self._acc[key], _logit_stats(logits, masked, owned=True))
+    def _attention_group(self, group: list[tuple[tuple, attention.SdpaCall]]) -> None:
+        stale = [c for _, c in group if not c.unchanged()]
+        if stale:
+            self._stale(len(stale))
+            group = [(key, c) for key, c in group if c.unchanged()]
+            if not group:
+                return
+        for (key, _), st in zip(group, attention.group_stats([c for _, c in group], self._buffer), strict=True):
+            _merge(self._acc[key], st)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         if x.dim() != 4 or dim not in (-1, 3) or not x.is_floating_point():
             return
-        lo = torch.finfo(x.dtype).min / 2
-        self._logits(x, x <= lo)
-
-    def _logits(self, logits: torch.Tensor, masked: torch.Tensor) -> None:
-        self._add(*self._logits_key(), _logit_stats(logits, masked))
+        self._add(*self._logits_key(), attention.eager_logit_stats(x))
 
     def _logits_key(self) -> tuple:
         layer = self._layer()
@@ -821,10 +717,11 @@ class Tracer:
             b = self._buffers[id(p)] = torch.empty_like(p, memory_format=torch.contiguous_format)
         return b
 
-    def _logit_buffer(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        b = self._buffers.get("logits")
+    def _buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """Float32 memory for the attention recompute, kept while steps in a row are recorded."""
+        b = self._buffers.get(name)
         if b is None or b.shape != shape or b.device != device:
-            b = self._buffers["logits"] = torch.empty(shape, dtype=torch.float32, device=device)
+            b = self._buffers[name] = torch.empty(shape, dtype=torch.float32, device=device)
         return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
@@ -968,21 +865,27 @@ class Tracer:
 
 
 def _short(v, key: str = ""):
-    """Floats to 7 significant digits (float32 statistics carry no more): a third of the line length. Times (the
-    ``time`` fields, seconds since the epoch) keep their full precision."""
-    if isinstance(v, float):
-        return float(f"{v:.7g}") if math.isfinite(v) and key != "time" else v
-    if isinstance(v, list):
+    """A record as JSON-ready values in one walk: floats to 7 significant digits (float32 statistics carry no more:
+    a third of the line length), non-finite floats as strings, NumPy scalars as Python numbers. Times (the ``time``
+    fields, seconds since the epoch) keep their full precision."""
+    t = type(v)
+    if t is float:
+        if v - v != 0.0:  # inf or NaN
+            return str(v)
+        return v if key == "time" else float(f"{v:.7g}")
+    if t is list or t is tuple:
         return [_short(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _short(x, k) for k, x in v.items()}
-    return v
+    if t is dict:
+        return {str(k): _short(x, k) for k, x in v.items()}
+    if t is int or t is str or t is bool or v is None:
+        return v
+    return jsonable(v)  # NumPy values and other numbers: the general conversion
 
 
 def _dumps(rec) -> str:
     import json
 
-    return json.dumps(jsonable(_short(rec)), separators=(",", ":"))
+    return json.dumps(_short(rec), separators=(",", ":"))
 
 
 def trace(model: torch.nn.Module, run_dir: str | os.PathLike, every: int = 1, *, layers=None,

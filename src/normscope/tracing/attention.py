@@ -1,0 +1,235 @@
+"""Attention statistics for the tracer: per head, max |logit| over the unmasked entries, fully masked query rows,
+and the softmax entropy on sampled query rows.
+
+Eager attention hands the tracer its logits (the softmax input). ``F.scaled_dot_product_attention`` never
+materialises them, so they are recomputed from the call's q and k, call by call into one buffer the tracer reuses;
+the calls of one forward that share shapes, mask and scale (every layer of a transformer, as a rule) form a group
+whose sampled rows (at most ``GROUP_BYTES`` of logits' worth) get their entropy in one set of reductions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import fused
+from .fused import absmax
+
+ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
+MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
+GROUP_BYTES = 64 << 20  # recomputed logits held at once (a call larger than this is recomputed alone)
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class SdpaCall:
+    """The arguments of one ``scaled_dot_product_attention`` call that its logits depend on."""
+
+    __slots__ = ("q", "k", "mask", "causal", "scale", "group", "_seen", "_versions")
+
+    def __init__(self, args, kwargs):
+        b = dict(zip(_SDPA_ARGS, args, strict=False))
+        b.update(kwargs)
+        q, k = b["query"].detach(), b["key"].detach()
+        mask = b.get("attn_mask")
+        # held until the recompute: their values are checked unchanged then, and the mask object alive, so that its
+        # identity (the group key) cannot pass to another mask in the meantime
+        self._seen = (q, k) if not isinstance(mask, torch.Tensor) else (q, k, mask)
+        self._versions = _versions(self._seen)
+        if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped-query attention
+        scale = b.get("scale")
+        self.q, self.k = q, k
+        self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        self.mask = mask.detach() if isinstance(mask, torch.Tensor) else None
+        self.causal = bool(b.get("is_causal"))
+        # calls that can share one batched recompute and one mask
+        self.group = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, self.scale, self.causal,
+                      None if self.mask is None else id(mask))  # the caller's mask object: one for every layer
+
+    def unchanged(self) -> bool:
+        """Whether q and k still hold the values the call saw (no in-place write since)."""
+        return _versions(self._seen) == self._versions
+
+    def logit_bytes(self) -> int:
+        return 4 * math.prod(torch.broadcast_shapes(self.q.shape[:-2], self.k.shape[:-2])) * self.q.shape[-2] * \
+            self.k.shape[-2]
+
+
+def _versions(ts) -> tuple:
+    try:
+        return tuple(t._version for t in ts)
+    except Exception:  # inference tensors have no version counter (nor can anything write into them)
+        return ()
+
+
+def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
+    """The logits of one SDPA call (a private float32 tensor, in ``buffer("attention logits", shape, device)``
+    when given, memory the tracer reuses) and their mask in its own broadcastable shape (not expanded).
+
+    A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
+    below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
+    Returns the logits and ``(masked, bias)``, which a call of the same group may pass as ``mask`` to skip
+    building them again.
+    """
+    q, k = call.q, call.k
+
+    def memory(name, shape):
+        return buffer(name, torch.Size(shape), q.device) if buffer is not None else torch.empty(
+            shape, dtype=torch.float32, device=q.device)
+
+    # q scaled and k copied into contiguous memory (a pass over q and k, not over the logits): a strided batched
+    # matmul is slower
+    qs = torch.mul(q.float(), call.scale, out=memory("attention q", q.shape))
+    ks = memory("attention k", k.shape).copy_(k)
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    logits = torch.matmul(qs, ks.transpose(-2, -1), out=memory("attention logits", (*lead, q.shape[-2], k.shape[-2])))
+    masked, bias = mask if mask is not None else _mask(call, logits.shape[-2], logits.shape[-1])
+    if bias is not None:  # a real bias (ALiBi, relative positions) on the unmasked keys
+        logits = logits.add_(bias) if torch.broadcast_shapes(bias.shape, logits.shape) == logits.shape \
+            else logits + bias
+    return logits, (masked, bias)
+
+
+def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(masked keys in their broadcastable shape, the float mask's additive bias on the other keys or None)."""
+    device = call.q.device
+    masked = torch.zeros((1, 1), dtype=torch.bool, device=device)
+    bias = None
+    m = call.mask
+    if m is not None:
+        if m.dtype == torch.bool:
+            masked = masked | ~m
+        else:
+            m = m.float()
+            hard = m <= MASK_BIAS
+            masked = masked | hard
+            soft = m.masked_fill(hard, 0)
+            bias = soft if bool(soft.any()) else None
+    if call.causal:
+        masked = masked | ~torch.ones(tq, tk, dtype=torch.bool, device=device).tril(diagonal=tk - tq)
+    return masked, bias
+
+
+def group_stats(calls: list[SdpaCall], buffer=None) -> list[dict]:
+    """The statistics of each call of one group (:func:`groups`), in call order.
+
+    On the CPU with numba, each call's logits are recomputed into the one reused buffer and read once for the
+    per-head maxima and fully masked rows (:func:`.fused.logit_maxima`); the rows the entropy samples are set aside,
+    and the entropy of the whole group is taken in one set of reductions. Elsewhere, or for a call whose logits
+    hold a non-finite value, each call gets :func:`logit_stats`.
+    """
+    out: list[dict | None] = [None] * len(calls)
+    subs, todo = [], []
+    mask = array = None  # one mask for the group, built by its first call
+    for i, c in enumerate(calls):
+        logits, mask = sdpa_logits(c, buffer, mask)
+        if array is None:
+            array = fused.mask_array(mask[0], tuple(logits.shape))
+        got = fused.logit_maxima(logits, array) if array is not None else None
+        if got is None or not all(map(math.isfinite, got[0])):
+            out[i] = logit_stats(logits, mask[0], owned=True)[0]
+            continue
+        stride = max(1, logits.shape[-2] // ENTROPY_ROWS)
+        subs.append(logits[:, :, ::stride].clone())
+        todo.append((i, got))
+    if todo:
+        sub = torch.stack(subs)  # (G, N, H, rows, Tk)
+        m = mask[0]
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        m = m.unsqueeze(0)
+        tq = calls[todo[0][0]].q.shape[-2]
+        stride = max(1, tq // ENTROPY_ROWS)
+        msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
+        full = m[0].all(-1).expand(sub.shape[1:3] + (tq,))[:, :, ::stride]
+        ent, ok = _entropy(sub.mul_((~msub).to(sub.dtype)), msub, full)
+        rows = [sub.shape[1] * tq] * sub.shape[2]
+        for j, (i, (mx, masked_rows)) in enumerate(todo):
+            out[i] = {"max_logit": mx, "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent[j],
+                      "entropy_rows": ok[j], "nonfinite": 0}
+    return out  # type: ignore[return-value]
+
+
+def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple[list, list]:
+    """Per group and head: the softmax entropy summed over the sampled rows, and their number. ``sub``: (G, N, H,
+    rows, Tk) float32 logits with masked entries 0; ``msub`` their mask (broadcast); ``full``: (N, H, rows), True
+    where a row's every key is masked (its entropy is left out)."""
+    # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
+    # maximum; exp sees no -inf or far-negative argument (both take a slow path): masked keys are zeroed after it
+    top = (sub + torch.zeros(msub.shape, dtype=sub.dtype, device=sub.device).masked_fill_(msub, -math.inf)).amax(
+        -1, keepdim=True)
+    e = (sub - top).clamp_(max=0).exp_().mul_((~msub).to(sub.dtype))
+    s = e.sum(-1)
+    pz = torch.linalg.vecdot(e, sub).div_(s)
+    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (G, N, H, rows)
+    ok = torch.isfinite(ent) & ~full
+    ent = ent.masked_fill(~ok, 0)
+    return ent.sum(dim=(1, 3)).tolist(), ok.sum(dim=(1, 3)).tolist()
+
+
+def groups(calls: list[tuple[Any, SdpaCall]]) -> list[list[tuple[Any, SdpaCall]]]:
+    """The calls (with their keys) in groups that share one recompute, each within ``GROUP_BYTES``."""
+    by: dict[tuple, list] = {}
+    for item in calls:
+        by.setdefault(item[1].group, []).append(item)
+    out = []
+    for members in by.values():
+        n = max(1, GROUP_BYTES // max(1, members[0][1].logit_bytes()))
+        out.extend(members[i:i + n] for i in range(0, len(members), n))
+    return out
+
+
+def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False, stacked: bool = False) -> list[dict]:
+    """Per head (dim -3) of the logits, or of each logit tensor stacked on the leading dimension (``stacked``):
+    max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows, non-finite entries.
+
+    ``masked`` broadcasts to one group's logits and is shared by all; it is kept in its own (often
+    ``(query, key)``) shape, so a causal or padding mask costs no full-size pass of its own. The maximum and the
+    masked rows cover every query row; the entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query
+    rows per sample and head, which bounds its cost on long sequences. ``owned``: the logits are the tracer's own
+    copy and may be overwritten.
+    """
+    lg = logits.detach()
+    groups = lg.shape[0] if stacked else 1
+    per = lg.shape[1:] if stacked else lg.shape
+    if len(per) < 3:
+        per = torch.Size((1,) * (3 - len(per)) + tuple(per))
+    heads, tq, tk = per[-3:]
+    lg = lg.reshape(groups, -1, heads, tq, tk)  # (G, N, H, Tq, Tk)
+    m = masked.detach()
+    while m.dim() < len(per):
+        m = m.unsqueeze(0)
+    if all(d == 1 for d in m.shape[:-3]):
+        m = m.reshape(1, 1, *m.shape[-3:])
+    else:
+        m = m.expand(*per[:-3], *m.shape[-3:]).reshape(1, -1, *m.shape[-3:])
+    # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
+    # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
+    keep = (~m).to(lg.dtype)
+    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
+    mx = absmax(live, dim=(1, 3, 4))  # (G, H)
+    bad = [0] * groups
+    if not bool(torch.isfinite(mx).all()):
+        live = torch.where(m, torch.zeros((), dtype=lg.dtype, device=lg.device), live)
+        nan = ~torch.isfinite(live)
+        bad = nan.sum(dim=(1, 2, 3, 4)).tolist()
+        live = live.masked_fill(nan, 0)
+        mx = absmax(live, dim=(1, 3, 4))
+    full = m[0].all(-1).expand(lg.shape[1:4])  # (N, H, Tq), a view when the mask is shared
+    stride = max(1, tq // ENTROPY_ROWS)
+    msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
+    ent_sum, ent_rows = _entropy(live[:, :, :, ::stride].float(), msub, full[:, :, ::stride])  # masked entries: 0
+    masked_rows = full.sum(dim=(0, 2)).tolist()
+    rows = [lg.shape[1] * tq] * heads
+    mx = mx.tolist()
+    return [{"max_logit": mx[i], "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent_sum[i],
+             "entropy_rows": ent_rows[i], "nonfinite": int(bad[i])} for i in range(groups)]
+
+
+def eager_logit_stats(logits: torch.Tensor) -> dict:
+    """The statistics of logits an eager softmax is given: entries at or below half the dtype's lowest value (the
+    ``-inf`` or ``finfo.min`` a mask fills in) are masked."""
+    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)[0]

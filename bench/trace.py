@@ -5,9 +5,11 @@ AdamW, on the CPU. Targets: ≤ 10 % at ``every=1``, ≤ 2 % at ``every=10``. Fo
 cache (every module's output cloned, as an activation cache does) in the same run. The configurations are
 interleaved in blocks of 10 steps over several rounds, and each is summarised by the median of its per-block
 mean step time; each block's ratio is taken against the untraced block of its own round, so drift of a
-shared machine's load hits both sides alike. On a loaded machine, ``--threads 1 --clock thread`` measures the CPU
-time of the training thread instead of wall time, which other processes do not inflate.
-Run: .venv/bin/python bench/trace.py [--rounds 8] [--threads 1 --clock thread]
+shared machine's load hits both sides alike. The finest same-run comparison comes last: one tracer with
+``every=2``, so recorded and unrecorded steps alternate, each recorded step timed against the mean of the two
+unrecorded steps around it (``--pairs`` of them). On a loaded machine, ``--threads 1 --clock thread`` measures the
+CPU time of the training thread instead of wall time, which other processes do not inflate.
+Run: .venv/bin/python bench/trace.py [--rounds 8] [--pairs 30] [--threads 1 --clock thread]
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--block", type=int, default=10, help="steps per timed block (a multiple of 10)")
+    ap.add_argument("--pairs", type=int, default=30, help="recorded steps in the alternating every=2 comparison")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: CPU time of the training thread, insensitive to other load (needs --threads 1)")
@@ -147,6 +150,25 @@ def main():
     ub = statistics.median(base)
     print(f"  tracer's own time per recorded step (median of its records' tracer_ms): {own * 1e3:.1f} ms = "
           f"{own / ub:.1%} of an untraced step; at every=10: {own / 10 / ub:.1%}")
+    # alternating steps: every recorded step between two unrecorded neighbours of the same run
+    per_step = []
+    with trace(model, f"{tmp}/e2", every=2) as tr:
+        for s in range(2 * args.pairs + 3):
+            t0 = clock()
+            idx = batches[s % len(batches)]
+            loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            tr.step(s, loss=loss.item())
+            per_step.append(clock() - t0)
+    pair = [per_step[s] / ((per_step[s - 1] + per_step[s + 1]) / 2) for s in range(2, len(per_step) - 1, 2)]
+    own2 = statistics.median(r["tracer_ms"] for r in read_run(f"{tmp}/e2")[1]) / 1e3
+    med = statistics.median(pair)
+    print(f"  alternating steps (every=2, {len(pair)} recorded steps, each over its two unrecorded neighbours): "
+          f"ratio {med:.3f} (quartiles {statistics.quantiles(pair, n=4)[0]:.3f} … "
+          f"{statistics.quantiles(pair, n=4)[2]:.3f})  target ≤ 1.10: {'met' if med - 1 <= 0.10 else 'MISSED'}; "
+          f"own time {own2 * 1e3:.1f} ms")
     d = diagnose(f"{tmp}/e1")
     print(f"\ntrace of the every=1 run: {len(d.steps)} records "
           f"(header lines from {args.rounds} tracer sessions), anomalies: {len(d.anomalies)}")

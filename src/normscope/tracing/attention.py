@@ -2,9 +2,9 @@
 and the softmax entropy on sampled query rows.
 
 Eager attention hands the tracer its logits (the softmax input). ``F.scaled_dot_product_attention`` never
-materialises them, so they are recomputed from the call's q and k, call by call into one buffer the tracer reuses;
-the calls of one forward that share shapes, mask and scale (every layer of a transformer, as a rule) form a group
-whose sampled rows (at most ``GROUP_BYTES`` of logits' worth) get their entropy in one set of reductions.
+materialises them, so they are recomputed from the call's q and k when the call is made, into one buffer the
+tracer reuses; the calls of one forward that share shapes, mask and scale (every layer of a transformer, as a
+rule) form a :class:`Group` whose sampled rows get their entropy together, in one set of reductions.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .fused import absmax
 
 ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
 MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
-GROUP_BYTES = 64 << 20  # recomputed logits held at once (a call larger than this is recomputed alone)
+GROUP_BYTES = 64 << 20  # sampled logit rows a group holds before their entropy is taken
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -27,42 +27,23 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class SdpaCall:
     """The arguments of one ``scaled_dot_product_attention`` call that its logits depend on."""
 
-    __slots__ = ("q", "k", "mask", "causal", "scale", "group", "_seen", "_versions")
+    __slots__ = ("q", "k", "mask", "causal", "scale", "group")
 
     def __init__(self, args, kwargs):
         b = dict(zip(_SDPA_ARGS, args, strict=False))
         b.update(kwargs)
         q, k = b["query"].detach(), b["key"].detach()
         mask = b.get("attn_mask")
-        # held until the recompute: their values are checked unchanged then, and the mask object alive, so that its
-        # identity (the group key) cannot pass to another mask in the meantime
-        self._seen = (q, k) if not isinstance(mask, torch.Tensor) else (q, k, mask)
-        self._versions = _versions(self._seen)
         if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped-query attention
         scale = b.get("scale")
         self.q, self.k = q, k
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        self.mask = mask.detach() if isinstance(mask, torch.Tensor) else None
+        self.mask = mask if isinstance(mask, torch.Tensor) else None
         self.causal = bool(b.get("is_causal"))
-        # calls that can share one batched recompute and one mask
+        # calls that can share one mask and one entropy computation
         self.group = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, self.scale, self.causal,
                       None if self.mask is None else id(mask))  # the caller's mask object: one for every layer
-
-    def unchanged(self) -> bool:
-        """Whether q and k still hold the values the call saw (no in-place write since)."""
-        return _versions(self._seen) == self._versions
-
-    def logit_bytes(self) -> int:
-        return 4 * math.prod(torch.broadcast_shapes(self.q.shape[:-2], self.k.shape[:-2])) * self.q.shape[-2] * \
-            self.k.shape[-2]
-
-
-def _versions(ts) -> tuple:
-    try:
-        return tuple(t._version for t in ts)
-    except Exception:  # inference tensors have no version counter (nor can anything write into them)
-        return ()
 
 
 def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
@@ -100,6 +81,7 @@ def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor 
     bias = None
     m = call.mask
     if m is not None:
+        m = m.detach()
         if m.dtype == torch.bool:
             masked = masked | ~m
         else:
@@ -113,44 +95,68 @@ def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor 
     return masked, bias
 
 
-def group_stats(calls: list[SdpaCall], buffer=None) -> list[dict]:
-    """The statistics of each call of one group (:func:`groups`), in call order.
+class Group:
+    """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule),
+    summarised as they come and finished together.
 
-    On the CPU with numba, each call's logits are recomputed into the one reused buffer and read once for the
-    per-head maxima and fully masked rows (:func:`.fused.logit_maxima`); the rows the entropy samples are set aside,
-    and the entropy of the whole group is taken in one set of reductions. Elsewhere, or for a call whose logits
-    hold a non-finite value, each call gets :func:`logit_stats`.
+    On the CPU with numba, each call's logits are recomputed when it is made (its q and k still in cache) into the
+    one reused buffer and read once for the per-head maxima and fully masked rows (:func:`.fused.logit_maxima`);
+    the rows the entropy samples are set aside, and :meth:`finish` takes the entropy of all of them in one set of
+    reductions. Elsewhere, or for a call whose logits hold a non-finite value, a call gets :func:`logit_stats`.
     """
-    out: list[dict | None] = [None] * len(calls)
-    subs, todo = [], []
-    mask = array = None  # one mask for the group, built by its first call
-    for i, c in enumerate(calls):
-        logits, mask = sdpa_logits(c, buffer, mask)
-        if array is None:
-            array = fused.mask_array(mask[0], tuple(logits.shape))
-        got = fused.logit_maxima(logits, array) if array is not None else None
+
+    def __init__(self, buffer=None):
+        self.buffer = buffer
+        self.mask = self.array = self.held = None  # one mask for the group, built by its first call
+        self.subs: list[torch.Tensor] = []
+        self.parts: list[tuple[Any, tuple[list, list]]] = []
+        self.done: dict[Any, dict] = {}
+        self.tq = 0
+
+    def add(self, key, call: SdpaCall) -> None:
+        logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
+        if self.held is None:
+            self.held = call.mask  # alive while the group is: its identity is part of the group's key
+            self.array = fused.mask_array(self.mask[0], tuple(logits.shape))
+        got = fused.logit_maxima(logits, self.array) if self.array is not None else None
         if got is None or not all(map(math.isfinite, got[0])):
-            out[i] = logit_stats(logits, mask[0], owned=True)[0]
-            continue
-        stride = max(1, logits.shape[-2] // ENTROPY_ROWS)
-        subs.append(logits[:, :, ::stride].clone())
-        todo.append((i, got))
-    if todo:
-        sub = torch.stack(subs)  # (G, N, H, rows, Tk)
-        m = mask[0]
-        while m.dim() < 4:
+            self.done[key] = logit_stats(logits, self.mask[0], owned=True)[0]
+            return
+        self.tq = logits.shape[-2]
+        self.subs.append(logits[:, :, ::max(1, self.tq // ENTROPY_ROWS)].clone())
+        self.parts.append((key, got))
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.subs)
+
+    def finish(self) -> dict[Any, dict]:
+        """The statistics of every call added, by key."""
+        out, self.done = self.done, {}
+        if self.parts:
+            sub = torch.stack(self.subs)  # (G, N, H, rows, Tk)
+            m = self.mask[0]
+            while m.dim() < 4:
+                m = m.unsqueeze(0)
             m = m.unsqueeze(0)
-        m = m.unsqueeze(0)
-        tq = calls[todo[0][0]].q.shape[-2]
-        stride = max(1, tq // ENTROPY_ROWS)
-        msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
-        full = m[0].all(-1).expand(sub.shape[1:3] + (tq,))[:, :, ::stride]
-        ent, ok = _entropy(sub.mul_((~msub).to(sub.dtype)), msub, full)
-        rows = [sub.shape[1] * tq] * sub.shape[2]
-        for j, (i, (mx, masked_rows)) in enumerate(todo):
-            out[i] = {"max_logit": mx, "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent[j],
-                      "entropy_rows": ok[j], "nonfinite": 0}
-    return out  # type: ignore[return-value]
+            stride = max(1, self.tq // ENTROPY_ROWS)
+            msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
+            full = m[0].all(-1).expand(sub.shape[1:3] + (self.tq,))[:, :, ::stride]
+            ent, ok = _entropy(sub.mul_((~msub).to(sub.dtype)), msub, full)
+            rows = [sub.shape[1] * self.tq] * sub.shape[2]
+            for j, (key, (mx, masked_rows)) in enumerate(self.parts):
+                out[key] = {"max_logit": mx, "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent[j],
+                            "entropy_rows": ok[j], "nonfinite": 0}
+            self.subs, self.parts = [], []
+        return out
+
+
+def group_stats(calls: list[SdpaCall], buffer=None) -> list[dict]:
+    """The statistics of calls of one group, in call order."""
+    g = Group(buffer)
+    for i, c in enumerate(calls):
+        g.add(i, c)
+    got = g.finish()
+    return [got[i] for i in range(len(calls))]
 
 
 def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple[list, list]:
@@ -168,18 +174,6 @@ def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple
     ok = torch.isfinite(ent) & ~full
     ent = ent.masked_fill(~ok, 0)
     return ent.sum(dim=(1, 3)).tolist(), ok.sum(dim=(1, 3)).tolist()
-
-
-def groups(calls: list[tuple[Any, SdpaCall]]) -> list[list[tuple[Any, SdpaCall]]]:
-    """The calls (with their keys) in groups that share one recompute, each within ``GROUP_BYTES``."""
-    by: dict[tuple, list] = {}
-    for item in calls:
-        by.setdefault(item[1].group, []).append(item)
-    out = []
-    for members in by.values():
-        n = max(1, GROUP_BYTES // max(1, members[0][1].logit_bytes()))
-        out.extend(members[i:i + n] for i in range(0, len(members), n))
-    return out
 
 
 def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False, stacked: bool = False) -> list[dict]:

@@ -183,7 +183,7 @@ class _Mode(TorchFunctionMode):
         if tr._busy:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if (tr._pending_items or tr._pending_attention) and _writes_in_place(name, args, kwargs):
+        if tr._pending_items and _writes_in_place(name, args, kwargs):
             tr._flush()
         if func is F.scaled_dot_product_attention and "attention" not in tr.disabled:
             tr._guard("attention", tr._attention_sdpa, args, kwargs)
@@ -413,7 +413,7 @@ class Tracer:
         self._pending_versions: list[int] = []
         self._pending_slots: dict[int, int] = {}  # id(tensor) -> index, while that tensor is pending
         self._pending_items: list[tuple[tuple, int, str]] = []  # (entry key, tensor index, kind)
-        self._pending_attention: list[tuple[tuple, attention.SdpaCall]] = []
+        self._attention_groups: dict[tuple, attention.Group] = {}
         self._pending_bytes = 0
 
     def _defer(self, stage: str, layer: int | None, site: str, x: torch.Tensor, kind: str = "") -> None:
@@ -447,12 +447,12 @@ class Tracer:
         """Take the pending statistics: activations in one batch, then the attention logits in call order. The
         pending tensors are released first, so a failure (logged, that probe disabled) cannot keep them alive."""
         tensors, versions = self._pending_tensors, self._pending_versions
-        items, calls = self._pending_items, self._pending_attention
+        items, groups = self._pending_items, self._attention_groups
         self._pending_reset()
         if items:
             self._guard("statistics", self._batch, items, tensors, versions)
-        for group in attention.groups(calls):
-            self._guard("attention", self._attention_group, group)
+        for group in groups.values():
+            self._guard("attention", self._attention_finish, group)
 
     def _batch(self, items, tensors: list[torch.Tensor], versions: list[int]) -> None:
         fresh = [t._version == v for t, v in zip(tensors, versions, strict=True)]
@@ -612,20 +612,20 @@ class Tracer:
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
-        """The logits are recomputed with the forward's other statistics, the calls that share shapes and mask in
-        one batch (q, k and the mask are held until then; autograd keeps q and k for the backward anyway)."""
+        """The logits are recomputed now, while q and k are in cache; the entropy of the calls that share shapes and
+        mask is taken together when the forward's statistics are."""
         key = self._logits_key()
         self._acc.setdefault(key, {})
-        self._pending_attention.append((key, attention.SdpaCall(args, kwargs)))
+        call = attention.SdpaCall(args, kwargs)
+        group = self._attention_groups.get(call.group)
+        if group is None:
+            group = self._attention_groups[call.group] = attention.Group(self._buffer)
+        group.add(key, call)
+        if group.held_bytes() > attention.GROUP_BYTES:
+            self._attention_finish(group)
 
-    def _attention_group(self, group: list[tuple[tuple, attention.SdpaCall]]) -> None:
-        stale = [c for _, c in group if not c.unchanged()]
-        if stale:
-            self._stale(len(stale))
-            group = [(key, c) for key, c in group if c.unchanged()]
-            if not group:
-                return
-        for (key, _), st in zip(group, attention.group_stats([c for _, c in group], self._buffer), strict=True):
+    def _attention_finish(self, group: attention.Group) -> None:
+        for key, st in group.finish().items():
             _merge(self._acc[key], st)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
@@ -783,7 +783,7 @@ class Tracer:
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
         if self._grad_batch:  # a backward whose end-callback did not run
             self._grad_flush()
-        if self._pending_items or self._pending_attention:  # a forward whose end was not seen
+        if self._pending_items or self._attention_groups:  # a forward whose end was not seen
             self._flush()
         entries = []
         for (stage, layer, site), st in self._acc.items():

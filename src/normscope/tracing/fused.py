@@ -111,7 +111,7 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
     sizes = np.fromiter((x.numel() for x in keep), np.int64, len(keep))
     row_sizes = np.fromiter((x.shape[-1] if rows and x.dim() else x.numel() for x in keep), np.int64, len(keep))
     ss, mb, low = np.empty(len(keep)), np.empty(len(keep), np.int32), np.empty(len(keep))
-    k.sums(addresses, sizes, row_sizes, ss, mb, low)
+    k.sums(addresses, addresses, sizes, row_sizes, ss, mb, low)
     for j, i in enumerate(take):
         out[i] = Sums(float(ss[j]), _max_abs(int(mb[j])), float(low[j]))
     return out
@@ -143,7 +143,7 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
     b = np.fromiter((x.data_ptr() for x in keep_n), np.int64, len(take))
     sizes = np.fromiter((x.numel() for x in keep_n), np.int64, len(take))
     su, mb, sp = np.empty(len(take)), np.empty(len(take), np.int32), np.empty(len(take))
-    k.update_sums(a, b, sizes, su, mb, sp)
+    k.update_sums(a, b, sizes, np.ones(len(take), np.int64), su, mb, sp)
     for j, i in enumerate(take):
         out[i] = (float(su[j]), _max_abs(int(mb[j])), float(sp[j]))
     return out

@@ -60,7 +60,7 @@ def _plan(sizes, row_sizes):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _chunk_sums(address, start, count, row):  # pragma: no cover - compiled
+def _chunk_sums(address, unused, start, count, row):  # pragma: no cover - compiled
     """Σx², the largest |x| bit pattern (sign cleared: an integer maximum that a NaN or an infinity also reaches)
     and the smallest row Σx² of ``count`` elements from ``start``, rows of ``row`` elements."""
     s = 0.0
@@ -82,7 +82,7 @@ def _chunk_sums(address, start, count, row):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _chunk_update(old_address, new_address, start, count):  # pragma: no cover - compiled
+def _chunk_update(old_address, new_address, start, count, unused):  # pragma: no cover - compiled
     """Σ(old - new)², the largest |old - new| bit pattern and Σnew² of ``count`` elements from ``start``."""
     stage = np.empty(_STAGE, np.float32)
     stage_bits = stage.view(np.int32)
@@ -118,40 +118,22 @@ def _combine(owner, p0, p1, p2, out0, out1, out2, low_is_min):  # pragma: no cov
         out2[t] = min(out2[t], p2[c]) if low_is_min else out2[t] + p2[c]
 
 
-def _sums(parallel: bool):
+def _batched(chunk, low_is_min: bool, parallel: bool):
+    """A kernel over a batch of tensors: ``chunk`` on each chunk of whole rows (on numba's threads when
+    ``parallel``), the partial results combined per tensor."""
     loop = numba.prange if parallel else range
 
-    def sums(addresses, sizes, row_sizes, sumsq, maxbits, min_row):  # pragma: no cover - compiled
-        """Per tensor t: Σx², the largest |x| bit pattern and the smallest Σx² of a row of ``row_sizes[t]``
-        consecutive elements."""
+    def kernel(first_addresses, second_addresses, sizes, row_sizes, out0, out1, out2):  # pragma: no cover
         owner, first, count = _plan(sizes, row_sizes)
         p0 = np.empty(owner.size)
         p1 = np.empty(owner.size, np.int32)
         p2 = np.empty(owner.size)
         for c in loop(owner.size):
             t = owner[c]
-            p0[c], p1[c], p2[c] = _chunk_sums(addresses[t], first[c], count[c], row_sizes[t])
-        _combine(owner, p0, p1, p2, sumsq, maxbits, min_row, True)
+            p0[c], p1[c], p2[c] = chunk(first_addresses[t], second_addresses[t], first[c], count[c], row_sizes[t])
+        _combine(owner, p0, p1, p2, out0, out1, out2, low_is_min)
 
-    return sums
-
-
-def _update(parallel: bool):
-    loop = numba.prange if parallel else range
-
-    def update_sums(olds, news, sizes, update_sumsq, update_maxbits, new_sumsq):  # pragma: no cover - compiled
-        """Per tensor t: Σ(old - new)², the largest |old - new| bit pattern and Σnew², in one read of both copies
-        (neither is written)."""
-        owner, first, count = _plan(sizes, np.ones(sizes.size, np.int64))
-        p0 = np.empty(owner.size)
-        p1 = np.empty(owner.size, np.int32)
-        p2 = np.empty(owner.size)
-        for c in loop(owner.size):
-            t = owner[c]
-            p0[c], p1[c], p2[c] = _chunk_update(olds[t], news[t], first[c], count[c])
-        _combine(owner, p0, p1, p2, update_sumsq, update_maxbits, new_sumsq, False)
-
-    return update_sums
+    return kernel
 
 
 def _logits(parallel: bool):
@@ -182,10 +164,12 @@ def _logits(parallel: bool):
     return logit_maxima
 
 
-sums_serial = numba.njit(**_JIT)(_sums(False))
-update_sums_serial = numba.njit(**_JIT)(_update(False))
-sums_parallel = numba.njit(parallel=True, **_JIT)(_sums(True))
-update_sums_parallel = numba.njit(parallel=True, **_JIT)(_update(True))
+# sums(addresses, addresses, sizes, row sizes, Σx², max |x| bits, smallest row Σx²) and
+# update_sums(old addresses, new addresses, sizes, ones, Σ(old - new)², max |old - new| bits, Σnew²)
+sums_serial = numba.njit(**_JIT)(_batched(_chunk_sums, True, False))
+update_sums_serial = numba.njit(**_JIT)(_batched(_chunk_update, False, False))
+sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_sums, True, True))
+update_sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_update, False, True))
 logit_maxima_serial = numba.njit(**_JIT)(_logits(False))
 logit_maxima_parallel = numba.njit(parallel=True, **_JIT)(_logits(True))
 
@@ -195,8 +179,8 @@ def _warm(sums, update_sums, logit_maxima) -> None:
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
     out = (np.zeros(1), np.zeros(1, np.int32), np.zeros(1))
-    sums(a, n, n, *out)
-    update_sums(a, a, n, *out)
+    sums(a, a, n, n, *out)
+    update_sums(a, a, n, np.ones(1, np.int64), *out)
     bits = np.zeros((1, 1, 2, 2), np.int32)
     logit_maxima(bits, np.zeros((1, 1, 2, 2), np.uint8), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64))
 

@@ -173,7 +173,7 @@ def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(attention.Group, "add", broken)
+    monkeypatch.setattr(attention.Group, "stats", broken)
     with caplog.at_level("WARNING", logger="normscope.trace"):
         _, tr = train(tmp_path, steps=4)
     assert len(calls) == 1 and tr.disabled == {"attention"}
@@ -627,7 +627,7 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
     for i, c in enumerate(calls):
         alone = _sdpa_stats(*c)
         assert got[i].keys() == alone.keys()
-        for name, v in alone.items():
-            assert got[i][name] == pytest.approx(v, rel=1e-6), name
+        for name, v in alone.items():  # the entropy in float64 here, float32 on torch's path
+            assert got[i][name] == pytest.approx(v, rel=1e-5 if name == "entropy_sum" else 1e-6), name
     assert got[0]["masked_rows"] == [0] * h and got[0]["max_logit"] != got[1]["max_logit"]
     assert got[2]["max_logit"][2] == math.inf or got[2]["nonfinite"] > 0

@@ -3,8 +3,9 @@ and the softmax entropy on sampled query rows.
 
 Eager attention hands the tracer its logits (the softmax input). ``F.scaled_dot_product_attention`` never
 materialises them, so they are recomputed from the call's q and k when the call is made, into one buffer the
-tracer reuses; the calls of one forward that share shapes, mask and scale (every layer of a transformer, as a
-rule) form a :class:`Group` whose sampled rows get their entropy together, in one set of reductions.
+tracer reuses, and read once for all the statistics on the CPU (numba); the calls of one forward that share
+shapes, mask and scale (every layer of a transformer, as a rule) form a :class:`Group` that prepares the mask
+once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from .fused import absmax
 
 ENTROPY_ROWS = 16  # query rows per (sample, head) the softmax entropy is averaged over
 MASK_BIAS = -1e4  # an additive attention-mask value at or below this is a masked key (softmax weight 0)
-GROUP_BYTES = 64 << 20  # sampled logit rows a group holds before their entropy is taken
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -41,7 +41,7 @@ class SdpaCall:
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         self.mask = mask if isinstance(mask, torch.Tensor) else None
         self.causal = bool(b.get("is_causal"))
-        # calls that can share one mask and one entropy computation
+        # calls that can share one mask
         self.group = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, self.scale, self.causal,
                       None if self.mask is None else id(mask))  # the caller's mask object: one for every layer
 
@@ -96,67 +96,37 @@ def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor 
 
 
 class Group:
-    """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule),
-    summarised as they come and finished together.
+    """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule):
+    the mask is prepared once for all of them.
 
-    On the CPU with numba, each call's logits are recomputed when it is made (its q and k still in cache) into the
-    one reused buffer and read once for the per-head maxima and fully masked rows (:func:`.fused.logit_maxima`);
-    the rows the entropy samples are set aside, and :meth:`finish` takes the entropy of all of them in one set of
-    reductions. Elsewhere, or for a call whose logits hold a non-finite value, a call gets :func:`logit_stats`.
+    On the CPU with numba, a call's logits are recomputed when it is made (its q and k still in cache) into the
+    one reused buffer and read once for every statistic (:func:`.fused.logit_summary`). Elsewhere, or when a logit
+    is not finite, the call gets :func:`logit_stats`.
     """
 
     def __init__(self, buffer=None):
         self.buffer = buffer
-        self.mask = self.array = self.held = None  # one mask for the group, built by its first call
-        self.subs: list[torch.Tensor] = []
-        self.parts: list[tuple[Any, tuple[list, list]]] = []
-        self.done: dict[Any, dict] = {}
-        self.tq = 0
+        self.mask = self.array = self.held = None  # built by the group's first call
 
-    def add(self, key, call: SdpaCall) -> None:
+    def stats(self, call: SdpaCall) -> dict:
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
         if self.held is None:
-            self.held = call.mask  # alive while the group is: its identity is part of the group's key
+            self.held = (call.mask,)  # alive while the group is: its identity is part of the group's key
             self.array = fused.mask_array(self.mask[0], tuple(logits.shape))
-        got = fused.logit_maxima(logits, self.array) if self.array is not None else None
-        if got is None or not all(map(math.isfinite, got[0])):
-            self.done[key] = logit_stats(logits, self.mask[0], owned=True)[0]
-            return
-        self.tq = logits.shape[-2]
-        self.subs.append(logits[:, :, ::max(1, self.tq // ENTROPY_ROWS)].clone())
-        self.parts.append((key, got))
-
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.subs)
-
-    def finish(self) -> dict[Any, dict]:
-        """The statistics of every call added, by key."""
-        out, self.done = self.done, {}
-        if self.parts:
-            sub = torch.stack(self.subs)  # (G, N, H, rows, Tk)
-            m = self.mask[0]
-            while m.dim() < 4:
-                m = m.unsqueeze(0)
-            m = m.unsqueeze(0)
-            stride = max(1, self.tq // ENTROPY_ROWS)
-            msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
-            full = m[0].all(-1).expand(sub.shape[1:3] + (self.tq,))[:, :, ::stride]
-            ent, ok = _entropy(sub.mul_((~msub).to(sub.dtype)), msub, full)
-            rows = [sub.shape[1] * self.tq] * sub.shape[2]
-            for j, (key, (mx, masked_rows)) in enumerate(self.parts):
-                out[key] = {"max_logit": mx, "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent[j],
-                            "entropy_rows": ok[j], "nonfinite": 0}
-            self.subs, self.parts = [], []
-        return out
+        if self.array is not None:
+            tq = logits.shape[-2]
+            got = fused.logit_summary(logits, self.array, max(1, tq // ENTROPY_ROWS))
+            if got is not None:
+                return {"max_logit": got["max_logit"], "masked_rows": got["masked_rows"],
+                        "rows": [logits.shape[0] * tq] * logits.shape[1], "entropy_sum": got["entropy_sum"],
+                        "entropy_rows": got["entropy_rows"], "nonfinite": 0}
+        return logit_stats(logits, self.mask[0], owned=True)[0]
 
 
 def group_stats(calls: list[SdpaCall], buffer=None) -> list[dict]:
     """The statistics of calls of one group, in call order."""
     g = Group(buffer)
-    for i, c in enumerate(calls):
-        g.add(i, c)
-    got = g.finish()
-    return [got[i] for i in range(len(calls))]
+    return [g.stats(c) for c in calls]
 
 
 def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple[list, list]:

@@ -32,7 +32,7 @@ class _Kernels:
         from . import fused_kernels
 
         self.numba = numba
-        self._sums, self._update_sums, self._logit_maxima = fused_kernels.choose()
+        self._sums, self._update_sums, self._logit_summary = fused_kernels.choose()
 
     def _threads(self) -> None:
         """As many of numba's threads as torch uses (numba cannot start more than it was configured with)."""
@@ -48,9 +48,9 @@ class _Kernels:
         self._threads()
         self._update_sums(*args)
 
-    def logit_maxima(self, *args) -> None:
+    def logit_summary(self, *args) -> None:
         self._threads()
-        self._logit_maxima(*args)
+        self._logit_summary(*args)
 
 
 def _kernels() -> _Kernels | None:
@@ -149,9 +149,10 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
     return out
 
 
-def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray | None:
-    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as the contiguous uint8 array (a dimension of 1
-    shared) that :func:`logit_maxima` reads; None where this path does not apply."""
+def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`logit_maxima` reads it: a contiguous
+    uint8 array (a dimension of 1 shared) and, per row, one past its last unmasked key. None where this path does
+    not apply."""
     if _kernels() is None or masked.device.type != "cpu" or len(shape) != 4 or masked.dim() > 4:
         return None
     m = masked.detach().to(torch.bool)
@@ -159,18 +160,27 @@ def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray | Non
         m = m.unsqueeze(0)
     if m.shape[3] != shape[3] or any(d not in (1, s) for d, s in zip(m.shape, shape, strict=True)):
         m = m.expand(shape)  # a key dimension of 1: full size
-    return m.contiguous().view(torch.uint8).numpy()  # uint8 rather than bool: the kernel's loop vectorises
+    keys = torch.arange(1, m.shape[3] + 1, device=m.device)
+    extent = torch.where(m, 0, keys).amax(-1)
+    return m.contiguous().view(torch.uint8).numpy(), extent.numpy()  # uint8, not bool: the kernel's loop vectorises
 
 
-def logit_maxima(logits: torch.Tensor, mask: np.ndarray) -> tuple[list[float], list[int]] | None:
-    """Per head of (N, H, Tq, Tk) logits, contiguous CPU float32: max |logit| over the unmasked entries (inf when
-    one is not finite) and the number of fully masked query rows, in one read; ``mask`` from :func:`mask_array`.
-    None where this path does not apply."""
+def logit_summary(logits: torch.Tensor, mask: tuple[np.ndarray, np.ndarray], stride: int) -> dict[str, list] | None:
+    """Per head of (N, H, Tq, Tk) logits, contiguous CPU float32, in one read: max |logit| over the unmasked
+    entries, fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an
+    unmasked key (float64) and their number; ``mask`` from :func:`mask_array`. None where this path does not apply
+    or a logit is not finite (the caller's exact path)."""
     k = _kernels()
     if k is None or not eligible(logits) or logits.dim() != 4:
         return None
     shape = tuple(logits.shape)
-    maxbits = np.empty(shape[:2], np.int32)
-    full = np.empty(shape[:2], np.int64)
-    k.logit_maxima(logits.detach().numpy().view(np.int32), mask, maxbits, full)
-    return [_max_abs(int(b)) for b in maxbits.max(axis=0)], full.sum(axis=0).tolist()
+    x = logits.detach().numpy()
+    out = (np.empty(shape[:2], np.int32), np.empty(shape[:2], np.int64), np.empty(shape[:2]),
+           np.empty(shape[:2], np.int64))
+    k.logit_summary(x, x.view(np.int32), *mask, stride, *out)
+    maxbits, full, ent, rows = out
+    top = maxbits.max(axis=0)
+    if int(top.max()) >= INF_BITS:
+        return None
+    return {"max_logit": [_max_abs(int(b)) for b in top], "masked_rows": full.sum(axis=0).tolist(),
+            "entropy_sum": ent.sum(axis=0).tolist(), "entropy_rows": rows.sum(axis=0).tolist()}

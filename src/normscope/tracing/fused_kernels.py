@@ -139,29 +139,56 @@ def _batched(chunk, low_is_min: bool, parallel: bool):
 def _logits(parallel: bool):
     loop = numba.prange if parallel else range
 
-    def logit_maxima(bits, masked, maxbits, full_rows):  # pragma: no cover - compiled
-        """Per (sample, head) of (N, H, Tq, Tk) logits (as int32 bit patterns): the largest |logit| bit pattern
-        over the unmasked entries and the number of query rows with every key masked. ``masked`` is a contiguous
-        uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked: a dimension of 1 is shared."""
+    def logit_summary(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
+                      entropy_rows):  # pragma: no cover - compiled
+        """Per (sample, head) of (N, H, Tq, Tk) logits ``x`` (``bits``: the same memory as int32): the largest
+        |logit| bit pattern over the unmasked entries, the number of query rows with every key masked, and the
+        softmax entropy summed over every ``stride``-th query row that has an unmasked key (and their number).
+
+        ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a dimension of 1 is
+        shared); ``extent`` (same leading shape) is one past each mask row's last unmasked key, so a causal row
+        reads only its keys. A result at or above the infinity's bit pattern means a non-finite logit: the caller
+        discards the entropy and takes its exact path."""
         n, h, tq, tk = bits.shape
         mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
         for u in loop(n * h):
             a, b = u // h, u % h
             m = np.int32(0)
             full = 0
+            es = 0.0
+            er = 0
             for i in range(tq):
                 row = bits[a, b, i]
                 mrow = masked[a if mn else 0, b if mh else 0, i if mq else 0]
+                end = extent[a if mn else 0, b if mh else 0, i if mq else 0]
                 live = np.int32(0)
-                for j in range(tk):
+                for j in range(end):
                     keep = np.int32(1) - np.int32(mrow[j])
                     m = max(m, (row[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
                     live += keep
-                full += live == 0
+                if live == 0:
+                    full += 1
+                elif i % stride == 0:  # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over unmasked keys
+                    z = x[a, b, i]
+                    top = -np.inf
+                    for j in range(end):
+                        if mrow[j] == 0:
+                            top = max(top, np.float64(z[j]))
+                    se = 0.0
+                    sz = 0.0
+                    for j in range(end):
+                        if mrow[j] == 0:
+                            e = np.exp(np.float64(z[j]) - top)
+                            se += e
+                            sz += e * np.float64(z[j])
+                    es += np.log(se) + top - sz / se
+                    er += 1
             maxbits[a, b] = m
             full_rows[a, b] = full
+            entropy_sum[a, b] = es
+            entropy_rows[a, b] = er
 
-    return logit_maxima
+    return logit_summary
 
 
 # sums(addresses, addresses, sizes, row sizes, Σx², max |x| bits, smallest row Σx²) and
@@ -170,30 +197,31 @@ sums_serial = numba.njit(**_JIT)(_batched(_chunk_sums, True, False))
 update_sums_serial = numba.njit(**_JIT)(_batched(_chunk_update, False, False))
 sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_sums, True, True))
 update_sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_update, False, True))
-logit_maxima_serial = numba.njit(**_JIT)(_logits(False))
-logit_maxima_parallel = numba.njit(parallel=True, **_JIT)(_logits(True))
+logit_summary_serial = numba.njit(**_JIT)(_logits(False))
+logit_summary_parallel = numba.njit(parallel=True, **_JIT)(_logits(True))
 
 
-def _warm(sums, update_sums, logit_maxima) -> None:
+def _warm(sums, update_sums, logit_summary) -> None:
     x = np.ones(4, np.float32)
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
     out = (np.zeros(1), np.zeros(1, np.int32), np.zeros(1))
     sums(a, a, n, n, *out)
     update_sums(a, a, n, np.ones(1, np.int64), *out)
-    bits = np.zeros((1, 1, 2, 2), np.int32)
-    logit_maxima(bits, np.zeros((1, 1, 2, 2), np.uint8), np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64))
+    x = np.zeros((1, 1, 2, 2), np.float32)
+    one = (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros((1, 1), np.int64))
+    logit_summary(x, x.view(np.int32), np.zeros((1, 1, 2, 2), np.uint8), np.full((1, 1, 2), 2, np.int64), 1, *one)
 
 
 def choose() -> tuple:
-    """(sums, update_sums, logit_maxima), compiled (or loaded from the cache) now rather than inside a probe's first
+    """(sums, update_sums, logit_summary), compiled (or loaded from the cache) now rather than inside a probe's first
     call: the parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
     layer aborts the process when two threads launch parallel work at once, which a tracer must never risk)."""
-    serial = sums_serial, update_sums_serial, logit_maxima_serial
+    serial = sums_serial, update_sums_serial, logit_summary_serial
     _warm(*serial)
     try:
         if numba.config.NUMBA_NUM_THREADS > 1:
-            parallel = sums_parallel, update_sums_parallel, logit_maxima_parallel
+            parallel = sums_parallel, update_sums_parallel, logit_summary_parallel
             _warm(*parallel)
             if numba.threading_layer() in ("omp", "tbb"):
                 return parallel

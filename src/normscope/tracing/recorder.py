@@ -447,12 +447,10 @@ class Tracer:
         """Take the pending statistics: activations in one batch, then the attention logits in call order. The
         pending tensors are released first, so a failure (logged, that probe disabled) cannot keep them alive."""
         tensors, versions = self._pending_tensors, self._pending_versions
-        items, groups = self._pending_items, self._attention_groups
+        items = self._pending_items
         self._pending_reset()
         if items:
             self._guard("statistics", self._batch, items, tensors, versions)
-        for group in groups.values():
-            self._guard("attention", self._attention_finish, group)
 
     def _batch(self, items, tensors: list[torch.Tensor], versions: list[int]) -> None:
         fresh = [t._version == v for t, v in zip(tensors, versions, strict=True)]
@@ -612,21 +610,13 @@ class Tracer:
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
-        """The logits are recomputed now, while q and k are in cache; the entropy of the calls that share shapes and
-        mask is taken together when the forward's statistics are."""
-        key = self._logits_key()
-        self._acc.setdefault(key, {})
+        """The logits are recomputed now, while q and k are in cache, with the mask the forward's other calls of the
+        same shapes share."""
         call = attention.SdpaCall(args, kwargs)
         group = self._attention_groups.get(call.group)
         if group is None:
             group = self._attention_groups[call.group] = attention.Group(self._buffer)
-        group.add(key, call)
-        if group.held_bytes() > attention.GROUP_BYTES:
-            self._attention_finish(group)
-
-    def _attention_finish(self, group: attention.Group) -> None:
-        for key, st in group.finish().items():
-            _merge(self._acc[key], st)
+        self._add(*self._logits_key(), group.stats(call))
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
@@ -783,7 +773,7 @@ class Tracer:
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
         if self._grad_batch:  # a backward whose end-callback did not run
             self._grad_flush()
-        if self._pending_items or self._attention_groups:  # a forward whose end was not seen
+        if self._pending_items:  # a forward whose end was not seen
             self._flush()
         entries = []
         for (stage, layer, site), st in self._acc.items():

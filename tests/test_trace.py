@@ -631,3 +631,20 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
             assert got[i][name] == pytest.approx(v, rel=1e-5 if name == "entropy_sum" else 1e-6), name
     assert got[0]["masked_rows"] == [0] * h and got[0]["max_logit"] != got[1]["max_logit"]
     assert got[2]["max_logit"][2] == math.inf or got[2]["nonfinite"] > 0
+
+
+def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
+    """numba's OpenMP layer can share torch's OpenMP runtime, where a parallel launch sets the thread count: the
+    kernels (their first launch included) must leave torch's setting as the user made it."""
+    from normscope.tracing import fused
+
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            fused._Kernels()  # compiles or loads, and launches each kernel once
+            fused.sums([torch.randn(50_000)])
+            fused.update_sums([torch.randn(50_000)], [torch.randn(50_000)])
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)

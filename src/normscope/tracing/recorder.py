@@ -172,6 +172,7 @@ def _deferrable(x: torch.Tensor) -> bool:
     except Exception:  # inference tensors have no version counter
         return False
 
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
@@ -413,8 +414,8 @@ class Tracer:
         self._pending_versions: list[int] = []
         self._pending_slots: dict[int, int] = {}  # id(tensor) -> index, while that tensor is pending
         self._pending_items: list[tuple[tuple, int, str]] = []  # (entry key, tensor index, kind)
-        self._attention_groups: dict[tuple, attention.Group] = {}
         self._pending_bytes = 0
+        self._attention_groups: dict[tuple, attention.Group] = {}  # this forward's SDPA masks, by call shape
 
     def _defer(self, stage: str, layer: int | None, site: str, x: torch.Tensor, kind: str = "") -> None:
         """Take the statistics of ``x`` for an entry with the rest of the forward's, in one batch.
@@ -444,8 +445,8 @@ class Tracer:
             self._flush()
 
     def _flush(self) -> None:
-        """Take the pending statistics: activations in one batch, then the attention logits in call order. The
-        pending tensors are released first, so a failure (logged, that probe disabled) cannot keep them alive."""
+        """Take the pending statistics in one batch. The pending tensors are released first, so a failure (logged,
+        the probe disabled) cannot keep them alive."""
         tensors, versions = self._pending_tensors, self._pending_versions
         items = self._pending_items
         self._pending_reset()

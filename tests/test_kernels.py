@@ -230,3 +230,19 @@ def test_norm_auto_backend_uses_the_kernel_where_it_can_and_the_reference_elsewh
     bn_ref = Norm(NormSpec.preset("torch_batchnorm"), 3, backend="reference").eval()
     xb = torch.randn(4, 3, 2, 2)
     assert torch.equal(bn_auto(xb), bn_ref(xb))
+
+
+def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
+    """numba's OpenMP layer can share torch's OpenMP runtime, where a launch on numba's own count (every core) set
+    torch's thread count: the kernels run on torch's count and leave it as the user made it."""
+    import numba
+
+    before = torch.get_num_threads()
+    x = torch.randn(64, 32, requires_grad=True)
+    try:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # numba's default: all of its threads
+        torch.set_num_threads(1)
+        norm(x, NormSpec.preset("torch_layernorm"), backend="numba").sum().backward()
+        assert torch.get_num_threads() == 1 and numba.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -15,61 +15,39 @@ machine where numba cannot compile, gets torch's reductions (:func:`available` s
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from ..numba_threads import matched
+
 INF_BITS = 0x7F800000
 _KERNELS: list = []
 
 
 class _Kernels:
-    """The compiled kernels, called on as many of numba's threads as torch uses.
-
-    numba's OpenMP layer and torch can share one OpenMP runtime, and a parallel launch sets that runtime's thread
-    count: every call (the first launch included) is bracketed so that torch's own setting is what it was.
-    """
+    """The compiled kernels, each call (the first launch included) on as many of numba's threads as torch uses,
+    torch's own setting left as it was (:mod:`normscope.numba_threads`)."""
 
     def __init__(self):
-        import numba
-
         from . import fused_kernels
 
-        self.numba = numba
-        with self._torch_threads_kept():
-            self._match_threads()
+        with matched():
             self._sums, self._update_sums, self._logit_summary = fused_kernels.choose()
 
-    def _match_threads(self) -> None:
-        n = max(1, min(torch.get_num_threads(), self.numba.config.NUMBA_NUM_THREADS))
-        if self.numba.get_num_threads() != n:
-            self.numba.set_num_threads(n)
-
-    @contextlib.contextmanager
-    def _torch_threads_kept(self):
-        n = torch.get_num_threads()
-        try:
-            yield
-        finally:
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
-
-    def _call(self, kernel, args) -> None:
-        with self._torch_threads_kept():
-            self._match_threads()
-            kernel(*args)
-
     def sums(self, *args) -> None:
-        self._call(self._sums, args)
+        with matched():
+            self._sums(*args)
 
     def update_sums(self, *args) -> None:
-        self._call(self._update_sums, args)
+        with matched():
+            self._update_sums(*args)
 
     def logit_summary(self, *args) -> None:
-        self._call(self._logit_summary, args)
+        with matched():
+            self._logit_summary(*args)
 
 
 def _kernels() -> _Kernels | None:

@@ -648,3 +648,59 @@ def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
             assert torch.get_num_threads() == n
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_summarises_on_its_own_thread():
+    """GNU OpenMP terminates a forked child that launches parallel work after its parent did: after a fork the
+    tracer's kernels are the serial ones, and the child gets the same numbers."""
+    from normscope.tracing import fused
+
+    x = torch.randn(1 << 18)
+    want = fused.sums([x])[0].sumsq  # the parent launches its kernels first
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(write, repr(fused.sums([x])[0].sumsq).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 100).decode()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and float(got) == pytest.approx(want, rel=1e-12)
+
+
+def test_sdpa_causal_mask_is_aligned_as_sdpa_aligns_it():
+    """is_causal with fewer queries than keys: query i sees keys 0..i (SDPA's top-left alignment)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 2, 4, generator=g), torch.randn(1, 2, 5, 4, generator=g), torch.randn(1, 2, 5, 4)
+    st = _sdpa_stats((q, k, v), {"is_causal": True})
+    keep = torch.ones(2, 5, dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep), atol=1e-6)
+    want = ((q @ k.transpose(-2, -1)) / 2).masked_fill(~keep, 0).abs().amax(dim=(0, 2, 3))
+    assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-6)
+
+
+def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_its_entry(tmp_path, caplog):
+    """A view of storage shrunk to nothing (as FSDP leaves an unsharded parameter) is not read by address; a
+    tensor whose statistics cannot be taken drops its own entry, the rest of the forward's are recorded."""
+    from normscope.tracing import fused
+    from normscope.tracing import recorder as rec
+
+    base = torch.randn(1 << 16)
+    view = base[1000:5096]
+    base.untyped_storage().resize_(0)
+    assert not fused.eligible(view) and fused.sums([view]) == [None]
+    with pytest.raises(RuntimeError):
+        rec.batch_stats([view])  # torch's own path refuses it: the tracer's guard takes over from here
+    model = GPT(layers=2)
+    with caplog.at_level("WARNING", logger="normscope.trace"), trace(model, tmp_path / "run") as tr:
+        model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        tr._defer("layer_input", 0, "odd", view)  # held with the forward's others
+        tr._flush()
+        tr.step(0)
+    entries = {(e["stage"], e["layer"], e["site"]) for e in diagnose(tmp_path / "run").records[-1]["entries"]}
+    assert ("layer_input", 0, "odd") not in entries and ("residual_sum", 1, "mlp") in entries
+    assert "could not be taken" in caplog.text and not tr.disabled

@@ -91,7 +91,8 @@ def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor 
             soft = m.masked_fill(hard, 0)
             bias = soft if bool(soft.any()) else None
     if call.causal:
-        masked = masked | ~torch.ones(tq, tk, dtype=torch.bool, device=device).tril(diagonal=tk - tq)
+        # aligned top-left, as SDPA's is_causal is: query i sees keys 0..i whatever the key length
+        masked = masked | ~torch.ones(tq, tk, dtype=torch.bool, device=device).tril()
     return masked, bias
 
 

@@ -16,6 +16,7 @@ machine where numba cannot compile, gets torch's reductions (:func:`available` s
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -37,6 +38,13 @@ class _Kernels:
         with matched():
             self._sums, self._update_sums, self._logit_summary = fused_kernels.choose()
 
+    def serial(self) -> None:
+        """The calling thread's kernels only (a forked child: GNU OpenMP terminates a child that launches parallel
+        work after its parent did)."""
+        from . import fused_kernels
+
+        self._sums, self._update_sums, self._logit_summary = fused_kernels.SERIAL
+
     def sums(self, *args) -> None:
         with matched():
             self._sums(*args)
@@ -48,6 +56,15 @@ class _Kernels:
     def logit_summary(self, *args) -> None:
         with matched():
             self._logit_summary(*args)
+
+
+def _serial_in_child() -> None:
+    if _KERNELS and _KERNELS[0] is not None:
+        _KERNELS[0].serial()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_serial_in_child)
 
 
 def _kernels() -> _Kernels | None:
@@ -64,7 +81,15 @@ def available() -> bool:
 
 
 def eligible(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.numel() > 0
+    """A contiguous CPU float32 tensor whose storage holds all of it: the kernels read raw addresses, so a view of
+    freed or shrunk storage (FSDP resizes a parameter's storage to 0 between uses) must never reach them."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.numel() > 0):
+        return False
+    try:
+        storage = x.untyped_storage()
+        return storage.data_ptr() != 0 and storage.nbytes() >= (x.storage_offset() + x.numel()) * 4
+    except Exception:  # a tensor subclass without plain storage
+        return False
 
 
 def absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
@@ -108,7 +133,7 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
     sizes = np.fromiter((x.numel() for x in keep), np.int64, len(keep))
     row_sizes = np.fromiter((x.shape[-1] if rows and x.dim() else x.numel() for x in keep), np.int64, len(keep))
     ss, mb, low = np.empty(len(keep)), np.empty(len(keep), np.int32), np.empty(len(keep))
-    k.sums(addresses, addresses, sizes, row_sizes, ss, mb, low)
+    k.sums(addresses, sizes, row_sizes, ss, mb, low)
     for j, i in enumerate(take):
         out[i] = Sums(float(ss[j]), _max_abs(int(mb[j])), float(low[j]))
     return out
@@ -140,7 +165,7 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
     b = np.fromiter((x.data_ptr() for x in keep_n), np.int64, len(take))
     sizes = np.fromiter((x.numel() for x in keep_n), np.int64, len(take))
     su, mb, sp = np.empty(len(take)), np.empty(len(take), np.int32), np.empty(len(take))
-    k.update_sums(a, b, sizes, np.ones(len(take), np.int64), su, mb, sp)
+    k.update_sums(a, b, sizes, su, mb, sp)
     for j, i in enumerate(take):
         out[i] = (float(su[j]), _max_abs(int(mb[j])), float(sp[j]))
     return out

@@ -1,9 +1,9 @@
 """The numba kernels behind :mod:`.fused` (imported only when numba is installed).
 
-Each kernel takes a batch of tensors as arrays of data addresses and element counts, so a recorded step pays one
-call for all of a model's gradients, parameters or activations instead of one per tensor. The work is cut into
-chunks of whole rows (about ``CHUNK`` elements) that run on numba's threads (``*_parallel``) or on the calling
-thread (``*_serial``); partial results are combined per tensor in chunk order. The caller guarantees that every
+The batch kernels take tensors as arrays of data addresses and element counts, so a recorded step pays one call
+for all of a model's gradients, parameters or activations instead of one per tensor. The work is cut into chunks
+of whole rows (about ``CHUNK`` elements) that run on numba's threads (``*_parallel``) or on the calling thread
+(``*_serial``); partial results are combined per tensor in chunk order. The caller guarantees that every
 address is a live, contiguous float32 buffer of the stated size for the duration of the call.
 """
 
@@ -60,7 +60,7 @@ def _plan(sizes, row_sizes):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _chunk_sums(address, unused, start, count, row):  # pragma: no cover - compiled
+def _chunk_sums(address, start, count, row):  # pragma: no cover - compiled
     """Σx², the largest |x| bit pattern (sign cleared: an integer maximum that a NaN or an infinity also reaches)
     and the smallest row Σx² of ``count`` elements from ``start``, rows of ``row`` elements."""
     s = 0.0
@@ -82,7 +82,7 @@ def _chunk_sums(address, unused, start, count, row):  # pragma: no cover - compi
 
 
 @numba.njit(**_JIT)
-def _chunk_update(old_address, new_address, start, count, unused):  # pragma: no cover - compiled
+def _chunk_update(old_address, new_address, start, count):  # pragma: no cover - compiled
     """Σ(old - new)², the largest |old - new| bit pattern and Σnew² of ``count`` elements from ``start``."""
     stage = np.empty(_STAGE, np.float32)
     stage_bits = stage.view(np.int32)
@@ -118,87 +118,129 @@ def _combine(owner, p0, p1, p2, out0, out1, out2, low_is_min):  # pragma: no cov
         out2[t] = min(out2[t], p2[c]) if low_is_min else out2[t] + p2[c]
 
 
-def _batched(chunk, low_is_min: bool, parallel: bool):
-    """A kernel over a batch of tensors: ``chunk`` on each chunk of whole rows (on numba's threads when
-    ``parallel``), the partial results combined per tensor."""
-    loop = numba.prange if parallel else range
-
-    def kernel(first_addresses, second_addresses, sizes, row_sizes, out0, out1, out2):  # pragma: no cover
-        owner, first, count = _plan(sizes, row_sizes)
-        p0 = np.empty(owner.size)
-        p1 = np.empty(owner.size, np.int32)
-        p2 = np.empty(owner.size)
-        for c in loop(owner.size):
-            t = owner[c]
-            p0[c], p1[c], p2[c] = chunk(first_addresses[t], second_addresses[t], first[c], count[c], row_sizes[t])
-        _combine(owner, p0, p1, p2, out0, out1, out2, low_is_min)
-
-    return kernel
+@numba.njit(**_JIT)
+def _sums_chunk(c, owner, first, count, addresses, row_sizes, p0, p1, p2):  # pragma: no cover - compiled
+    t = owner[c]
+    p0[c], p1[c], p2[c] = _chunk_sums(addresses[t], first[c], count[c], row_sizes[t])
 
 
-def _logits(parallel: bool):
-    loop = numba.prange if parallel else range
-
-    def logit_summary(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
-                      entropy_rows):  # pragma: no cover - compiled
-        """Per (sample, head) of (N, H, Tq, Tk) logits ``x`` (``bits``: the same memory as int32): the largest
-        |logit| bit pattern over the unmasked entries, the number of query rows with every key masked, and the
-        softmax entropy summed over every ``stride``-th query row that has an unmasked key (and their number).
-
-        ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a dimension of 1 is
-        shared); ``extent`` (same leading shape) is one past each mask row's last unmasked key, so a causal row
-        reads only its keys. A result at or above the infinity's bit pattern means a non-finite logit: the caller
-        discards the entropy and takes its exact path."""
-        n, h, tq, tk = bits.shape
-        mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
-        for u in loop(n * h):
-            a, b = u // h, u % h
-            m = np.int32(0)
-            full = 0
-            es = 0.0
-            er = 0
-            for i in range(tq):
-                row = bits[a, b, i]
-                mrow = masked[a if mn else 0, b if mh else 0, i if mq else 0]
-                end = extent[a if mn else 0, b if mh else 0, i if mq else 0]
-                live = np.int32(0)
-                for j in range(end):
-                    keep = np.int32(1) - np.int32(mrow[j])
-                    m = max(m, (row[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
-                    live += keep
-                if live == 0:
-                    full += 1
-                elif i % stride == 0:  # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over unmasked keys
-                    z = x[a, b, i]
-                    top = -np.inf
-                    for j in range(end):
-                        if mrow[j] == 0:
-                            top = max(top, np.float64(z[j]))
-                    se = 0.0
-                    sz = 0.0
-                    for j in range(end):
-                        if mrow[j] == 0:
-                            e = np.exp(np.float64(z[j]) - top)
-                            se += e
-                            sz += e * np.float64(z[j])
-                    es += np.log(se) + top - sz / se
-                    er += 1
-            maxbits[a, b] = m
-            full_rows[a, b] = full
-            entropy_sum[a, b] = es
-            entropy_rows[a, b] = er
-
-    return logit_summary
+@numba.njit(**_JIT)
+def _update_chunk(c, owner, first, count, olds, news, p0, p1, p2):  # pragma: no cover - compiled
+    t = owner[c]
+    p0[c], p1[c], p2[c] = _chunk_update(olds[t], news[t], first[c], count[c])
 
 
-# sums(addresses, addresses, sizes, row sizes, Σx², max |x| bits, smallest row Σx²) and
-# update_sums(old addresses, new addresses, sizes, ones, Σ(old - new)², max |old - new| bits, Σnew²)
-sums_serial = numba.njit(**_JIT)(_batched(_chunk_sums, True, False))
-update_sums_serial = numba.njit(**_JIT)(_batched(_chunk_update, False, False))
-sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_sums, True, True))
-update_sums_parallel = numba.njit(parallel=True, **_JIT)(_batched(_chunk_update, False, True))
-logit_summary_serial = numba.njit(**_JIT)(_logits(False))
-logit_summary_parallel = numba.njit(parallel=True, **_JIT)(_logits(True))
+@numba.njit(**_JIT)
+def _partials(n):  # pragma: no cover - compiled
+    return np.empty(n), np.empty(n, np.int32), np.empty(n)
+
+
+@numba.njit(**_JIT)
+def _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
+                entropy_rows):  # pragma: no cover - compiled
+    """One (sample, head) of :func:`logit_summary_serial`."""
+    n, h, tq, tk = bits.shape
+    mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
+    a, b = u // h, u % h
+    m = np.int32(0)
+    full = 0
+    es = 0.0
+    er = 0
+    for i in range(tq):
+        row = bits[a, b, i]
+        mrow = masked[a if mn else 0, b if mh else 0, i if mq else 0]
+        end = extent[a if mn else 0, b if mh else 0, i if mq else 0]
+        live = np.int32(0)
+        for j in range(end):
+            keep = np.int32(1) - np.int32(mrow[j])
+            m = max(m, (row[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
+            live += keep
+        if live == 0:
+            full += 1
+        elif i % stride == 0:  # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over the unmasked keys
+            z = x[a, b, i]
+            top = -np.inf
+            for j in range(end):
+                if mrow[j] == 0:
+                    top = max(top, np.float64(z[j]))
+            se = 0.0
+            sz = 0.0
+            for j in range(end):
+                if mrow[j] == 0:
+                    e = np.exp(np.float64(z[j]) - top)
+                    se += e
+                    sz += e * np.float64(z[j])
+            es += np.log(se) + top - sz / se
+            er += 1
+    maxbits[a, b] = m
+    full_rows[a, b] = full
+    entropy_sum[a, b] = es
+    entropy_rows[a, b] = er
+
+
+# Each kernel in two builds, serial and on numba's threads (``prange``), as separate module-level functions: numba
+# caches a function by its name and closure, and keys on neither its ``parallel`` flag nor a stable closure.
+
+@numba.njit(**_JIT)
+def sums_serial(addresses, sizes, row_sizes, sumsq, maxbits, min_row):  # pragma: no cover - compiled
+    """Per tensor t: Σx², the largest |x| bit pattern and the smallest Σx² of a row of ``row_sizes[t]``
+    consecutive elements."""
+    owner, first, count = _plan(sizes, row_sizes)
+    p0, p1, p2 = _partials(owner.size)
+    for c in range(owner.size):
+        _sums_chunk(c, owner, first, count, addresses, row_sizes, p0, p1, p2)
+    _combine(owner, p0, p1, p2, sumsq, maxbits, min_row, True)
+
+
+@numba.njit(parallel=True, **_JIT)
+def sums_parallel(addresses, sizes, row_sizes, sumsq, maxbits, min_row):  # pragma: no cover - compiled
+    owner, first, count = _plan(sizes, row_sizes)
+    p0, p1, p2 = _partials(owner.size)
+    for c in numba.prange(owner.size):
+        _sums_chunk(c, owner, first, count, addresses, row_sizes, p0, p1, p2)
+    _combine(owner, p0, p1, p2, sumsq, maxbits, min_row, True)
+
+
+@numba.njit(**_JIT)
+def update_sums_serial(olds, news, sizes, update_sumsq, update_maxbits, new_sumsq):  # pragma: no cover - compiled
+    """Per tensor t: Σ(old - new)², the largest |old - new| bit pattern and Σnew², in one read of both copies
+    (neither is written)."""
+    owner, first, count = _plan(sizes, np.ones(sizes.size, np.int64))
+    p0, p1, p2 = _partials(owner.size)
+    for c in range(owner.size):
+        _update_chunk(c, owner, first, count, olds, news, p0, p1, p2)
+    _combine(owner, p0, p1, p2, update_sumsq, update_maxbits, new_sumsq, False)
+
+
+@numba.njit(parallel=True, **_JIT)
+def update_sums_parallel(olds, news, sizes, update_sumsq, update_maxbits, new_sumsq):  # pragma: no cover
+    owner, first, count = _plan(sizes, np.ones(sizes.size, np.int64))
+    p0, p1, p2 = _partials(owner.size)
+    for c in numba.prange(owner.size):
+        _update_chunk(c, owner, first, count, olds, news, p0, p1, p2)
+    _combine(owner, p0, p1, p2, update_sumsq, update_maxbits, new_sumsq, False)
+
+
+@numba.njit(**_JIT)
+def logit_summary_serial(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
+                         entropy_rows):  # pragma: no cover - compiled
+    """Per (sample, head) of (N, H, Tq, Tk) logits ``x`` (``bits``: the same memory as int32): the largest
+    |logit| bit pattern over the unmasked entries, the number of query rows with every key masked, and the
+    softmax entropy summed over every ``stride``-th query row that has an unmasked key (and their number).
+
+    ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a dimension of 1 is
+    shared); ``extent`` (same leading shape) is one past each mask row's last unmasked key, so a causal row reads
+    only its keys. A result at or above the infinity's bit pattern means a non-finite logit: the caller discards
+    the entropy and takes its exact path."""
+    for u in range(bits.shape[0] * bits.shape[1]):
+        _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum, entropy_rows)
+
+
+@numba.njit(parallel=True, **_JIT)
+def logit_summary_parallel(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
+                           entropy_rows):  # pragma: no cover - compiled
+    for u in numba.prange(bits.shape[0] * bits.shape[1]):
+        _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum, entropy_rows)
 
 
 def _warm(sums, update_sums, logit_summary) -> None:
@@ -206,18 +248,21 @@ def _warm(sums, update_sums, logit_summary) -> None:
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
     out = (np.zeros(1), np.zeros(1, np.int32), np.zeros(1))
-    sums(a, a, n, n, *out)
-    update_sums(a, a, n, np.ones(1, np.int64), *out)
+    sums(a, n, n, *out)
+    update_sums(a, a, n, *out)
     x = np.zeros((1, 1, 2, 2), np.float32)
     one = (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros((1, 1), np.int64))
     logit_summary(x, x.view(np.int32), np.zeros((1, 1, 2, 2), np.uint8), np.full((1, 1, 2), 2, np.int64), 1, *one)
+
+
+SERIAL = (sums_serial, update_sums_serial, logit_summary_serial)
 
 
 def choose() -> tuple:
     """(sums, update_sums, logit_summary), compiled (or loaded from the cache) now rather than inside a probe's first
     call: the parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
     layer aborts the process when two threads launch parallel work at once, which a tracer must never risk)."""
-    serial = sums_serial, update_sums_serial, logit_summary_serial
+    serial = SERIAL
     _warm(*serial)
     try:
         if numba.config.NUMBA_NUM_THREADS > 1:

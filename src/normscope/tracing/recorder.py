@@ -237,7 +237,7 @@ class Tracer:
         self._last_step = -1
         self.recording = True  # step 0 is recorded
         self._ids: torch.Tensor | None = None  # the token ids of the forward in flight
-        self._warned_stale = False
+        self._warned_stale = self._warned_odd = False
         self._reset()
         self.rank, self.world = 0, 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -424,7 +424,7 @@ class Tracer:
         ends (one fused call on the CPU, one host transfer per device otherwise), before a call that writes in place
         (so a later in-place change is not seen), and when the held tensors pass ``PENDING_BYTES``. A tensor seen
         twice (a block's input is the previous block's sum and its first norm's input) is read once. ``kind``:
-        ``"rows"`` adds the smallest row RMS (a norm's input), ``"scale"`` gives the norm's scale RMS.
+        ``"rows"`` adds the smallest row RMS (a norm's input).
         """
         key = (stage, layer, site)
         self._acc.setdefault(key, {})
@@ -459,16 +459,25 @@ class Tracer:
             self._stale(sum(not f for f in fresh))
             items = [it for it in items if fresh[it[1]]]
             tensors = [t if f else t.new_empty(0) for t, f in zip(tensors, fresh, strict=True)]
-        self._apply(items, tensors, batch_stats(tensors, rows=True))
+        try:
+            stats = batch_stats(tensors, rows=True)
+        except Exception:  # one odd tensor (a subclass, freed storage): each alone, the failing ones left out
+            stats = []
+            for t in tensors:
+                try:
+                    stats.append(batch_stats([t], rows=True)[0])
+                except Exception:
+                    stats.append(None)
+            self._odd(sum(s is None for s in stats))
+            items = [it for it in items if stats[it[1]] is not None]
+        self._apply(items, tensors, stats)
 
     def _apply(self, items, tensors: list[torch.Tensor], stats: list[dict[str, Any]]) -> None:
         for key, i, kind in items:
             st = dict(stats[i])
             low = st.pop("min_row_sumsq", None)
             x = tensors[i]
-            if kind == "scale":
-                st = {"max_scale_rms": math.sqrt(st["sumsq"] / st["n"])} if st["n"] else {}
-            elif kind == "rows" and x.dim() >= 1 and x.numel():
+            if kind == "rows" and x.dim() >= 1 and x.numel():
                 if low is not None:
                     st["min_row_rms"] = math.sqrt(low / x.shape[-1])
                 else:  # torch's path, finite rows only
@@ -478,6 +487,12 @@ class Tracer:
                     if rows.numel():
                         st["min_row_rms"] = float(rows.min())
             _merge(self._acc[key], st)
+
+    def _odd(self, n: int) -> None:
+        if not self._warned_odd:
+            self._warned_odd = True
+            log.warning("normscope.trace: the statistics of %d activation(s) could not be taken at step %d; their "
+                        "entries are left out of the record (logged once)", n, self._last_step + 1)
 
     def _stale(self, n: int) -> None:
         if not self._warned_stale:
@@ -588,8 +603,9 @@ class Tracer:
         if y.is_floating_point():
             self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():
-            self._defer("norm_output", layer, site, w, "scale")
+        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():  # now: a parameter's storage may
+            ss = float(torch.linalg.vector_norm(w.detach(), 2, dtype=torch.float32)) ** 2  # not outlive the call
+            self._add("norm_output", layer, site, {"max_scale_rms": math.sqrt(ss / w.numel())})
         s = self._streams[-1] if self._streams else None
         if s is not None and args and args[0] is s["stream"]:
             s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads

@@ -1,7 +1,8 @@
 """CPU row kernels in numba: forward (with the fused residual add) and backward for any last-axis contract.
 
 Each kernel takes its rows as a flat buffer and a row stride (strided rows are read in place), runs the rows
-in parallel (``prange``), keeps every statistic in float32 and rounds each output to the storage dtype.
+in parallel (``prange``; each also has a ``*_serial`` build on the calling thread, for a forked child or numba's
+``workqueue`` layer), keeps every statistic in float32 and rounds each output to the storage dtype.
 numba has no 16-bit float type on the CPU, so bfloat16 and float16 arrays travel as their ``uint16`` bit
 patterns: a row is decoded into a float32 scratch row (bfloat16 by a shift, float16 by a 65536-entry table),
 computed there, rounded to nearest-even into the storage dtype and encoded back. The same row functions
@@ -160,23 +161,61 @@ def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift, cast
 
 
 # ------------------------------------------------------------------------------------------- forward
+@njit(**_OPTS)
+def _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                     center, one_pass, unbiased, eps, placement):
+    yr = y[i * n:(i + 1) * n]
+    if has_res:
+        hr = h_out[i * n:(i + 1) * n]
+        for j in range(n):
+            hr[j] = x[i * x_rs + j] + res[i * res_rs + j]
+    else:
+        hr = x[i * x_rs:i * x_rs + n]
+    mean, var, denom = _row_stats(hr, n, center, one_pass, unbiased, eps, placement)
+    stats[i, 0] = mean
+    stats[i, 1] = var
+    stats[i, 2] = denom
+    _row_affine(hr, yr, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, yr.view(np.uint32))
+
+
 @njit(parallel=True, **_OPTS)
 def forward_f32(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
                 center, one_pass, unbiased, eps, placement):
     """float32 rows: y = norm(x [+ res]); h_out gets x + res when ``has_res``; stats[i] = (mean, var, denom)."""
     for i in prange(rows):
-        yr = y[i * n:(i + 1) * n]
-        if has_res:
-            hr = h_out[i * n:(i + 1) * n]
-            for j in range(n):
-                hr[j] = x[i * x_rs + j] + res[i * res_rs + j]
-        else:
-            hr = x[i * x_rs:i * x_rs + n]
-        mean, var, denom = _row_stats(hr, n, center, one_pass, unbiased, eps, placement)
-        stats[i, 0] = mean
-        stats[i, 1] = var
-        stats[i, 2] = denom
-        _row_affine(hr, yr, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, yr.view(np.uint32))
+        _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                         center, one_pass, unbiased, eps, placement)
+
+
+@njit(**_OPTS)
+def forward_f32_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
+                       has_shift, center, one_pass, unbiased, eps, placement):
+    for i in range(rows):
+        _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                         center, one_pass, unbiased, eps, placement)
+
+
+@njit(**_OPTS)
+def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                    center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
+    hbuf = np.empty(n, np.float32)
+    hbits = hbuf.view(np.uint32)
+    _decode(x, i * x_rs, n, fmt, table, hbuf, hbits)
+    if has_res:
+        rbuf = np.empty(n, np.float32)
+        _decode(res, i * res_rs, n, fmt, table, rbuf, rbuf.view(np.uint32))
+        for j in range(n):
+            hbuf[j] = hbuf[j] + rbuf[j]
+        _round_row(hbuf, hbits, n, fmt)  # h = x + residual in the storage dtype
+        _encode(hbuf, hbits, n, fmt, h_out, i * n)
+    mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
+    stats[i, 0] = mean
+    stats[i, 1] = var
+    stats[i, 2] = denom
+    obuf = np.empty(n, np.float32)
+    obits = obuf.view(np.uint32)
+    _row_affine(hbuf, obuf, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, obits)
+    _encode(obuf, obits, n, fmt, y, i * n)
 
 
 @njit(parallel=True, **_OPTS)
@@ -184,24 +223,16 @@ def forward_16(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, s
                center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
     """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics."""
     for i in prange(rows):
-        hbuf = np.empty(n, np.float32)
-        hbits = hbuf.view(np.uint32)
-        _decode(x, i * x_rs, n, fmt, table, hbuf, hbits)
-        if has_res:
-            rbuf = np.empty(n, np.float32)
-            _decode(res, i * res_rs, n, fmt, table, rbuf, rbuf.view(np.uint32))
-            for j in range(n):
-                hbuf[j] = hbuf[j] + rbuf[j]
-            _round_row(hbuf, hbits, n, fmt)  # h = x + residual in the storage dtype
-            _encode(hbuf, hbits, n, fmt, h_out, i * n)
-        mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
-        stats[i, 0] = mean
-        stats[i, 1] = var
-        stats[i, 2] = denom
-        obuf = np.empty(n, np.float32)
-        obits = obuf.view(np.uint32)
-        _row_affine(hbuf, obuf, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, obits)
-        _encode(obuf, obits, n, fmt, y, i * n)
+        _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table)
+
+
+@njit(**_OPTS)
+def forward_16_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
+                      has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
+    for i in range(rows):
+        _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table)
 
 
 # ------------------------------------------------------------------------------------------- backward
@@ -243,46 +274,79 @@ def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_p
         dx[j] = gj * inv + c * (h[j] - mean) - sub
 
 
+@njit(**_OPTS)
+def _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+    per = (rows + chunks - 1) // chunks
+    dg = dgamma_part[c]
+    db = dbeta_part[c]
+    for i in range(c * per, min(rows, (c + 1) * per)):
+        dxr = dx[i * n:(i + 1) * n]
+        _row_backward(h[i * n:(i + 1) * n], dy[i * n:(i + 1) * n], dxr, n, stats[i, 0], stats[i, 1],
+                      stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
+                      want_dgamma, want_dbeta)
+        if has_dh:
+            for j in range(n):
+                dxr[j] += dh[i * n + j]
+
+
 @njit(parallel=True, **_OPTS)
 def backward_f32(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
                  center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
     """dx (plus the incoming gradient of h, when ``has_dh``) for contiguous float32 rows; dγ/dβ as per-chunk
     partial sums (``chunks`` rows of the partial arrays), summed by the caller."""
-    per = (rows + chunks - 1) // chunks
     for c in prange(chunks):
-        dg = dgamma_part[c]
-        db = dbeta_part[c]
-        for i in range(c * per, min(rows, (c + 1) * per)):
-            dxr = dx[i * n:(i + 1) * n]
-            _row_backward(h[i * n:(i + 1) * n], dy[i * n:(i + 1) * n], dxr, n, stats[i, 0], stats[i, 1],
-                          stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
-                          want_dgamma, want_dbeta)
-            if has_dh:
-                for j in range(n):
-                    dxr[j] += dh[i * n + j]
+        _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part)
+
+
+@njit(**_OPTS)
+def backward_f32_serial(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+    for c in range(chunks):
+        _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part)
+
+
+@njit(**_OPTS)
+def _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                       want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part):
+    per = (rows + chunks - 1) // chunks
+    hbuf = np.empty(n, np.float32)
+    gbuf = np.empty(n, np.float32)
+    dbuf = np.empty(n, np.float32)
+    tbuf = np.empty(n, np.float32)
+    dbits = dbuf.view(np.uint32)
+    dg = dgamma_part[c]
+    db = dbeta_part[c]
+    for i in range(c * per, min(rows, (c + 1) * per)):
+        _decode(h, i * n, n, fmt, table, hbuf, hbuf.view(np.uint32))
+        _decode(dy, i * n, n, fmt, table, gbuf, gbuf.view(np.uint32))
+        _row_backward(hbuf, gbuf, dbuf, n, stats[i, 0], stats[i, 1], stats[i, 2], scale, has_scale, center,
+                      one_pass, unbiased, eps, placement, dg, db, want_dgamma, want_dbeta)
+        if has_dh:
+            _decode(dh, i * n, n, fmt, table, tbuf, tbuf.view(np.uint32))
+            for j in range(n):
+                dbuf[j] += tbuf[j]
+        _round_row(dbuf, dbits, n, fmt)
+        _encode(dbuf, dbits, n, fmt, dx, i * n)
 
 
 @njit(parallel=True, **_OPTS)
 def backward_16(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
                 center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part):
     """``backward_f32`` for bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; dx rounded once."""
-    per = (rows + chunks - 1) // chunks
     for c in prange(chunks):
-        hbuf = np.empty(n, np.float32)
-        gbuf = np.empty(n, np.float32)
-        dbuf = np.empty(n, np.float32)
-        tbuf = np.empty(n, np.float32)
-        dbits = dbuf.view(np.uint32)
-        dg = dgamma_part[c]
-        db = dbeta_part[c]
-        for i in range(c * per, min(rows, (c + 1) * per)):
-            _decode(h, i * n, n, fmt, table, hbuf, hbuf.view(np.uint32))
-            _decode(dy, i * n, n, fmt, table, gbuf, gbuf.view(np.uint32))
-            _row_backward(hbuf, gbuf, dbuf, n, stats[i, 0], stats[i, 1], stats[i, 2], scale, has_scale, center,
-                          one_pass, unbiased, eps, placement, dg, db, want_dgamma, want_dbeta)
-            if has_dh:
-                _decode(dh, i * n, n, fmt, table, tbuf, tbuf.view(np.uint32))
-                for j in range(n):
-                    dbuf[j] += tbuf[j]
-            _round_row(dbuf, dbits, n, fmt)
-            _encode(dbuf, dbits, n, fmt, dx, i * n)
+        _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                           want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
+                           dbeta_part)
+
+
+@njit(**_OPTS)
+def backward_16_serial(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                       want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
+                       dbeta_part):
+    for c in range(chunks):
+        _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
+                           want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
+                           dbeta_part)

@@ -16,55 +16,40 @@ machine where numba cannot compile, gets torch's reductions (:func:`available` s
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from ..numba_threads import matched
+from ..numba_threads import matched, parallel_allowed
 
 INF_BITS = 0x7F800000
 _KERNELS: list = []
 
 
 class _Kernels:
-    """The compiled kernels, each call (the first launch included) on as many of numba's threads as torch uses,
-    torch's own setting left as it was (:mod:`normscope.numba_threads`)."""
+    """The compiled kernels: each call on numba's threads where a parallel launch is safe, else on the calling
+    thread; on as many threads as torch uses, torch's own setting left as it was (:mod:`normscope.numba_threads`)."""
 
     def __init__(self):
         from . import fused_kernels
 
+        self.k = fused_kernels
         with matched():
-            self._sums, self._update_sums, self._logit_summary = fused_kernels.choose()
+            fused_kernels.warm_up(parallel_allowed())
 
-    def serial(self) -> None:
-        """The calling thread's kernels only (a forked child: GNU OpenMP terminates a child that launches parallel
-        work after its parent did)."""
-        from . import fused_kernels
-
-        self._sums, self._update_sums, self._logit_summary = fused_kernels.SERIAL
+    def _call(self, which: int, args) -> None:
+        with matched():
+            (self.k.PARALLEL if parallel_allowed() else self.k.SERIAL)[which](*args)
 
     def sums(self, *args) -> None:
-        with matched():
-            self._sums(*args)
+        self._call(0, args)
 
     def update_sums(self, *args) -> None:
-        with matched():
-            self._update_sums(*args)
+        self._call(1, args)
 
     def logit_summary(self, *args) -> None:
-        with matched():
-            self._logit_summary(*args)
-
-
-def _serial_in_child() -> None:
-    if _KERNELS and _KERNELS[0] is not None:
-        _KERNELS[0].serial()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_serial_in_child)
+        self._call(2, args)
 
 
 def _kernels() -> _Kernels | None:

@@ -256,20 +256,11 @@ def _warm(sums, update_sums, logit_summary) -> None:
 
 
 SERIAL = (sums_serial, update_sums_serial, logit_summary_serial)
+PARALLEL = (sums_parallel, update_sums_parallel, logit_summary_parallel)
 
 
-def choose() -> tuple:
-    """(sums, update_sums, logit_summary), compiled (or loaded from the cache) now rather than inside a probe's first
-    call: the parallel kernels where numba's threading layer is OpenMP or TBB, the serial ones otherwise (the ``workqueue``
-    layer aborts the process when two threads launch parallel work at once, which a tracer must never risk)."""
-    serial = SERIAL
-    _warm(*serial)
-    try:
-        if numba.config.NUMBA_NUM_THREADS > 1:
-            parallel = sums_parallel, update_sums_parallel, logit_summary_parallel
-            _warm(*parallel)
-            if numba.threading_layer() in ("omp", "tbb"):
-                return parallel
-    except Exception:  # no usable threading layer: the serial kernels
-        pass
-    return serial
+def warm_up(parallel: bool) -> None:
+    """Compile (or load from the cache) now, not inside a probe's first call."""
+    _warm(*SERIAL)
+    if parallel:
+        _warm(*PARALLEL)

@@ -360,7 +360,7 @@ def _sdpa_stats(args, kwargs) -> dict:
     from normscope.tracing import attention
 
     logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
-    return attention.logit_stats(logits, masked, owned=True)[0]
+    return attention.logit_stats(logits, masked, owned=True)
 
 
 def test_fused_statistics_match_brute_force():
@@ -579,7 +579,7 @@ def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
         monkeypatch.setattr(fused, "_KERNELS", [None])  # torch's reductions
         assert rec.act_stats(x) == pytest.approx(got, rel=1e-5)
         monkeypatch.undo()
-    assert fused.sumsq_max(torch.ones(3, dtype=torch.float64)) is None and fused.sumsq_max(torch.ones(0)) is None
+    assert fused.sums([torch.ones(3, dtype=torch.float64), torch.ones(0)]) == [None, None]
     # one call for a batch: the smallest row Σx² over the last dimension, ineligible tensors left to torch
     x = torch.randn(6, 10, 33, generator=g)
     x[2, 4] *= 1e-3
@@ -623,7 +623,8 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
     calls.append(((q, k, v), {"is_causal": True}))
     bound = [attention.SdpaCall(*c) for c in calls]
     assert len({c.group for c in bound[:3]}) == 1 and bound[3].group != bound[0].group
-    got = attention.group_stats(bound[:3]) + attention.group_stats(bound[3:])
+    one, other = attention.Group(), attention.Group()
+    got = [one.stats(c) for c in bound[:3]] + [other.stats(c) for c in bound[3:]]
     for i, c in enumerate(calls):
         alone = _sdpa_stats(*c)
         assert got[i].keys() == alone.keys()

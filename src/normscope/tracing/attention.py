@@ -121,19 +121,46 @@ class Group:
                 return {"max_logit": got["max_logit"], "masked_rows": got["masked_rows"],
                         "rows": [logits.shape[0] * tq] * logits.shape[1], "entropy_sum": got["entropy_sum"],
                         "entropy_rows": got["entropy_rows"], "nonfinite": 0}
-        return logit_stats(logits, self.mask[0], owned=True)[0]
+        return logit_stats(logits, self.mask[0], owned=True)
 
 
-def group_stats(calls: list[SdpaCall], buffer=None) -> list[dict]:
-    """The statistics of calls of one group, in call order."""
-    g = Group(buffer)
-    return [g.stats(c) for c in calls]
+def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:
+    """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows,
+    non-finite entries — torch's path.
 
-
-def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple[list, list]:
-    """Per group and head: the softmax entropy summed over the sampled rows, and their number. ``sub``: (G, N, H,
-    rows, Tk) float32 logits with masked entries 0; ``msub`` their mask (broadcast); ``full``: (N, H, rows), True
-    where a row's every key is masked (its entropy is left out)."""
+    ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
+    or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
+    entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
+    its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
+    """
+    lg = logits.detach()
+    if lg.dim() < 3:
+        lg = lg.reshape(1, *lg.shape)
+    m = masked.detach()
+    while m.dim() < lg.dim():
+        m = m.unsqueeze(0)
+    lg = lg.reshape(-1, *lg.shape[-3:])  # (N, H, Tq, Tk)
+    if all(d == 1 for d in m.shape[:-3]):
+        m = m.reshape(1, *m.shape[-3:])
+    else:
+        m = m.expand(*logits.shape[:-3] if logits.dim() >= 3 else (), *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+    heads, tq = lg.shape[1], lg.shape[2]
+    # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
+    # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
+    keep = (~m).to(lg.dtype)
+    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
+    mx = absmax(live, dim=(0, 2, 3))
+    bad = 0
+    if not bool(torch.isfinite(mx).all()):
+        live = torch.where(m, torch.zeros((), dtype=lg.dtype, device=lg.device), live)
+        nan = ~torch.isfinite(live)
+        bad = int(nan.sum())
+        live = live.masked_fill(nan, 0)
+        mx = absmax(live, dim=(0, 2, 3))
+    full = m.all(-1).expand(lg.shape[:3])  # (N, H, Tq), a view when the mask is shared
+    stride = max(1, tq // ENTROPY_ROWS)
+    msub = m[:, :, ::stride] if m.shape[2] > 1 else m
+    sub = live[:, :, ::stride].float()  # masked entries are 0 here
     # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
     # maximum; exp sees no -inf or far-negative argument (both take a slow path): masked keys are zeroed after it
     top = (sub + torch.zeros(msub.shape, dtype=sub.dtype, device=sub.device).masked_fill_(msub, -math.inf)).amax(
@@ -141,60 +168,15 @@ def _entropy(sub: torch.Tensor, msub: torch.Tensor, full: torch.Tensor) -> tuple
     e = (sub - top).clamp_(max=0).exp_().mul_((~msub).to(sub.dtype))
     s = e.sum(-1)
     pz = torch.linalg.vecdot(e, sub).div_(s)
-    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (G, N, H, rows)
-    ok = torch.isfinite(ent) & ~full
+    ent = s.log_().add_(top.squeeze(-1)).sub_(pz)  # (N, H, rows)
+    ok = torch.isfinite(ent) & ~full[:, :, ::stride]
     ent = ent.masked_fill(~ok, 0)
-    return ent.sum(dim=(1, 3)).tolist(), ok.sum(dim=(1, 3)).tolist()
-
-
-def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False, stacked: bool = False) -> list[dict]:
-    """Per head (dim -3) of the logits, or of each logit tensor stacked on the leading dimension (``stacked``):
-    max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows, non-finite entries.
-
-    ``masked`` broadcasts to one group's logits and is shared by all; it is kept in its own (often
-    ``(query, key)``) shape, so a causal or padding mask costs no full-size pass of its own. The maximum and the
-    masked rows cover every query row; the entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query
-    rows per sample and head, which bounds its cost on long sequences. ``owned``: the logits are the tracer's own
-    copy and may be overwritten.
-    """
-    lg = logits.detach()
-    groups = lg.shape[0] if stacked else 1
-    per = lg.shape[1:] if stacked else lg.shape
-    if len(per) < 3:
-        per = torch.Size((1,) * (3 - len(per)) + tuple(per))
-    heads, tq, tk = per[-3:]
-    lg = lg.reshape(groups, -1, heads, tq, tk)  # (G, N, H, Tq, Tk)
-    m = masked.detach()
-    while m.dim() < len(per):
-        m = m.unsqueeze(0)
-    if all(d == 1 for d in m.shape[:-3]):
-        m = m.reshape(1, 1, *m.shape[-3:])
-    else:
-        m = m.expand(*per[:-3], *m.shape[-3:]).reshape(1, -1, *m.shape[-3:])
-    # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
-    # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
-    keep = (~m).to(lg.dtype)
-    live = lg.mul_(keep) if owned and lg.is_contiguous() else lg * keep
-    mx = absmax(live, dim=(1, 3, 4))  # (G, H)
-    bad = [0] * groups
-    if not bool(torch.isfinite(mx).all()):
-        live = torch.where(m, torch.zeros((), dtype=lg.dtype, device=lg.device), live)
-        nan = ~torch.isfinite(live)
-        bad = nan.sum(dim=(1, 2, 3, 4)).tolist()
-        live = live.masked_fill(nan, 0)
-        mx = absmax(live, dim=(1, 3, 4))
-    full = m[0].all(-1).expand(lg.shape[1:4])  # (N, H, Tq), a view when the mask is shared
-    stride = max(1, tq // ENTROPY_ROWS)
-    msub = m[:, :, :, ::stride] if m.shape[3] > 1 else m
-    ent_sum, ent_rows = _entropy(live[:, :, :, ::stride].float(), msub, full[:, :, ::stride])  # masked entries: 0
-    masked_rows = full.sum(dim=(0, 2)).tolist()
-    rows = [lg.shape[1] * tq] * heads
-    mx = mx.tolist()
-    return [{"max_logit": mx[i], "masked_rows": masked_rows, "rows": rows, "entropy_sum": ent_sum[i],
-             "entropy_rows": ent_rows[i], "nonfinite": int(bad[i])} for i in range(groups)]
+    return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
+            "rows": [lg.shape[0] * tq] * heads, "entropy_sum": ent.sum(dim=(0, 2)).tolist(),
+            "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": bad}
 
 
 def eager_logit_stats(logits: torch.Tensor) -> dict:
     """The statistics of logits an eager softmax is given: entries at or below half the dtype's lowest value (the
     ``-inf`` or ``finfo.min`` a mask fills in) are masked."""
-    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)[0]
+    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)

@@ -124,15 +124,6 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
     return out
 
 
-def sumsq_max(x: torch.Tensor) -> tuple[float, float] | None:
-    """(Σx², max |x|) of one tensor (max |x| = inf when it holds a NaN or an infinity); None where this path does
-    not apply."""
-    got = sums([x])
-    if got is None or got[0] is None:
-        return None
-    return got[0].sumsq, got[0].max
-
-
 def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[tuple[float, float, float] | None]:
     """Per pair: (Σ(old - new)², max |old - new|, Σnew²) in one read of both (neither is written); max is inf when
     a difference is not finite. None for a pair this path does not take (and for all without numba)."""
@@ -157,7 +148,7 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
 
 
 def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`logit_maxima` reads it: a contiguous
+    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`logit_summary` reads it: a contiguous
     uint8 array (a dimension of 1 shared) and, per row, one past its last unmasked key. None where this path does
     not apply."""
     if _kernels() is None or masked.device.type != "cpu" or len(shape) != 4 or masked.dim() > 4:

@@ -57,3 +57,10 @@ def matched():
     finally:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
+
+
+def launch(parallel, serial, *args) -> None:
+    """Run a numba kernel: its ``parallel`` build where :func:`parallel_allowed`, else its ``serial`` one, within
+    :func:`matched`."""
+    with matched():
+        (parallel if parallel_allowed() else serial)(*args)

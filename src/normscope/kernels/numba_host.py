@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..numba_threads import matched, parallel_allowed
+from ..numba_threads import launch
 from . import numba_cpu as k
 from .contract import RowContract
 from .ops import _flat
@@ -38,15 +38,12 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
     sh = shift.contiguous().numpy() if shift is not None else _EMPTY_F32
     common = (rows, n, sc, sh, scale is not None, shift is not None, rc.center, rc.one_pass, rc.unbiased,
               np.float32(rc.eps), rc.placement)
-    par = parallel_allowed()
-    with matched():
-        if fmt == 0:
-            (k.forward_f32 if par else k.forward_f32_serial)(xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), 0),
-                                                             hs, stats.numpy(), *common)
-        else:
-            (k.forward_16 if par else k.forward_16_serial)(xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), fmt),
-                                                           hs, stats.numpy(), *common, rc.cast_then_scale, fmt,
-                                                           k.F16_TABLE)
+    if fmt == 0:
+        launch(k.forward_f32, k.forward_f32_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), 0), hs,
+               stats.numpy(), *common)
+    else:
+        launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), fmt), hs,
+               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE)
     return y, h, stats
 
 
@@ -66,12 +63,10 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
         args = (_np(h2.view(-1), fmt), _np(dy2.view(-1), fmt), dhs, dh2 is not None, _np(dx.view(-1), fmt),
                 stats.numpy(), rows, n, chunks, sc, scale is not None, want_dg, want_db, rc.center, rc.one_pass,
                 rc.unbiased, np.float32(rc.eps), rc.placement)
-        par = parallel_allowed()
-        with matched():
-            if fmt == 0:
-                (k.backward_f32 if par else k.backward_f32_serial)(*args, dg, db)
-            else:
-                (k.backward_16 if par else k.backward_16_serial)(*args, fmt, k.F16_TABLE, dg, db)
+        if fmt == 0:
+            launch(k.backward_f32, k.backward_f32_serial, *args, dg, db)
+        else:
+            launch(k.backward_16, k.backward_16_serial, *args, fmt, k.F16_TABLE, dg, db)
     dgamma = torch.from_numpy(dg.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_dg else None
     dbeta = torch.from_numpy(db.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_db else None
     return dx, dgamma, dbeta

@@ -47,8 +47,8 @@ class SdpaCall:
 
 
 def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
-    """The logits of one SDPA call (a private float32 tensor, in ``buffer("attention logits", shape, device)``
-    when given, memory the tracer reuses) and their mask in its own broadcastable shape (not expanded).
+    """The logits of one SDPA call (a private float32 tensor, in ``buffer("attention logits", shape, dtype,
+    device)`` when given, memory the tracer reuses) and their mask in its own broadcastable shape (not expanded).
 
     A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
     below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
@@ -58,7 +58,7 @@ def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, t
     q, k = call.q, call.k
 
     def memory(name, shape):
-        return buffer(name, torch.Size(shape), q.device) if buffer is not None else torch.empty(
+        return buffer(name, torch.Size(shape), torch.float32, q.device) if buffer is not None else torch.empty(
             shape, dtype=torch.float32, device=q.device)
 
     # q scaled and k copied into contiguous memory (a pass over q and k, not over the logits): a strided batched

@@ -21,15 +21,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..numba_threads import matched, parallel_allowed
+from ..numba_threads import launch, matched, parallel_allowed
 
 INF_BITS = 0x7F800000
 _KERNELS: list = []
 
 
 class _Kernels:
-    """The compiled kernels: each call on numba's threads where a parallel launch is safe, else on the calling
-    thread; on as many threads as torch uses, torch's own setting left as it was (:mod:`normscope.numba_threads`)."""
+    """The compiled kernels, each run through :func:`normscope.numba_threads.launch` (its parallel or serial build,
+    on torch's thread count)."""
 
     def __init__(self):
         from . import fused_kernels
@@ -38,18 +38,14 @@ class _Kernels:
         with matched():
             fused_kernels.warm_up(parallel_allowed())
 
-    def _call(self, which: int, args) -> None:
-        with matched():
-            (self.k.PARALLEL if parallel_allowed() else self.k.SERIAL)[which](*args)
-
     def sums(self, *args) -> None:
-        self._call(0, args)
+        launch(self.k.sums_parallel, self.k.sums_serial, *args)
 
     def update_sums(self, *args) -> None:
-        self._call(1, args)
+        launch(self.k.update_sums_parallel, self.k.update_sums_serial, *args)
 
     def logit_summary(self, *args) -> None:
-        self._call(2, args)
+        launch(self.k.logit_summary_parallel, self.k.logit_summary_serial, *args)
 
 
 def _kernels() -> _Kernels | None:

@@ -255,12 +255,8 @@ def _warm(sums, update_sums, logit_summary) -> None:
     logit_summary(x, x.view(np.int32), np.zeros((1, 1, 2, 2), np.uint8), np.full((1, 1, 2), 2, np.int64), 1, *one)
 
 
-SERIAL = (sums_serial, update_sums_serial, logit_summary_serial)
-PARALLEL = (sums_parallel, update_sums_parallel, logit_summary_parallel)
-
-
 def warm_up(parallel: bool) -> None:
     """Compile (or load from the cache) now, not inside a probe's first call."""
-    _warm(*SERIAL)
+    _warm(sums_serial, update_sums_serial, logit_summary_serial)
     if parallel:
-        _warm(*PARALLEL)
+        _warm(sums_parallel, update_sums_parallel, logit_summary_parallel)

@@ -237,7 +237,7 @@ class Tracer:
         self._last_step = -1
         self.recording = True  # step 0 is recorded
         self._ids: torch.Tensor | None = None  # the token ids of the forward in flight
-        self._warned_stale = self._warned_odd = False
+        self._warned: set[str] = set()  # the reasons for left-out entries already logged
         self._reset()
         self.rank, self.world = 0, 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -456,7 +456,8 @@ class Tracer:
     def _batch(self, items, tensors: list[torch.Tensor], versions: list[int]) -> None:
         fresh = [t._version == v for t, v in zip(tensors, versions, strict=True)]
         if not all(fresh):  # written in place by something the function mode does not see
-            self._stale(sum(not f for f in fresh))
+            self._left_out(sum(not f for f in fresh), "were changed in place, by an operation the tracer does not "
+                           "see, before their statistics were taken")
             items = [it for it in items if fresh[it[1]]]
             tensors = [t if f else t.new_empty(0) for t, f in zip(tensors, fresh, strict=True)]
         try:
@@ -468,7 +469,7 @@ class Tracer:
                     stats.append(batch_stats([t], rows=True)[0])
                 except Exception:
                     stats.append(None)
-            self._odd(sum(s is None for s in stats))
+            self._left_out(sum(s is None for s in stats), "had statistics that could not be taken")
             items = [it for it in items if stats[it[1]] is not None]
         self._apply(items, tensors, stats)
 
@@ -488,18 +489,12 @@ class Tracer:
                         st["min_row_rms"] = float(rows.min())
             _merge(self._acc[key], st)
 
-    def _odd(self, n: int) -> None:
-        if not self._warned_odd:
-            self._warned_odd = True
-            log.warning("normscope.trace: the statistics of %d activation(s) could not be taken at step %d; their "
-                        "entries are left out of the record (logged once)", n, self._last_step + 1)
-
-    def _stale(self, n: int) -> None:
-        if not self._warned_stale:
-            self._warned_stale = True
-            log.warning("normscope.trace: %d activation(s) were changed in place, by an operation the tracer does not "
-                        "see, before their statistics were taken at step %d; their entries are left out of the "
-                        "record (logged once)", n, self._last_step + 1)
+    def _left_out(self, n: int, why: str) -> None:
+        """Log once per reason that ``n`` activations' entries are left out of the record."""
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("normscope.trace: %d activation(s) %s at step %d; their entries are left out of the record "
+                        "(logged once)", n, why, self._last_step + 1)
 
     def _active(self) -> bool:
         return self.recording and (self.record_eval or torch.is_grad_enabled())
@@ -713,22 +708,17 @@ class Tracer:
         with torch.no_grad():
             own = self._own(optimizer)
             if own:
-                bufs = [self._copy_buffer(p) for p in own]
+                # fresh memory each step would cost its page faults
+                bufs = [self._buffer(id(p), p.shape, p.dtype, p.device) for p in own]
                 torch._foreach_copy_(bufs, [p.detach() for p in own])
                 self._old.update(zip(map(id, own), bufs, strict=True))
 
-    def _copy_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        """A buffer for the parameter's value before the step (fresh memory each step costs its page faults)."""
-        b = self._buffers.get(id(p))
-        if b is None or b.shape != p.shape or b.dtype != p.dtype or b.device != p.device:
-            b = self._buffers[id(p)] = torch.empty_like(p, memory_format=torch.contiguous_format)
-        return b
-
-    def _buffer(self, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Float32 memory for the attention recompute, kept while steps in a row are recorded."""
-        b = self._buffers.get(name)
-        if b is None or b.shape != shape or b.device != device:
-            b = self._buffers[name] = torch.empty(shape, dtype=torch.float32, device=device)
+    def _buffer(self, key, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Contiguous memory kept while steps in a row are recorded (a parameter's copy before the step, the
+        attention recompute's operands and logits)."""
+        b = self._buffers.get(key)
+        if b is None or b.shape != shape or b.dtype != dtype or b.device != device:
+            b = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
         return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:

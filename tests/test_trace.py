@@ -634,6 +634,63 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
     assert got[2]["max_logit"][2] == math.inf or got[2]["nonfinite"] > 0
 
 
+def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_path():
+    """The one-pass attention kernel (logits row by row, never the whole matrix) gives torch's numbers on
+    layouts and masks it treats differently: q and k as strided views of one fused projection (read in place),
+    grouped-query keys, a head size and key count that are not multiples of its vector width, queries fewer than
+    keys under a causal mask, a left-padding mask (masked keys before unmasked ones), a random mask with a fully
+    masked row, and a bias; a query layout with a strided last dimension is copied first, same numbers."""
+    from normscope.tracing import attention, fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(0)
+    b, t, h, d = 3, 37, 4, 12
+    qkv = torch.randn(b, t, 3 * h * d, generator=g) * 2
+    q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in qkv.split(h * d, -1))
+    assert not q.is_contiguous() and fused.readable_rows(q)
+    left = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    left[1, ..., :9] = False
+    rand = torch.rand(t, t, generator=g) > 0.4
+    rand[5] = False
+    bias = torch.randn(1, h, t, t, generator=g)
+    cases = [((q, k, v), {"is_causal": True}), ((q[:, :, :11], k, v), {"is_causal": True}),
+             ((q, k[:, :2], v[:, :2]), {"enable_gqa": True, "attn_mask": left}), ((q, k, v), {"attn_mask": rand}),
+             ((q, k, v), {"attn_mask": bias, "scale": 0.3}),
+             ((q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), {"is_causal": True})]
+    for args, kw in cases:
+        call = attention.SdpaCall(args, kw)
+        group = attention.Group()
+        got = group.stats(call)
+        assert group.array is not None
+        direct = fused.attention_summary(group._float(call.q, ""), call.k, call.scale, group.bias, group.array,
+                                         max(1, call.q.shape[-2] // attention.ENTROPY_ROWS))
+        assert direct is not None  # the kernel's numbers, not torch's fallback
+        alone = _sdpa_stats(args, kw)
+        for name, value in alone.items():
+            assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
+    assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h
+
+
+def test_the_attention_kernels_exp_is_accurate_and_defined_everywhere():
+    """The vectorised exp behind the entropy: within 5e-7 of exp over float32's normal range, and finite (the
+    floor, exp(-87)) for a NaN argument instead of an undefined float-to-int conversion."""
+    import numpy as np
+
+    from normscope.tracing import fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    from normscope.tracing import fused_kernels
+
+    x = np.concatenate([np.linspace(-87, 0, 200_001), [-0.0, -1e-30, -200.0, math.nan]]).astype(np.float32)
+    out = np.empty_like(x)
+    fused_kernels._exp_shifted(x, np.float32(0), out, x.size)
+    want = np.exp(np.maximum(x[:-1].astype(np.float64), -87.0))
+    assert np.max(np.abs(out[:-1] - want) / want) < 5e-7
+    assert out[-1] == out[-2] and abs(out[-1] / math.exp(-87) - 1) < 5e-7  # NaN and -200: the floor
+
+
 def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
     """numba's OpenMP layer can share torch's OpenMP runtime, where a parallel launch sets the thread count: the
     kernels (their first launch included) must leave torch's setting as the user made it."""

@@ -2,10 +2,11 @@
 and the softmax entropy on sampled query rows.
 
 Eager attention hands the tracer its logits (the softmax input). ``F.scaled_dot_product_attention`` never
-materialises them, so they are recomputed from the call's q and k when the call is made, into one buffer the
-tracer reuses, and read once for all the statistics on the CPU (numba); the calls of one forward that share
-shapes, mask and scale (every layer of a transformer, as a rule) form a :class:`Group` that prepares the mask
-once.
+materialises them, so they are recomputed from the call's q and k when the call is made: on the CPU (numba) row
+by row inside one kernel that also takes every statistic, so the (Tq, Tk) matrix is never written and a causal
+row stops at its query; elsewhere with torch into one buffer the tracer reuses. The calls of one forward that
+share shapes, mask and scale (every layer of a transformer, as a rule) form a :class:`Group` that prepares the
+mask once.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 class SdpaCall:
     """The arguments of one ``scaled_dot_product_attention`` call that its logits depend on."""
 
-    __slots__ = ("q", "k", "mask", "causal", "scale", "group")
+    __slots__ = ("q", "k", "kv_group", "mask", "causal", "scale", "group")
 
     def __init__(self, args, kwargs):
         b = dict(zip(_SDPA_ARGS, args, strict=False))
         b.update(kwargs)
         q, k = b["query"].detach(), b["key"].detach()
         mask = b.get("attn_mask")
+        self.kv_group = 1  # query heads per key head (grouped-query attention)
         if q.dim() >= 3 and k.dim() == q.dim() and k.shape[-3] != q.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
-            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)  # grouped-query attention
+            self.kv_group = q.shape[-3] // k.shape[-3]
         scale = b.get("scale")
         self.q, self.k = q, k
         self.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -44,6 +46,10 @@ class SdpaCall:
         # calls that can share one mask
         self.group = (tuple(q.shape), tuple(k.shape), q.dtype, k.dtype, q.device, self.scale, self.causal,
                       None if self.mask is None else id(mask))  # the caller's mask object: one for every layer
+
+    def keys(self) -> torch.Tensor:
+        """k with one head per query head."""
+        return self.k if self.kv_group == 1 else self.k.repeat_interleave(self.kv_group, dim=-3)
 
 
 def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
@@ -55,7 +61,7 @@ def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, t
     Returns the logits and ``(masked, bias)``, which a call of the same group may pass as ``mask`` to skip
     building them again.
     """
-    q, k = call.q, call.k
+    q, k = call.q, call.keys()
 
     def memory(name, shape):
         return buffer(name, torch.Size(shape), torch.float32, q.device) if buffer is not None else torch.empty(
@@ -100,28 +106,60 @@ class Group:
     """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule):
     the mask is prepared once for all of them.
 
-    On the CPU with numba, a call's logits are recomputed when it is made (its q and k still in cache) into the
-    one reused buffer and read once for every statistic (:func:`.fused.logit_summary`). Elsewhere, or when a logit
-    is not finite, the call gets :func:`logit_stats`.
+    On the CPU with numba, a call's logits are computed and summarised row by row in one kernel when the call is
+    made (:func:`.fused.attention_summary`: no (Tq, Tk) matrix, a causal row only up to its query, its q and k
+    still in cache). Elsewhere, or when a logit is not finite, the call's logits are recomputed with torch
+    (:func:`sdpa_logits`) and get :func:`logit_stats`.
     """
 
     def __init__(self, buffer=None):
         self.buffer = buffer
-        self.mask = self.array = self.held = None  # built by the group's first call
+        self.mask = self.array = self.bias = self.held = None  # built by the group's first call
 
     def stats(self, call: SdpaCall) -> dict:
-        logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
+        q, k = call.q, call.k
         if self.held is None:
             self.held = (call.mask,)  # alive while the group is: its identity is part of the group's key
-            self.array = fused.mask_array(self.mask[0], tuple(logits.shape))
-        if self.array is not None:
-            tq = logits.shape[-2]
-            got = fused.logit_summary(logits, self.array, max(1, tq // ENTROPY_ROWS))
+            self.mask = _mask(call, q.shape[-2], k.shape[-2])
+            if q.dim() == 4 and k.dim() == 4 and q.shape[0] == k.shape[0] and q.device.type == "cpu":
+                shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+                self.array = fused.mask_array(self.mask[0], shape)
+                self.bias = _bias_array(self.mask[1], shape)
+        if self.array is not None and self.bias is not False:
+            tq = q.shape[-2]
+            got = fused.attention_summary(self._float(q, "attention q"), self._float(k, "attention k"), call.scale,
+                                          self.bias, self.array, max(1, tq // ENTROPY_ROWS))
             if got is not None:
                 return {"max_logit": got["max_logit"], "masked_rows": got["masked_rows"],
-                        "rows": [logits.shape[0] * tq] * logits.shape[1], "entropy_sum": got["entropy_sum"],
+                        "rows": [q.shape[0] * tq] * q.shape[1], "entropy_sum": got["entropy_sum"],
                         "entropy_rows": got["entropy_rows"], "nonfinite": 0}
+        logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
         return logit_stats(logits, self.mask[0], owned=True)
+
+    def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x as the kernel reads it (float32 rows): itself when it is, else a contiguous copy into reused memory."""
+        if fused.readable_rows(x):
+            return x
+        if self.buffer is None:
+            return x.float().contiguous()
+        return self.buffer(name, x.shape, torch.float32, x.device).copy_(x)
+
+
+def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):
+    """A float mask's bias as :func:`.fused.attention_summary` takes it (contiguous float32, 4 dimensions, each 1
+    or the logits'), None for no bias, False where it cannot be put in that form."""
+    if bias is None:
+        return None
+    b = bias.detach().float()
+    if b.dim() > 4:
+        return False
+    while b.dim() < 4:
+        b = b.unsqueeze(0)
+    if b.shape[3] == 1:
+        b = b.expand(*b.shape[:3], shape[3])
+    if any(d not in (1, s) for d, s in zip(b.shape, shape, strict=True)):
+        return False
+    return b.contiguous()
 
 
 def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:

@@ -44,8 +44,8 @@ class _Kernels:
     def update_sums(self, *args) -> None:
         launch(self.k.update_sums_parallel, self.k.update_sums_serial, *args)
 
-    def logit_summary(self, *args) -> None:
-        launch(self.k.logit_summary_parallel, self.k.logit_summary_serial, *args)
+    def attention_summary(self, *args) -> None:
+        launch(self.k.attention_summary_parallel, self.k.attention_summary_serial, *args)
 
 
 def _kernels() -> _Kernels | None:
@@ -143,10 +143,10 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
     return out
 
 
-def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`logit_summary` reads it: a contiguous
-    uint8 array (a dimension of 1 shared) and, per row, one past its last unmasked key. None where this path does
-    not apply."""
+def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`attention_summary` reads it: a contiguous
+    uint8 array (a dimension of 1 shared) and, per row, one past its last unmasked key and whether no key before
+    that is masked. None where this path does not apply."""
     if _kernels() is None or masked.device.type != "cpu" or len(shape) != 4 or masked.dim() > 4:
         return None
     m = masked.detach().to(torch.bool)
@@ -156,22 +156,54 @@ def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray
         m = m.expand(shape)  # a key dimension of 1: full size
     keys = torch.arange(1, m.shape[3] + 1, device=m.device)
     extent = torch.where(m, 0, keys).amax(-1)
-    return m.contiguous().view(torch.uint8).numpy(), extent.numpy()  # uint8, not bool: the kernel's loop vectorises
+    prefix = (~m).sum(-1) == extent
+    # uint8, not bool: the kernel's loop vectorises
+    return m.contiguous().view(torch.uint8).numpy(), extent.numpy(), prefix.view(torch.uint8).numpy()
 
 
-def logit_summary(logits: torch.Tensor, mask: tuple[np.ndarray, np.ndarray], stride: int) -> dict[str, list] | None:
-    """Per head of (N, H, Tq, Tk) logits, contiguous CPU float32, in one read: max |logit| over the unmasked
-    entries, fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an
-    unmasked key (float64) and their number; ``mask`` from :func:`mask_array`. None where this path does not apply
-    or a logit is not finite (the caller's exact path)."""
-    k = _kernels()
-    if k is None or not eligible(logits) or logits.dim() != 4:
+def readable_rows(x: torch.Tensor) -> bool:
+    """A CPU float32 tensor whose last dimension is contiguous, whose strides are not negative and whose storage
+    holds every element: the kernels may read its rows by address."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() > 0 and x.dim() >= 1
+            and x.stride(-1) == 1 and min(x.stride()) >= 0):
+        return False
+    try:
+        storage = x.untyped_storage()
+        last = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True))
+        return storage.data_ptr() != 0 and storage.nbytes() >= (last + 1) * 4
+    except Exception:  # a tensor subclass without plain storage
+        return False
+
+
+_NO_BIAS = np.zeros((1, 1, 1, 1), np.float32)
+
+
+def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None,
+                      mask: tuple[np.ndarray, np.ndarray, np.ndarray], stride: int) -> dict[str, list] | None:
+    """Per head of the attention logits ``scale · q kᵀ + bias`` ((N, H, Tq, d) queries, (N, H / g, Tk, d) keys,
+    CPU float32, read in place when :func:`readable_rows`), computed and read in one pass without the (Tq, Tk)
+    matrix: max |logit| over the unmasked entries, fully masked query rows, and the softmax entropy summed over
+    every ``stride``-th query row with an unmasked key (float64 sums of float32 terms) and their number; ``mask``
+    from :func:`mask_array`, ``bias`` None or contiguous float32 (N or 1, H or 1, Tq or 1, Tk). None where this
+    path does not apply or a logit is not finite (the caller's exact path)."""
+    kern = _kernels()
+    if (kern is None or q.dim() != 4 or k.dim() != 4 or not readable_rows(q) or not readable_rows(k)
+            or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0
+            or q.shape[1] % k.shape[1]):
         return None
-    shape = tuple(logits.shape)
-    x = logits.detach().numpy()
-    out = (np.empty(shape[:2], np.int32), np.empty(shape[:2], np.int64), np.empty(shape[:2]),
-           np.empty(shape[:2], np.int64))
-    k.logit_summary(x, x.view(np.int32), *mask, stride, *out)
+    if bias is None:
+        b = _NO_BIAS
+    else:
+        if (not eligible(bias) or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
+                or any(d not in (1, s) for d, s in zip(bias.shape[:3], q.shape[:3], strict=True))):
+            return None
+        b = bias.numpy()
+    n, h, tq, d = q.shape
+    dims = np.array([n, h, tq, k.shape[2], d, h // k.shape[1]], np.int64)
+    qs = np.array(q.stride()[:3], np.int64)
+    ks = np.array(k.stride()[:3], np.int64)
+    out = (np.empty((n, h), np.int32), np.empty((n, h), np.int64), np.empty((n, h)), np.empty((n, h), np.int64))
+    kern.attention_summary(q.data_ptr(), qs, k.data_ptr(), ks, dims, np.float32(scale), b, *mask, stride, *out)
     maxbits, full, ent, rows = out
     top = maxbits.max(axis=0)
     if int(top.max()) >= INF_BITS:

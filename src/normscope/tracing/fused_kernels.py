@@ -135,43 +135,133 @@ def _partials(n):  # pragma: no cover - compiled
     return np.empty(n), np.empty(n, np.int32), np.empty(n)
 
 
+@intrinsic
+def _as_f32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.int32), codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # ln 2 in two parts: t * _LN2_HI is exact for the |t| < 127 used here
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LOW = np.float32(-87.0)  # exp below this is under float32's normal range: taken as exp(-87) ~ 1.6e-38
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
+def _exp_shifted(x, top, out, n):  # pragma: no cover - compiled
+    """out[j] = exp(x[j] - top) for j < n, x[j] <= top, to about 4e-7 relative: 2^t * p(r) with t = rint((x - top)
+    / ln 2) and a degree-6 polynomial on |r| <= ln(2) / 2, in float32 and branch-free, so the loop vectorises
+    (libm's exp, one scalar call per element, was most of the attention summary's time). Built without fastmath:
+    the rounding must not be reassociated away. A NaN argument gives exp(-87), never an undefined conversion."""
+    for j in range(n):
+        y = x[j] - top
+        y = y if y > _EXP_LOW else _EXP_LOW
+        t = np.rint(y * _LOG2E)
+        r = y - t * _LN2_HI - t * _LN2_LO
+        p = np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        out[j] = p * _as_f32((np.int32(t) + np.int32(127)) << np.int32(23))
+
+
 @numba.njit(**_JIT)
-def _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
-                entropy_rows):  # pragma: no cover - compiled
-    """One (sample, head) of :func:`logit_summary_serial`."""
-    n, h, tq, tk = bits.shape
-    mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
+def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
+                    entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    """One (sample, head) of :func:`attention_summary_serial`: its logits row by row into a small buffer (never
+    the whole (Tq, Tk) matrix), each row only up to its last unmasked key."""
+    h, tq, tk, d, group = dims[1], dims[2], dims[3], dims[4], dims[5]
     a, b = u // h, u % h
+    mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
+    has_bias = bias.shape[3] > 1
+    bn, bh, bq = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
+    width = (tk + 7) // 8 * 8  # rows computed in whole vectors: the zero padding of kt makes the tail harmless
+    kt = np.zeros((d, width), np.float32)  # this head's keys transposed: a row's logits are then sums of axpys
+    base = k + 4 * (a * ks[0] + (b // group) * ks[1])
+    for j in range(tk):
+        key = numba.carray(_f32_at(base + 4 * j * ks[2]), (d,))
+        for c in range(d):
+            kt[c, j] = key[c]
+    row = np.empty(width, np.float32)
+    bits = row.view(np.int32)
+    ex = np.empty(width, np.float32)
+    qi = np.empty(d, np.float32)
+    d8 = d - d % 8
     m = np.int32(0)
     full = 0
     es = 0.0
     er = 0
     for i in range(tq):
-        row = bits[a, b, i]
-        mrow = masked[a if mn else 0, b if mh else 0, i if mq else 0]
-        end = extent[a if mn else 0, b if mh else 0, i if mq else 0]
-        live = np.int32(0)
-        for j in range(end):
-            keep = np.int32(1) - np.int32(mrow[j])
-            m = max(m, (row[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
-            live += keep
-        if live == 0:
+        ma, mb, mi = a if mn else 0, b if mh else 0, i if mq else 0
+        end = extent[ma, mb, mi]
+        if end == 0:
             full += 1
-        elif i % stride == 0:  # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over the unmasked keys
-            z = x[a, b, i]
-            top = -np.inf
+            continue
+        query = numba.carray(_f32_at(q + 4 * (a * qs[0] + b * qs[1] + i * qs[2])), (d,))
+        for c in range(d):
+            qi[c] = query[c] * scale
+        span = (end + 7) // 8 * 8
+        for j in range(span):
+            row[j] = 0.0
+        for c in range(0, d8, 8):  # eight keys' dimensions per pass over the row
+            q0, q1, q2, q3 = qi[c], qi[c + 1], qi[c + 2], qi[c + 3]
+            q4, q5, q6, q7 = qi[c + 4], qi[c + 5], qi[c + 6], qi[c + 7]
+            k0, k1, k2, k3 = kt[c], kt[c + 1], kt[c + 2], kt[c + 3]
+            k4, k5, k6, k7 = kt[c + 4], kt[c + 5], kt[c + 6], kt[c + 7]
+            for j in range(span):
+                row[j] += (q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j]) + (
+                    q4 * k4[j] + q5 * k5[j] + q6 * k6[j] + q7 * k7[j])
+        for c in range(d8, d):
+            qc = qi[c]
+            kc = kt[c]
+            for j in range(span):
+                row[j] += qc * kc[j]
+        if has_bias:
+            brow = bias[a if bn else 0, b if bh else 0, i if bq else 0]
+            for j in range(end):
+                row[j] += brow[j]
+        sample = i % stride == 0
+        top = np.float32(-np.inf)
+        if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
+            for j in range(end):
+                m = max(m, bits[j] & _ABS)
+            if not sample:
+                continue
+            for j in range(end):
+                top = max(top, row[j])
+            _exp_shifted(row, top, ex, end)
+        else:
+            mrow = masked[ma, mb, mi]
+            live = np.int32(0)
+            for j in range(end):
+                keep = np.int32(1) - np.int32(mrow[j])
+                m = max(m, (bits[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
+                live += keep
+            if live == 0:
+                full += 1
+                continue
+            if not sample:
+                continue
             for j in range(end):
                 if mrow[j] == 0:
-                    top = max(top, np.float64(z[j]))
-            se = 0.0
-            sz = 0.0
+                    top = max(top, row[j])
+            _exp_shifted(row, top, ex, end)
             for j in range(end):
-                if mrow[j] == 0:
-                    e = np.exp(np.float64(z[j]) - top)
-                    se += e
-                    sz += e * np.float64(z[j])
-            es += np.log(se) + top - sz / se
-            er += 1
+                ex[j] *= np.float32(1 - mrow[j])
+        # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over the unmasked keys, summed in float64
+        se = 0.0
+        sz = 0.0
+        for j in range(end):
+            e = np.float64(ex[j])
+            se += e
+            sz += e * np.float64(row[j])
+        es += np.log(se) + np.float64(top) - sz / se
+        er += 1
     maxbits[a, b] = m
     full_rows[a, b] = full
     entropy_sum[a, b] = es
@@ -222,28 +312,35 @@ def update_sums_parallel(olds, news, sizes, update_sumsq, update_maxbits, new_su
 
 
 @numba.njit(**_JIT)
-def logit_summary_serial(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
-                         entropy_rows):  # pragma: no cover - compiled
-    """Per (sample, head) of (N, H, Tq, Tk) logits ``x`` (``bits``: the same memory as int32): the largest
-    |logit| bit pattern over the unmasked entries, the number of query rows with every key masked, and the
-    softmax entropy summed over every ``stride``-th query row that has an unmasked key (and their number).
+def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
+                             entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    """Per (sample, head) of the attention logits ``scale · q kᵀ + bias`` of (N, H, Tq, d) float32 queries at
+    address ``q`` and (N, H / group, Tk, d) float32 keys at ``k`` (``qs``, ``ks``: the element strides of their
+    first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group; query head h reads key
+    head h // group): the largest |logit| bit pattern over the unmasked entries, the number of query rows with
+    every key masked, and the softmax entropy summed over every ``stride``-th query row that has an unmasked key
+    (and their number).
 
-    ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a dimension of 1 is
-    shared); ``extent`` (same leading shape) is one past each mask row's last unmasked key, so a causal row reads
-    only its keys. A result at or above the infinity's bit pattern means a non-finite logit: the caller discards
-    the entropy and takes its exact path."""
-    for u in range(bits.shape[0] * bits.shape[1]):
-        _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum, entropy_rows)
+    ``bias`` is a contiguous float32 (N or 1, H or 1, Tq or 1, Tk) array added to the logits, or any array of
+    key dimension 1 for none. ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where
+    masked (a dimension of 1 is shared); ``extent`` (same leading shape) is one past each mask row's last
+    unmasked key, so a causal row computes only its keys, and ``prefix`` says a row has no masked key before its
+    extent (its mask is then not read). A result at or above the infinity's bit pattern means a non-finite logit:
+    the caller discards the entropy and takes its exact path."""
+    for u in range(dims[0] * dims[1]):
+        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
+                        entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
-def logit_summary_parallel(x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum,
-                           entropy_rows):  # pragma: no cover - compiled
-    for u in numba.prange(bits.shape[0] * bits.shape[1]):
-        _logit_unit(u, x, bits, masked, extent, stride, maxbits, full_rows, entropy_sum, entropy_rows)
+def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
+                               entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    for u in numba.prange(dims[0] * dims[1]):
+        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
+                        entropy_sum, entropy_rows)
 
 
-def _warm(sums, update_sums, logit_summary) -> None:
+def _warm(sums, update_sums, attention_summary) -> None:
     x = np.ones(4, np.float32)
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
@@ -252,11 +349,14 @@ def _warm(sums, update_sums, logit_summary) -> None:
     update_sums(a, a, n, *out)
     x = np.zeros((1, 1, 2, 2), np.float32)
     one = (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros((1, 1), np.int64))
-    logit_summary(x, x.view(np.int32), np.zeros((1, 1, 2, 2), np.uint8), np.full((1, 1, 2), 2, np.int64), 1, *one)
+    st = np.array([4, 4, 2], np.int64)
+    dims = np.array([1, 1, 2, 2, 2, 1], np.int64)
+    attention_summary(x.ctypes.data, st, x.ctypes.data, st, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),
+                      np.full((1, 1, 2), 2, np.int64), np.ones((1, 1, 2), np.uint8), 1, *one)
 
 
 def warm_up(parallel: bool) -> None:
     """Compile (or load from the cache) now, not inside a probe's first call."""
-    _warm(sums_serial, update_sums_serial, logit_summary_serial)
+    _warm(sums_serial, update_sums_serial, attention_summary_serial)
     if parallel:
-        _warm(sums_parallel, update_sums_parallel, logit_summary_parallel)
+        _warm(sums_parallel, update_sums_parallel, attention_summary_parallel)

@@ -741,6 +741,26 @@ def test_sdpa_causal_mask_is_aligned_as_sdpa_aligns_it():
     assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-6)
 
 
+def test_a_norms_scale_rms_is_that_of_its_weight_at_the_call(tmp_path):
+    """max_scale_rms is the RMS of γ as the forward used it (a copy taken at the call), NaN when γ holds a
+    non-finite value."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    with torch.no_grad():
+        model.h[0].ln_1.weight.fill_(3.0)
+        model.h[1].ln_1.weight[5] = math.inf
+    with trace(model, tmp_path / "run") as tr:
+        model(torch.randint(0, 64, (2, 8))).float().pow(2).mean().backward()
+        with torch.no_grad():
+            model.h[0].ln_1.weight.fill_(100.0)  # after the forward: not what the record reports
+        tr.step(0)
+    entries = {(e["layer"], e["site"]): e for e in diagnose(tmp_path / "run").records[-1]["entries"]
+               if e["stage"] == "norm_output"}
+    assert entries[(0, "ln_1")]["max_scale_rms"] == pytest.approx(3.0)
+    assert entries[(0, "ln_2")]["max_scale_rms"] == pytest.approx(1.0)
+    assert math.isnan(float(entries[(1, "ln_1")]["max_scale_rms"]))
+
+
 def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_its_entry(tmp_path, caplog):
     """A view of storage shrunk to nothing (as FSDP leaves an unsharded parameter) is not read by address; a
     tensor whose statistics cannot be taken drops its own entry, the rest of the forward's are recorded."""

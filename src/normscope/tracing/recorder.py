@@ -424,7 +424,8 @@ class Tracer:
         ends (one fused call on the CPU, one host transfer per device otherwise), before a call that writes in place
         (so a later in-place change is not seen), and when the held tensors pass ``PENDING_BYTES``. A tensor seen
         twice (a block's input is the previous block's sum and its first norm's input) is read once. ``kind``:
-        ``"rows"`` adds the smallest row RMS (a norm's input).
+        ``"rows"`` adds the smallest row RMS (a norm's input); ``"scale"``: ``x`` is a norm's scale γ, whose RMS
+        (``max_scale_rms``) is all the entry takes from it.
         """
         key = (stage, layer, site)
         self._acc.setdefault(key, {})
@@ -478,6 +479,10 @@ class Tracer:
             st = dict(stats[i])
             low = st.pop("min_row_sumsq", None)
             x = tensors[i]
+            if kind == "scale":  # a norm's γ: its RMS, not an activation's entry (NaN when not finite)
+                rms = math.sqrt(st["sumsq"] / st["n"]) if st["n"] and not st["nonfinite"] else math.nan
+                _merge(self._acc[key], {"max_scale_rms": rms})
+                continue
             if kind == "rows" and x.dim() >= 1 and x.numel():
                 if low is not None:
                     st["min_row_rms"] = math.sqrt(low / x.shape[-1])
@@ -598,9 +603,9 @@ class Tracer:
         if y.is_floating_point():
             self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():  # now: a parameter's storage may
-            ss = float(torch.linalg.vector_norm(w.detach(), 2, dtype=torch.float32)) ** 2  # not outlive the call
-            self._add("norm_output", layer, site, {"max_scale_rms": math.sqrt(ss / w.numel())})
+        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():
+            # a copy, summarised with the batch: a parameter's storage may not outlive the call (FSDP)
+            self._defer("norm_output", layer, site, w.detach().clone(), "scale")
         s = self._streams[-1] if self._streams else None
         if s is not None and args and args[0] is s["stream"]:
             s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads

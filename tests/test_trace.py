@@ -663,7 +663,7 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         group = attention.Group()
         got = group.stats(call)
         assert group.array is not None
-        direct = fused.attention_summary(group._float(call.q, ""), call.k, call.scale, group.bias, group.array,
+        direct = fused.attention_summary(call.q, call.k, call.scale, group.bias, group.array,
                                          max(1, call.q.shape[-2] // attention.ENTROPY_ROWS))
         assert direct is not None  # the kernel's numbers, not torch's fallback
         alone = _sdpa_stats(args, kw)

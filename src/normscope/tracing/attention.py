@@ -127,8 +127,8 @@ class Group:
                 self.bias = _bias_array(self.mask[1], shape)
         if self.array is not None and self.bias is not False:
             tq = q.shape[-2]
-            got = fused.attention_summary(self._float(q, "attention q"), self._float(k, "attention k"), call.scale,
-                                          self.bias, self.array, max(1, tq // ENTROPY_ROWS))
+            got = fused.attention_summary(q, k, call.scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS),
+                                          self._float)
             if got is not None:
                 return {"max_logit": got["max_logit"], "masked_rows": got["masked_rows"],
                         "rows": [q.shape[0] * tq] * q.shape[1], "entropy_sum": got["entropy_sum"],
@@ -137,9 +137,7 @@ class Group:
         return logit_stats(logits, self.mask[0], owned=True)
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x as the kernel reads it (float32 rows): itself when it is, else a contiguous copy into reused memory."""
-        if fused.readable_rows(x):
-            return x
+        """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
         if self.buffer is None:
             return x.float().contiguous()
         return self.buffer(name, x.shape, torch.float32, x.device).copy_(x)

@@ -64,13 +64,37 @@ def available() -> bool:
 def eligible(x: torch.Tensor) -> bool:
     """A contiguous CPU float32 tensor whose storage holds all of it: the kernels read raw addresses, so a view of
     freed or shrunk storage (FSDP resizes a parameter's storage to 0 between uses) must never reach them."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.numel() > 0):
-        return False
+    return _extent(x, True) is not None
+
+
+def readable_rows(x: torch.Tensor) -> bool:
+    """A CPU float32 tensor whose last dimension is contiguous, whose strides are not negative and whose storage
+    holds every element: the kernels may read its rows by address."""
+    return _extent(x, False) is not None
+
+
+def _extent(x: torch.Tensor, contiguous: bool) -> int | None:
+    """The element count of a CPU float32 tensor the kernels may read by address (contiguous, or with a contiguous
+    last dimension and no negative stride, as asked), else None."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    n = x.numel()
+    if n == 0:
+        return None
+    if contiguous:
+        if not x.is_contiguous():
+            return None
+        last = x.storage_offset() + n
+    else:
+        stride = x.stride()
+        if not stride or stride[-1] != 1 or min(stride) < 0:
+            return None
+        last = x.storage_offset() + 1 + sum((k - 1) * st for k, st in zip(x.shape, stride, strict=True))
     try:
         storage = x.untyped_storage()
-        return storage.data_ptr() != 0 and storage.nbytes() >= (x.storage_offset() + x.numel()) * 4
+        return n if storage.data_ptr() != 0 and storage.nbytes() >= last * 4 else None
     except Exception:  # a tensor subclass without plain storage
-        return False
+        return None
 
 
 def absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
@@ -105,18 +129,22 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
     k = _kernels()
     if k is None:
         return None
-    take = [i for i, x in enumerate(xs) if eligible(x)]
+    take, addresses, sizes, row_sizes = [], [], [], []
+    for i, x in enumerate(xs):  # the caller's list keeps each alive (its address valid) until the call returns
+        n = _extent(x, True)
+        if n is not None:
+            take.append(i)
+            addresses.append(x.data_ptr())
+            sizes.append(n)
+            row_sizes.append(x.shape[-1] if rows and x.dim() else n)
     out: list[Sums | None] = [None] * len(xs)
     if not take:
         return out
-    keep = [xs[i].detach() for i in take]  # alive (and their addresses valid) until the call returns
-    addresses = np.fromiter((x.data_ptr() for x in keep), np.int64, len(keep))
-    sizes = np.fromiter((x.numel() for x in keep), np.int64, len(keep))
-    row_sizes = np.fromiter((x.shape[-1] if rows and x.dim() else x.numel() for x in keep), np.int64, len(keep))
-    ss, mb, low = np.empty(len(keep)), np.empty(len(keep), np.int32), np.empty(len(keep))
-    k.sums(addresses, sizes, row_sizes, ss, mb, low)
-    for j, i in enumerate(take):
-        out[i] = Sums(float(ss[j]), _max_abs(int(mb[j])), float(low[j]))
+    m = len(take)
+    ss, mb, low = np.empty(m), np.empty(m, np.int32), np.empty(m)
+    k.sums(np.array(addresses, np.int64), np.array(sizes, np.int64), np.array(row_sizes, np.int64), ss, mb, low)
+    for i, a, b, c in zip(take, ss.tolist(), mb.tolist(), low.tolist(), strict=True):
+        out[i] = Sums(a, _max_abs(b), c)
     return out
 
 
@@ -127,19 +155,21 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
     k = _kernels()
     if k is None:
         return out
-    take = [i for i, (o, n) in enumerate(zip(olds, news, strict=True))
-            if eligible(o) and eligible(n) and o.shape == n.shape]
+    take, a, b, sizes = [], [], [], []
+    for i, (o, w) in enumerate(zip(olds, news, strict=True)):  # the caller's lists keep them alive
+        n = _extent(w, True)
+        if n is not None and o.shape == w.shape and _extent(o, True) is not None:
+            take.append(i)
+            a.append(o.data_ptr())
+            b.append(w.data_ptr())
+            sizes.append(n)
     if not take:
         return out
-    keep_o = [olds[i].detach() for i in take]
-    keep_n = [news[i].detach() for i in take]
-    a = np.fromiter((x.data_ptr() for x in keep_o), np.int64, len(take))
-    b = np.fromiter((x.data_ptr() for x in keep_n), np.int64, len(take))
-    sizes = np.fromiter((x.numel() for x in keep_n), np.int64, len(take))
-    su, mb, sp = np.empty(len(take)), np.empty(len(take), np.int32), np.empty(len(take))
-    k.update_sums(a, b, sizes, su, mb, sp)
-    for j, i in enumerate(take):
-        out[i] = (float(su[j]), _max_abs(int(mb[j])), float(sp[j]))
+    m = len(take)
+    su, mb, sp = np.empty(m), np.empty(m, np.int32), np.empty(m)
+    k.update_sums(np.array(a, np.int64), np.array(b, np.int64), np.array(sizes, np.int64), su, mb, sp)
+    for i, x, y, z in zip(take, su.tolist(), mb.tolist(), sp.tolist(), strict=True):
+        out[i] = (x, _max_abs(y), z)
     return out
 
 
@@ -161,52 +191,45 @@ def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray
     return m.contiguous().view(torch.uint8).numpy(), extent.numpy(), prefix.view(torch.uint8).numpy()
 
 
-def readable_rows(x: torch.Tensor) -> bool:
-    """A CPU float32 tensor whose last dimension is contiguous, whose strides are not negative and whose storage
-    holds every element: the kernels may read its rows by address."""
-    if not (x.device.type == "cpu" and x.dtype == torch.float32 and x.numel() > 0 and x.dim() >= 1
-            and x.stride(-1) == 1 and min(x.stride()) >= 0):
-        return False
-    try:
-        storage = x.untyped_storage()
-        last = x.storage_offset() + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True))
-        return storage.data_ptr() != 0 and storage.nbytes() >= (last + 1) * 4
-    except Exception:  # a tensor subclass without plain storage
-        return False
-
-
 _NO_BIAS = np.zeros((1, 1, 1, 1), np.float32)
 
 
 def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torch.Tensor | None,
-                      mask: tuple[np.ndarray, np.ndarray, np.ndarray], stride: int) -> dict[str, list] | None:
-    """Per head of the attention logits ``scale · q kᵀ + bias`` ((N, H, Tq, d) queries, (N, H / g, Tk, d) keys,
-    CPU float32, read in place when :func:`readable_rows`), computed and read in one pass without the (Tq, Tk)
-    matrix: max |logit| over the unmasked entries, fully masked query rows, and the softmax entropy summed over
-    every ``stride``-th query row with an unmasked key (float64 sums of float32 terms) and their number; ``mask``
-    from :func:`mask_array`, ``bias`` None or contiguous float32 (N or 1, H or 1, Tq or 1, Tk). None where this
-    path does not apply or a logit is not finite (the caller's exact path)."""
+                      mask: tuple[np.ndarray, np.ndarray, np.ndarray], stride: int,
+                      copy=None) -> dict[str, list] | None:
+    """Per head of the attention logits ``scale · q kᵀ + bias`` ((N, H, Tq, d) queries, (N, H / g, Tk, d) keys on
+    the CPU), computed and read in one pass without the (Tq, Tk) matrix: max |logit| over the unmasked entries,
+    fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an unmasked key
+    (float64 sums of float32 terms) and their number; ``mask`` from :func:`mask_array`, ``bias`` None or
+    contiguous float32 (N or 1, H or 1, Tq or 1, Tk). q and k are read in place where :func:`readable_rows`, else
+    as ``copy(x, name)`` (contiguous float32; by default a new tensor). None where this path does not apply or a
+    logit is not finite (the caller's exact path)."""
     kern = _kernels()
-    if (kern is None or q.dim() != 4 or k.dim() != 4 or not readable_rows(q) or not readable_rows(k)
-            or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0
-            or q.shape[1] % k.shape[1]):
+    if (kern is None or q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or k.device.type != "cpu"
+            or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]
+            or not q.is_floating_point() or not k.is_floating_point()):
         return None
+    for name in ("q", "k"):
+        x = q if name == "q" else k
+        if _extent(x, False) is None:
+            x = copy(x, f"attention {name}") if copy is not None else x.float().contiguous()
+            if _extent(x, False) is None:  # empty, or a copy not as asked
+                return None
+            q, k = (x, k) if name == "q" else (q, x)
     if bias is None:
         b = _NO_BIAS
     else:
-        if (not eligible(bias) or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
+        if (_extent(bias, True) is None or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
                 or any(d not in (1, s) for d, s in zip(bias.shape[:3], q.shape[:3], strict=True))):
             return None
         b = bias.numpy()
     n, h, tq, d = q.shape
+    qs, ks = q.stride(), k.stride()
     dims = np.array([n, h, tq, k.shape[2], d, h // k.shape[1]], np.int64)
-    qs = np.array(q.stride()[:3], np.int64)
-    ks = np.array(k.stride()[:3], np.int64)
-    out = (np.empty((n, h), np.int32), np.empty((n, h), np.int64), np.empty((n, h)), np.empty((n, h), np.int64))
-    kern.attention_summary(q.data_ptr(), qs, k.data_ptr(), ks, dims, np.float32(scale), b, *mask, stride, *out)
-    maxbits, full, ent, rows = out
-    top = maxbits.max(axis=0)
-    if int(top.max()) >= INF_BITS:
+    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
+    kern.attention_summary(q.data_ptr(), np.array(qs[:3], np.int64), k.data_ptr(), np.array(ks[:3], np.int64), dims,
+                           np.float32(scale), b, *mask, stride, *out)
+    top, full, ent, rows = (a.tolist() for a in out)
+    if max(top) >= INF_BITS:
         return None
-    return {"max_logit": [_max_abs(int(b)) for b in top], "masked_rows": full.sum(axis=0).tolist(),
-            "entropy_sum": ent.sum(axis=0).tolist(), "entropy_rows": rows.sum(axis=0).tolist()}
+    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "entropy_sum": ent, "entropy_rows": rows}

@@ -268,6 +268,28 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
     entropy_rows[a, b] = er
 
 
+@numba.njit(**_JIT)
+def _attention_units(dims):  # pragma: no cover - compiled
+    n, h = dims[0], dims[1]
+    return (np.empty((n, h), np.int32), np.empty((n, h), np.int64), np.empty((n, h)), np.empty((n, h), np.int64))
+
+
+@numba.njit(**_JIT)
+def _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    """The (sample, head) results combined per head: the maximum and the sums."""
+    mb, fr, es, er = units
+    for b in range(mb.shape[1]):
+        maxbits[b] = 0
+        full_rows[b] = 0
+        entropy_sum[b] = 0.0
+        entropy_rows[b] = 0
+        for a in range(mb.shape[0]):
+            maxbits[b] = max(maxbits[b], mb[a, b])
+            full_rows[b] += fr[a, b]
+            entropy_sum[b] += es[a, b]
+            entropy_rows[b] += er[a, b]
+
+
 # Each kernel in two builds, serial and on numba's threads (``prange``), as separate module-level functions: numba
 # caches a function by its name and closure, and keys on neither its ``parallel`` flag nor a stable closure.
 
@@ -319,7 +341,7 @@ def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, pr
     first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group; query head h reads key
     head h // group): the largest |logit| bit pattern over the unmasked entries, the number of query rows with
     every key masked, and the softmax entropy summed over every ``stride``-th query row that has an unmasked key
-    (and their number).
+    (and their number), each per head (samples combined: the maximum, the sums).
 
     ``bias`` is a contiguous float32 (N or 1, H or 1, Tq or 1, Tk) array added to the logits, or any array of
     key dimension 1 for none. ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where
@@ -327,17 +349,19 @@ def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, pr
     unmasked key, so a causal row computes only its keys, and ``prefix`` says a row has no masked key before its
     extent (its mask is then not read). A result at or above the infinity's bit pattern means a non-finite logit:
     the caller discards the entropy and takes its exact path."""
+    units = _attention_units(dims)
     for u in range(dims[0] * dims[1]):
-        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                        entropy_sum, entropy_rows)
+        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
+    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                                entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    units = _attention_units(dims)
     for u in numba.prange(dims[0] * dims[1]):
-        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                        entropy_sum, entropy_rows)
+        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
+    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
 
 
 def _warm(sums, update_sums, attention_summary) -> None:
@@ -348,7 +372,7 @@ def _warm(sums, update_sums, attention_summary) -> None:
     sums(a, n, n, *out)
     update_sums(a, a, n, *out)
     x = np.zeros((1, 1, 2, 2), np.float32)
-    one = (np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int64), np.zeros((1, 1)), np.zeros((1, 1), np.int64))
+    one = (np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(1), np.zeros(1, np.int64))
     st = np.array([4, 4, 2], np.int64)
     dims = np.array([1, 1, 2, 2, 2, 1], np.int64)
     attention_summary(x.ctypes.data, st, x.ctypes.data, st, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),

@@ -3,12 +3,13 @@
 A 6-layer, 256-wide pre-norm decoder (8 heads, MLP 4×, vocabulary 4096, SDPA causal attention), batch 8 × 128,
 AdamW, on the CPU. Targets: ≤ 10 % at ``every=1``, ≤ 2 % at ``every=10``. For comparison, a naive forward-hook
 cache (every module's output cloned, as an activation cache does) in the same run. The configurations are
-interleaved in blocks of 10 steps over several rounds, and each is summarised by the median of its per-block
-mean step time; each block's ratio is taken against the untraced block of its own round, so drift of a
-shared machine's load hits both sides alike. The finest same-run comparison comes last: one tracer with
-``every=2``, so recorded and unrecorded steps alternate, each recorded step timed against the mean of the two
-unrecorded steps around it (``--pairs`` of them). On a loaded machine, ``--threads 1 --clock thread`` measures the
-CPU time of the training thread instead of wall time, which other processes do not inflate.
+interleaved in blocks of 10 steps over several rounds (in an order that rotates from round to round), and each
+is summarised by the median of its per-block mean step time; each block's ratio is taken against the untraced
+block of its own round, so drift of a shared machine's load hits both sides alike. The finest same-run
+comparison comes last: one tracer with ``every=2``, so recorded and unrecorded steps alternate, each recorded
+step timed against the mean of the two unrecorded steps around it (``--pairs`` of them). On a loaded machine,
+``--threads 1 --clock thread`` measures the CPU time of the training thread instead of wall time, which other
+processes do not inflate.
 Run: .venv/bin/python bench/trace.py [--rounds 8] [--pairs 30] [--threads 1 --clock thread]
 """
 
@@ -117,14 +118,22 @@ def main():
     with trace(model, f"{tmp}/warm") as tr:
         steps(2, tr)
     times: dict[str, list[float]] = {"untraced": [], "every=1": [], "every=10": [], "hook cache": []}
+
+    def block(name):
+        if name == "untraced":
+            return steps(args.block)
+        if name == "hook cache":
+            with HookCache(model):
+                return steps(args.block)
+        every = int(name.removeprefix("every="))  # a new tracer records its first step: one in `every`
+        with trace(model, f"{tmp}/e{every}", every=every) as tr:
+            return steps(args.block, tr)
+
+    names = list(times)
     for r in range(args.rounds):
-        times["untraced"].append(steps(args.block))
-        with trace(model, f"{tmp}/e1") as tr:
-            times["every=1"].append(steps(args.block, tr))
-        with trace(model, f"{tmp}/e10", every=10) as tr:  # a new tracer records its first step: one in ten
-            times["every=10"].append(steps(args.block, tr))
-        with HookCache(model):
-            times["hook cache"].append(steps(args.block))
+        # the order rotates from round to round, so no configuration always runs first or after the same one
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(block(name))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()),
               flush=True)
     load = os.getloadavg()[0]

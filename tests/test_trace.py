@@ -558,6 +558,26 @@ def test_record_times_keep_their_precision_and_the_tracers_own_time(tmp_path):
     assert len(steps) == 2 and all(0 < r["tracer_ms"] < 1e4 for r in steps)
 
 
+def test_a_records_writing_counts_towards_the_next_recorded_steps_tracer_ms(tmp_path, monkeypatch):
+    """tracer_ms includes the writing of the previous record (slowed here to 60 ms), also across unrecorded
+    steps."""
+    import time as clock
+
+    from normscope.tracing import recorder as rec
+
+    write = rec.Tracer._write
+
+    def slow(self, record):
+        write(self, record)
+        if record.get("kind") == "step" and record["step"] == 0:
+            clock.sleep(0.06)
+
+    monkeypatch.setattr(rec.Tracer, "_write", slow)
+    train(tmp_path, steps=3, every=2)
+    steps = {r["step"]: r["tracer_ms"] for r in read_run(tmp_path)[1]}
+    assert sorted(steps) == [0, 2] and steps[2] >= 60 > steps[0]
+
+
 def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
     """The numba path (Σx² and max |x| from the bit patterns in one read; the update's difference and its sums in
     one read) gives the numbers of the exact definition, NaN/inf/-0/subnormals included, and torch's path agrees."""

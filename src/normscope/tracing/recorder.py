@@ -230,6 +230,7 @@ class Tracer:
         self._handles: list[Any] = []
         self._open = False
         self._cost = 0.0  # seconds spent in the tracer's probes during the current step (``tracer_ms``)
+        self._written = 0.0  # seconds the last record took to write
         self._buffers: dict[Any, torch.Tensor] = {}  # reused memory while steps in a row are recorded
         self._streams: list[dict[str, Any]] = []  # one per active block call
         self._file = None
@@ -765,6 +766,7 @@ class Tracer:
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:
         """Close step ``step``: write its record (at recorded steps) and arm the next one. Never raises."""
+        recorded = self.recording
         try:
             self._step(step, loss, sample_ids, losses)
         except Exception as exc:
@@ -773,7 +775,8 @@ class Tracer:
             self._last_step = int(step) if isinstance(step, int) else self._last_step + 1
             self.recording = (self._last_step + 1) % self.every == 0
             self._reset()
-            self._cost = 0.0
+            if recorded:  # the record's writing counts towards the next recorded step
+                self._cost, self._written = self._written, 0.0
             if not self.recording:
                 self._buffers.clear()
             if self._open:
@@ -840,7 +843,9 @@ class Tracer:
             rec["disabled"] = sorted(self.disabled)
         # the tracer's own time in this step's probes (the writing of this record counts towards the next)
         rec["tracer_ms"] = (self._cost + time.perf_counter() - t0) * 1e3
+        t1 = time.perf_counter()
         self._write(rec)
+        self._written = time.perf_counter() - t1
 
     def _write(self, rec: dict[str, Any]) -> None:
         if self._file is None:

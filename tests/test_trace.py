@@ -668,7 +668,7 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
     b, t, h, d = 3, 37, 4, 12
     qkv = torch.randn(b, t, 3 * h * d, generator=g) * 2
     q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in qkv.split(h * d, -1))
-    assert not q.is_contiguous() and fused.readable_rows(q)
+    assert not q.is_contiguous()
     left = torch.ones(b, 1, 1, t, dtype=torch.bool)
     left[1, ..., :9] = False
     rand = torch.rand(t, t, generator=g) > 0.4
@@ -683,18 +683,40 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         group = attention.Group()
         got = group.stats(call)
         assert group.array is not None
+        copied = []
         direct = fused.attention_summary(call.q, call.k, call.scale, group.bias, group.array,
-                                         max(1, call.q.shape[-2] // attention.ENTROPY_ROWS))
+                                         max(1, call.q.shape[-2] // attention.ENTROPY_ROWS),
+                                         lambda x, name, seen=copied: seen.append(name) or x.float().contiguous())
         assert direct is not None  # the kernel's numbers, not torch's fallback
+        assert copied == ([] if call.q.stride(-1) == 1 else ["attention q"])  # strided views read in place
         alone = _sdpa_stats(args, kw)
         for name, value in alone.items():
             assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
     assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h
 
 
+def test_masked_keys_with_extreme_or_non_finite_logits_leave_the_entropy_exact():
+    """A masked key's logit takes no part in the entropy, whatever it holds: far above the unmasked maximum, or
+    NaN in a padding slot (here before the unmasked keys, so the row is not a prefix)."""
+    from normscope.tracing import attention
+
+    q = torch.ones(1, 1, 2, 1)
+    k = torch.tensor([[[[88.5], [0.0]]]])
+    mask = torch.tensor([[True, False], [False, True]])
+    got = attention.Group().stats(attention.SdpaCall((q, k, k), {"attn_mask": mask}))
+    assert got["entropy_sum"] == [0.0] and got["entropy_rows"] == [2] and got["max_logit"] == [88.5]
+    k = torch.tensor([[[[math.nan], [1.0], [2.0]]]])
+    q = torch.ones(1, 1, 3, 1)
+    pad = torch.tensor([False, True, True])
+    got = attention.Group().stats(attention.SdpaCall((q, k, k), {"attn_mask": pad}))
+    p = torch.tensor([1.0, 2.0]).softmax(-1)
+    assert got["entropy_sum"][0] == pytest.approx(3 * float(-(p * p.log()).sum()), rel=1e-6)
+    assert got["max_logit"] == [2.0] and got["nonfinite"] == 0
+
+
 def test_the_attention_kernels_exp_is_accurate_and_defined_everywhere():
-    """The vectorised exp behind the entropy: within 5e-7 of exp over float32's normal range, and finite (the
-    floor, exp(-87)) for a NaN argument instead of an undefined float-to-int conversion."""
+    """The vectorised exp behind the entropy: within 5e-7 of exp over float32's normal range; outside it (and for
+    NaN) a defined value, never an undefined float-to-int conversion."""
     import numpy as np
 
     from normscope.tracing import fused
@@ -703,12 +725,15 @@ def test_the_attention_kernels_exp_is_accurate_and_defined_everywhere():
         pytest.skip("numba is not installed")
     from normscope.tracing import fused_kernels
 
-    x = np.concatenate([np.linspace(-87, 0, 200_001), [-0.0, -1e-30, -200.0, math.nan]]).astype(np.float32)
+    x = np.concatenate([np.linspace(-86.99, 0, 200_001), [-0.0, -1e-30]]).astype(np.float32)
     out = np.empty_like(x)
     fused_kernels._exp_shifted(x, np.float32(0), out, x.size)
-    want = np.exp(np.maximum(x[:-1].astype(np.float64), -87.0))
-    assert np.max(np.abs(out[:-1] - want) / want) < 5e-7
-    assert out[-1] == out[-2] and abs(out[-1] / math.exp(-87) - 1) < 5e-7  # NaN and -200: the floor
+    want = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - want) / want) < 5e-7
+    odd = np.array([-200.0, -math.inf, math.nan, 0.5, 300.0, math.inf], np.float32)  # outside [-87, 0]
+    out = np.empty_like(odd)
+    fused_kernels._exp_shifted(odd, np.float32(0), out, odd.size)
+    assert out.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]  # underflow and NaN: 0; above the top: clamped to it
 
 
 def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
@@ -779,6 +804,12 @@ def test_a_norms_scale_rms_is_that_of_its_weight_at_the_call(tmp_path):
     assert entries[(0, "ln_1")]["max_scale_rms"] == pytest.approx(3.0)
     assert entries[(0, "ln_2")]["max_scale_rms"] == pytest.approx(1.0)
     assert math.isnan(float(entries[(1, "ln_1")]["max_scale_rms"]))
+    from normscope.tracing.recorder import _merge
+
+    for first, second in ((math.nan, 1.0), (1.0, math.nan)):  # a NaN maximum survives, whichever call came first
+        acc = {"max_scale_rms": first, "max_logit": [first, 2.0]}
+        _merge(acc, {"max_scale_rms": second, "max_logit": [second, 3.0]})
+        assert math.isnan(acc["max_scale_rms"]) and math.isnan(acc["max_logit"][0]) and acc["max_logit"][1] == 3.0
 
 
 def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_its_entry(tmp_path, caplog):

@@ -67,12 +67,6 @@ def eligible(x: torch.Tensor) -> bool:
     return _extent(x, True) is not None
 
 
-def readable_rows(x: torch.Tensor) -> bool:
-    """A CPU float32 tensor whose last dimension is contiguous, whose strides are not negative and whose storage
-    holds every element: the kernels may read its rows by address."""
-    return _extent(x, False) is not None
-
-
 def _extent(x: torch.Tensor, contiguous: bool) -> int | None:
     """The element count of a CPU float32 tensor the kernels may read by address (contiguous, or with a contiguous
     last dimension and no negative stride, as asked), else None."""
@@ -182,8 +176,10 @@ def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray
     m = masked.detach().to(torch.bool)
     while m.dim() < 4:
         m = m.unsqueeze(0)
-    if m.shape[3] != shape[3] or any(d not in (1, s) for d, s in zip(m.shape, shape, strict=True)):
-        m = m.expand(shape)  # a key dimension of 1: full size
+    if any(d not in (1, s) for d, s in zip(m.shape, shape, strict=True)):
+        return None
+    if m.shape[3] != shape[3]:
+        m = m.expand(*m.shape[:3], shape[3])  # a key dimension of 1: the keys in full, the rest still shared
     keys = torch.arange(1, m.shape[3] + 1, device=m.device)
     extent = torch.where(m, 0, keys).amax(-1)
     prefix = (~m).sum(-1) == extent
@@ -200,10 +196,10 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     """Per head of the attention logits ``scale · q kᵀ + bias`` ((N, H, Tq, d) queries, (N, H / g, Tk, d) keys on
     the CPU), computed and read in one pass without the (Tq, Tk) matrix: max |logit| over the unmasked entries,
     fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an unmasked key
-    (float64 sums of float32 terms) and their number; ``mask`` from :func:`mask_array`, ``bias`` None or
-    contiguous float32 (N or 1, H or 1, Tq or 1, Tk). q and k are read in place where :func:`readable_rows`, else
-    as ``copy(x, name)`` (contiguous float32; by default a new tensor). None where this path does not apply or a
-    logit is not finite (the caller's exact path)."""
+    (float64 sums of float32 terms) and their number; ``mask`` from :func:`mask_array` for these shapes, ``bias``
+    None or contiguous float32 (N or 1, H or 1, Tq or 1, Tk). q and k are read in place when float32 with a
+    contiguous last dimension (strides not negative), else as ``copy(x, name)`` (contiguous float32; by default a
+    new tensor). None where this path does not apply or a logit is not finite (the caller's exact path)."""
     kern = _kernels()
     if (kern is None or q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or k.device.type != "cpu"
             or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]
@@ -216,6 +212,10 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
             if _extent(x, False) is None:  # empty, or a copy not as asked
                 return None
             q, k = (x, k) if name == "q" else (q, x)
+    masked, extent, _ = mask
+    if (masked.ndim != 4 or masked.shape[3] != k.shape[2] or extent.shape != masked.shape[:3]
+            or any(d not in (1, s) for d, s in zip(masked.shape[:3], q.shape[:3], strict=True))):
+        return None  # a mask built for other shapes: the kernel would read outside it
     if bias is None:
         b = _NO_BIAS
     else:

@@ -151,13 +151,16 @@ _EXP_LOW = np.float32(-87.0)  # exp below this is under float32's normal range: 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def _exp_shifted(x, top, out, n):  # pragma: no cover - compiled
-    """out[j] = exp(x[j] - top) for j < n, x[j] <= top, to about 4e-7 relative: 2^t * p(r) with t = rint((x - top)
-    / ln 2) and a degree-6 polynomial on |r| <= ln(2) / 2, in float32 and branch-free, so the loop vectorises
-    (libm's exp, one scalar call per element, was most of the attention summary's time). Built without fastmath:
-    the rounding must not be reassociated away. A NaN argument gives exp(-87), never an undefined conversion."""
+    """out[j] = exp(x[j] - top) for j < n, to about 4e-7 relative: 2^t * p(r) with t = rint((x - top) / ln 2) and
+    a degree-6 polynomial on |r| <= ln(2) / 2, in float32 and branch-free, so the loop vectorises (libm's exp, one
+    scalar call per element, was most of the attention summary's time). Built without fastmath: the rounding must
+    not be reassociated away. Arguments are clamped to [-87, 0] before the integer conversion, which is therefore
+    always defined; below -87 (float32's normal range) and for NaN the result is 0."""
     for j in range(n):
         y = x[j] - top
-        y = y if y > _EXP_LOW else _EXP_LOW
+        low = y > _EXP_LOW  # False for NaN
+        y = y if low else _EXP_LOW
+        y = y if y < 0 else np.float32(0.0)
         t = np.rint(y * _LOG2E)
         r = y - t * _LN2_HI - t * _LN2_LO
         p = np.float32(1.0 / 720.0)
@@ -167,7 +170,8 @@ def _exp_shifted(x, top, out, n):  # pragma: no cover - compiled
         p = p * r + np.float32(0.5)
         p = p * r + np.float32(1.0)
         p = p * r + np.float32(1.0)
-        out[j] = p * _as_f32((np.int32(t) + np.int32(127)) << np.int32(23))
+        e = p * _as_f32((np.int32(t) + np.int32(127)) << np.int32(23))
+        out[j] = e if low else np.float32(0.0)
 
 
 @numba.njit(**_JIT)
@@ -236,20 +240,16 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
                 top = max(top, row[j])
             _exp_shifted(row, top, ex, end)
         else:
-            mrow = masked[ma, mb, mi]
-            live = np.int32(0)
+            mrow = masked[ma, mb, mi]  # the key at end - 1 is unmasked: the row has a live key
             for j in range(end):
-                keep = np.int32(1) - np.int32(mrow[j])
-                m = max(m, (bits[j] & _ABS) * keep)  # a masked entry (even -inf or NaN) counts as 0
-                live += keep
-            if live == 0:
-                full += 1
-                continue
+                m = max(m, (bits[j] & _ABS) * (np.int32(1) - np.int32(mrow[j])))  # a masked entry (even NaN): 0
             if not sample:
                 continue
             for j in range(end):
                 if mrow[j] == 0:
                     top = max(top, row[j])
+            for j in range(end):  # a masked key's logit (any value, inf or NaN) replaced: weight 0 below
+                row[j] = row[j] if mrow[j] == 0 else top
             _exp_shifted(row, top, ex, end)
             for j in range(end):
                 ex[j] *= np.float32(1 - mrow[j])

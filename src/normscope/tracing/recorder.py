@@ -128,8 +128,19 @@ def _per_sample(x: torch.Tensor) -> dict[str, list[float]]:
     return {"sumsq": ss, "n": [flat.shape[1]] * rows, "max": mx, "nonfinite": bad}
 
 
+def _most(f, a, b):
+    """``f`` (max or min) of two numbers, NaN if either is: Python's own max/min keep or drop a NaN by the order
+    of their arguments."""
+    if a != a:
+        return a
+    if b != b:
+        return b
+    return f(a, b)
+
+
 def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
-    """Fold one observation into an accumulator: sums add, maxima max, minima min, per-head lists elementwise."""
+    """Fold one observation into an accumulator: sums add, maxima max, minima min (a NaN kept), per-head lists
+    elementwise."""
     for k, v in new.items():
         if k not in acc:
             acc[k] = list(v) if isinstance(v, list) else v
@@ -138,13 +149,13 @@ def _merge(acc: dict[str, Any], new: dict[str, Any]) -> None:
         if isinstance(v, list):
             if k.startswith("max") or k.startswith("min"):
                 f = max if k.startswith("max") else min
-                acc[k] = [f(a, b) for a, b in zip(old, v, strict=False)] if len(old) == len(v) else old
+                acc[k] = [_most(f, a, b) for a, b in zip(old, v, strict=False)] if len(old) == len(v) else old
             else:
                 acc[k] = [a + b for a, b in zip(old, v, strict=False)] if len(old) == len(v) else old
         elif k.startswith("max"):
-            acc[k] = max(old, v)
+            acc[k] = _most(max, old, v)
         elif k.startswith("min"):
-            acc[k] = min(old, v)
+            acc[k] = _most(min, old, v)
         elif isinstance(v, int | float):
             acc[k] = old + v
 
@@ -604,7 +615,7 @@ class Tracer:
         if y.is_floating_point():
             self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point():
+        if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point() and "statistics" not in self.disabled:
             # a copy, summarised with the batch: a parameter's storage may not outlive the call (FSDP)
             self._defer("norm_output", layer, site, w.detach().clone(), "scale")
         s = self._streams[-1] if self._streams else None

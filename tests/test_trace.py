@@ -714,6 +714,22 @@ def test_masked_keys_with_extreme_or_non_finite_logits_leave_the_entropy_exact()
     assert got["max_logit"] == [2.0] and got["nonfinite"] == 0
 
 
+def test_the_attention_kernel_refuses_a_mask_of_other_shapes_and_shares_what_is_shared():
+    """A mask built for other shapes never reaches the kernel (it would read outside it): torch's path instead.
+    Without a mask, the mask the kernel reads is one row of keys, not a (N, H, Tq, Tk) array."""
+    from normscope.tracing import fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    none = fused.mask_array(torch.zeros(1, 1, dtype=torch.bool), (2, 3, 5, 5))
+    assert none[0].shape == (1, 1, 1, 5) and none[1].shape == (1, 1, 1) and none[2].tolist() == [[[1]]]
+    assert fused.attention_summary(q, k, 0.5, None, none, 1) is not None
+    longer = fused.mask_array(torch.zeros(1, 1, dtype=torch.bool), (2, 3, 5, 9))
+    assert fused.attention_summary(q, k, 0.5, None, longer, 1) is None
+    assert fused.mask_array(torch.zeros(4, 1, 1, 5, dtype=torch.bool), (2, 3, 5, 5)) is None  # batch 4 vs 2
+
+
 def test_the_attention_kernels_exp_is_accurate_and_defined_everywhere():
     """The vectorised exp behind the entropy: within 5e-7 of exp over float32's normal range; outside it (and for
     NaN) a defined value, never an undefined float-to-int conversion."""

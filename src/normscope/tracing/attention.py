@@ -129,10 +129,8 @@ class Group:
             tq = q.shape[-2]
             got = fused.attention_summary(q, k, call.scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS),
                                           self._float)
-            if got is not None:
-                return {"max_logit": got["max_logit"], "masked_rows": got["masked_rows"],
-                        "rows": [q.shape[0] * tq] * q.shape[1], "entropy_sum": got["entropy_sum"],
-                        "entropy_rows": got["entropy_rows"], "nonfinite": 0}
+            if got is not None:  # finite logits: nothing left out
+                return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0}
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
         return logit_stats(logits, self.mask[0], owned=True)
 
@@ -148,16 +146,8 @@ def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):
     or the logits'), None for no bias, False where it cannot be put in that form."""
     if bias is None:
         return None
-    b = bias.detach().float()
-    if b.dim() > 4:
-        return False
-    while b.dim() < 4:
-        b = b.unsqueeze(0)
-    if b.shape[3] == 1:
-        b = b.expand(*b.shape[:3], shape[3])
-    if any(d not in (1, s) for d, s in zip(b.shape, shape, strict=True)):
-        return False
-    return b.contiguous()
+    b = fused.broadcast_keys(bias.detach().float(), shape)
+    return False if b is None else b.contiguous()
 
 
 def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:

@@ -132,12 +132,7 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
             sizes.append(n)
             row_sizes.append(x.shape[-1] if rows and x.dim() else n)
     out: list[Sums | None] = [None] * len(xs)
-    if not take:
-        return out
-    m = len(take)
-    ss, mb, low = np.empty(m), np.empty(m, np.int32), np.empty(m)
-    k.sums(np.array(addresses, np.int64), np.array(sizes, np.int64), np.array(row_sizes, np.int64), ss, mb, low)
-    for i, a, b, c in zip(take, ss.tolist(), mb.tolist(), low.tolist(), strict=True):
+    for i, (a, b, c) in zip(take, _run_batch(k.sums, addresses, sizes, row_sizes), strict=True):
         out[i] = Sums(a, _max_abs(b), c)
     return out
 
@@ -157,34 +152,48 @@ def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> l
             a.append(o.data_ptr())
             b.append(w.data_ptr())
             sizes.append(n)
-    if not take:
-        return out
-    m = len(take)
-    su, mb, sp = np.empty(m), np.empty(m, np.int32), np.empty(m)
-    k.update_sums(np.array(a, np.int64), np.array(b, np.int64), np.array(sizes, np.int64), su, mb, sp)
-    for i, x, y, z in zip(take, su.tolist(), mb.tolist(), sp.tolist(), strict=True):
+    for i, (x, y, z) in zip(take, _run_batch(k.update_sums, a, b, sizes), strict=True):
         out[i] = (x, _max_abs(y), z)
     return out
+
+
+def _run_batch(kernel, *columns: list[int]) -> list[tuple[float, int, float]]:
+    """Run a batch kernel on int64 columns (addresses, sizes, one entry per tensor); per tensor, its three results
+    (a float64 sum, an int32 bit pattern, a float64 sum). Nothing to run for an empty batch."""
+    m = len(columns[0])
+    if not m:
+        return []
+    first, bits, third = np.empty(m), np.empty(m, np.int32), np.empty(m)
+    kernel(*(np.array(c, np.int64) for c in columns), first, bits, third)
+    return list(zip(first.tolist(), bits.tolist(), third.tolist(), strict=True))
 
 
 def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A boolean mask that broadcasts to (N, H, Tq, Tk) logits, as :func:`attention_summary` reads it: a contiguous
     uint8 array (a dimension of 1 shared) and, per row, one past its last unmasked key and whether no key before
     that is masked. None where this path does not apply."""
-    if _kernels() is None or masked.device.type != "cpu" or len(shape) != 4 or masked.dim() > 4:
+    if _kernels() is None or masked.device.type != "cpu" or len(shape) != 4:
         return None
-    m = masked.detach().to(torch.bool)
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    if any(d not in (1, s) for d, s in zip(m.shape, shape, strict=True)):
+    m = broadcast_keys(masked.detach().to(torch.bool), shape)
+    if m is None:
         return None
-    if m.shape[3] != shape[3]:
-        m = m.expand(*m.shape[:3], shape[3])  # a key dimension of 1: the keys in full, the rest still shared
     keys = torch.arange(1, m.shape[3] + 1, device=m.device)
     extent = torch.where(m, 0, keys).amax(-1)
     prefix = (~m).sum(-1) == extent
     # uint8, not bool: the kernel's loop vectorises
     return m.contiguous().view(torch.uint8).numpy(), extent.numpy(), prefix.view(torch.uint8).numpy()
+
+
+def broadcast_keys(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``x`` (a mask or a bias) with the 4 dimensions of (N, H, Tq, Tk) logits: a leading dimension of 1 stays
+    shared, a key dimension of 1 is expanded to every key. None when ``x`` does not broadcast to ``shape``."""
+    if x.dim() > 4:
+        return None
+    while x.dim() < 4:
+        x = x.unsqueeze(0)
+    if any(d not in (1, s) for d, s in zip(x.shape, shape, strict=True)):
+        return None
+    return x.expand(*x.shape[:3], shape[3]) if x.shape[3] != shape[3] else x
 
 
 _NO_BIAS = np.zeros((1, 1, 1, 1), np.float32)
@@ -205,13 +214,9 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
             or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]
             or not q.is_floating_point() or not k.is_floating_point()):
         return None
-    for name in ("q", "k"):
-        x = q if name == "q" else k
-        if _extent(x, False) is None:
-            x = copy(x, f"attention {name}") if copy is not None else x.float().contiguous()
-            if _extent(x, False) is None:  # empty, or a copy not as asked
-                return None
-            q, k = (x, k) if name == "q" else (q, x)
+    q, k = _rows(q, "attention q", copy), _rows(k, "attention k", copy)
+    if q is None or k is None:
+        return None
     masked, extent, _ = mask
     if (masked.ndim != 4 or masked.shape[3] != k.shape[2] or extent.shape != masked.shape[:3]
             or any(d not in (1, s) for d, s in zip(masked.shape[:3], q.shape[:3], strict=True))):
@@ -219,7 +224,7 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     if bias is None:
         b = _NO_BIAS
     else:
-        if (_extent(bias, True) is None or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
+        if (not eligible(bias) or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
                 or any(d not in (1, s) for d, s in zip(bias.shape[:3], q.shape[:3], strict=True))):
             return None
         b = bias.numpy()
@@ -233,3 +238,12 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     if max(top) >= INF_BITS:
         return None
     return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "entropy_sum": ent, "entropy_rows": rows}
+
+
+def _rows(x: torch.Tensor, name: str, copy) -> torch.Tensor | None:
+    """x itself when the attention kernel may read its rows in place, else ``copy(x, name)`` (a new contiguous
+    float32 tensor without ``copy``); None when neither can be read (empty)."""
+    if _extent(x, False) is not None:
+        return x
+    x = copy(x, name) if copy is not None else x.float().contiguous()
+    return x if _extent(x, False) is not None else None

@@ -2,13 +2,19 @@
 
 Lines: a ``header`` (schema, model, blocks, norms, ``every``, world size) each time a tracer opens the run, one
 ``step`` record per recorded step (its ``entries``: stage, layer, site and sufficient statistics; its per-sample
-``samples``; ``sample_ids``), and an ``end`` line when the tracer closes (with the probes that were disabled and
-why). Each line is written whole and flushed, so a killed process loses at most the step in flight and a reader
-sees only whole lines: :func:`read_run` skips a last line that is still being written.
+``samples``; ``sample_ids``; the learning rate of each parameter group in its ``update`` entries), and an ``end``
+line when the tracer closes (with the probes that were disabled and why). Each line is written whole and flushed,
+so a killed process loses at most the step in flight and a reader sees only whole lines: :func:`read_run` skips a
+last line that is still being written.
+
+A damaged file (bytes that are not UTF-8, NUL blocks from a crash, a line cut by a kill and followed by a resumed
+run's header, a record of the wrong shape) is read for what is readable: each damaged line is skipped and named
+in :attr:`Run.damaged`, never raised.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +25,7 @@ from ..errors import InputError
 
 SCHEMA = "normscope.trace/1"
 TRACE_FILE = "trace.jsonl"
+MAX_DAMAGED = 50  # damaged lines named one by one; past this, counted
 
 
 def _num(v: Any) -> Any:
@@ -42,34 +49,164 @@ def trace_path(run_dir: str | os.PathLike) -> Path:
     return f
 
 
-def read_run(run_dir: str | os.PathLike) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(headers, step records, end lines) of a run; a step recorded twice (a resumed run) keeps its last record."""
+@dataclasses.dataclass
+class Run:
+    """What a trace file holds: its headers, its step records (ordered by step; a step recorded twice, as by a
+    resumed run, keeps its last record), its end lines, and one line per damaged record that was skipped."""
+    path: Path
+    headers: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    ends: list[dict[str, Any]]
+    damaged: list[str]
+
+    def __iter__(self):  # ``headers, records, ends = read_run(...)``
+        return iter((self.headers, self.records, self.ends))
+
+    def __getitem__(self, i: int):
+        return (self.headers, self.records, self.ends)[i]
+
+
+_NUMBERS = ("sumsq", "n", "max", "nonfinite")
+_REQUIRED = {"attention_logits": (("nonfinite",), ("max_logit", "masked_rows", "entropy_sum", "entropy_rows")),
+             "loss": (("sum", "count", "nonfinite"), ()),
+             "update": (("sumsq", "n", "param_sumsq", "nonfinite"), ())}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _entry_ok(e: Any) -> bool:
+    """Whether an entry has its stage, layer, site and the numbers its stage's metrics are computed from."""
+    if not (isinstance(e, dict) and isinstance(e.get("stage"), str) and isinstance(e.get("site"), str)
+            and (e.get("layer") is None or isinstance(e.get("layer"), int))):
+        return False
+    numbers, lists = _REQUIRED.get(e["stage"], (_NUMBERS, ()))
+    return (all(_number(e.get(k)) for k in numbers)
+            and all(isinstance(e.get(k), list) and all(_number(x) for x in e[k]) for k in lists))
+
+
+def _step_problem(rec: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(why the step record cannot be used, what was dropped from it); entries of the wrong shape are dropped
+    from it in place."""
+    step = rec.get("step")
+    if not _number(step) or not math.isfinite(step) or step != int(step):
+        return f"its step is {step!r}, not an integer", None
+    entries = rec.get("entries")
+    if not isinstance(entries, list):
+        return "it has no list of entries", None
+    good = [e for e in entries if _entry_ok(e)]
+    rec["entries"] = good
+    if not isinstance(rec.get("samples"), dict):
+        rec["samples"] = {}
+    ids = rec.get("sample_ids")
+    if ids is not None and not isinstance(ids, list):
+        rec["sample_ids"] = None
+    if len(good) < len(entries):
+        return None, f"{len(entries) - len(good)} of its {len(entries)} entries have the wrong shape (kept the rest)"
+    return None, None
+
+
+def _objects(text: str) -> tuple[list[dict[str, Any]], bool]:
+    """(the records of one line, whether the line was exactly one record). A line cut by a kill and continued by
+    the next write (a resumed run's header appended to a half-written record) gives the whole records that begin
+    after the cut."""
+    try:
+        obj = json.loads(text)
+        return ([obj], True) if isinstance(obj, dict) else ([], False)
+    except json.JSONDecodeError:
+        pass
+    dec = json.JSONDecoder()
+    found, i = [], text.find("{", 1)
+    while i > 0:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            i = text.find("{", i + 1)
+            continue
+        if isinstance(obj, dict) and "kind" in obj:
+            found.append(obj)
+            i = text.find("{", end)
+        else:
+            i = text.find("{", i + 1)
+    return found, False
+
+
+def read_run(run_dir: str | os.PathLike) -> Run:
+    """Read a run's trace file, also while it is being written; damaged lines are skipped and named."""
     path = trace_path(run_dir)
-    headers, ends = [], []
+    headers, ends, damaged = [], [], []
     steps: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.endswith("\n"):
-                break  # the line in flight
-            line = line.strip()
-            if not line:
+    n_damaged = 0
+
+    def damage(lineno: int, why: str) -> None:
+        nonlocal n_damaged
+        n_damaged += 1
+        if n_damaged <= MAX_DAMAGED:
+            damaged.append(f"line {lineno}: {why}")
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    lines = raw.split(b"\n")
+    last = len(lines) - 1  # the text after the last newline: the line in flight (or nothing)
+    for i, blob in enumerate(lines):
+        if i == last:
+            if blob.strip(b"\0 \r\t"):
+                damage(i + 1, "incomplete (the line being written, or cut by a crash)")
+            break
+        if b"\0" in blob:  # a block the file system zero-filled after a crash
+            blob = blob.replace(b"\0", b"")
+            if blob.strip():
+                damage(i + 1, "NUL bytes inside a record (a crash's zero-filled block); read what remains")
+            else:
+                damage(i + 1, "NUL bytes only (a crash's zero-filled block)")
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{i + 1} is not JSON ({exc}); the trace file is damaged") from None
+        blob = blob.strip()
+        if not blob:
+            continue
+        try:
+            text = blob.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            damage(i + 1, f"not UTF-8 text ({exc.reason} at byte {exc.start})")
+            continue
+        objs, whole = _objects(text)
+        if not objs:
+            damage(i + 1, "not a JSON record")
+            continue
+        if not whole:
+            damage(i + 1, "a record cut by a crash; the whole record(s) after the cut were read")
+        for rec in objs:
             kind = rec.get("kind")
             if kind == "header":
                 if rec.get("schema") != SCHEMA:
-                    raise InputError(f"{path}:{i + 1}: schema {rec.get('schema')!r}, expected {SCHEMA!r}")
+                    raise InputError(f"{path}:{i + 1}: schema {rec.get('schema')!r}, expected {SCHEMA!r}; this file "
+                                     "was not written by this version of normscope.trace")
                 headers.append(rec)
             elif kind == "step":
-                steps[int(rec["step"])] = _num(rec)
+                rec = _num(rec)
+                fatal, dropped = _step_problem(rec)
+                if fatal is not None:
+                    damage(i + 1, f"a step record that cannot be used: {fatal}")
+                    continue
+                if dropped is not None:
+                    damage(i + 1, f"step {int(rec['step'])}: {dropped}")
+                steps[int(rec["step"])] = rec
             elif kind == "end":
                 ends.append(rec)
+            else:
+                damage(i + 1, f"a JSON object of unknown kind {kind!r}")
+    if n_damaged > MAX_DAMAGED:
+        damaged.append(f"… {n_damaged - MAX_DAMAGED} more damaged lines")
     if not headers:
-        raise InputError(f"{path} has no normscope.trace header line; it was not written by normscope.trace")
-    return headers, [steps[k] for k in sorted(steps)], ends
+        if steps:  # the header was lost (damaged): the records still say what happened
+            headers.append({"schema": SCHEMA, "kind": "header", "model": None, "lost": True})
+            damaged.append("no readable header line: the model's name and settings are unknown")
+        else:
+            raise InputError(f"{path} has no normscope.trace header line and no readable step record; it was not "
+                             "written by normscope.trace, or it is damaged beyond reading")
+    return Run(path, headers, [steps[k] for k in sorted(steps)], ends, damaged)
 
 
 def finite(v: Any) -> bool:

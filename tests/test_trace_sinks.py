@@ -55,6 +55,7 @@ def expected_series(entry):
         out += [(f"grad_{m}/{where}", m, None) for m in ("rms", "max")]
     elif st == "update":
         out.append((f"update_ratio/{where}", "ratio", None))
+        out.append((f"update_lr/{where}", "lr", None))
     out.append(("/".join(p for p in ("nonfinite", st, where) if p), "nonfinite", None))
     return out
 
@@ -89,8 +90,8 @@ def test_scalars_equal_the_trace(tmp_path):
                                 "trace/tracer_ms"}
     assert set(want) <= tags
     # per block: layer input 3, norm input/output 2·4 + 2·4, attention 3·4 heads + 1, sublayer and residual
-    # outputs 4·3, grad 4 groups·3, update 4·2 (64); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·2 (30)
-    assert len(want) == 3 * 64 + 30
+    # outputs 4·3, grad 4 groups·3, update 4·3 (68); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·3 (34)
+    assert len(want) == 3 * 68 + 34
     for t in ("loss", "rms/residual_sum/layer1/mlp", "max/layer_input/layer0", "max_logit/layer2/head3",
               "entropy/layer0/head1", "masked_rows/layer1/head0", "grad_rms/layer0/attn", "grad_max/wte",
               "update_ratio/layer2/mlp", "nonfinite/grad/layer1/mlp", "nonfinite/attention_logits/layer0",

@@ -184,6 +184,14 @@ def _deferrable(x: torch.Tensor) -> bool:
         return False
 
 
+def _same_ids(a, ids: torch.Tensor) -> bool:
+    """Whether ``a`` is the forward's token ids or a view of all of them (``input_ids.view(-1, T)``)."""
+    if a is ids:
+        return True
+    return (isinstance(a, torch.Tensor) and a.dtype == ids.dtype and a.numel() == ids.numel()
+            and a.device == ids.device and a.data_ptr() == ids.data_ptr())
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
@@ -205,7 +213,7 @@ class _Mode(TorchFunctionMode):
             out = func(*args, **kwargs)
             tr._guard("norms", tr._functional_norm, func, args, kwargs, out)
             return out
-        elif name in EMBEDDING and tr._ids is not None and args and args[0] is tr._ids:
+        elif name in EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
             out = func(*args, **kwargs)
             tr._guard("data", tr._embedding, out)
             return out
@@ -301,7 +309,9 @@ class Tracer:
         for n, p in model.named_parameters():
             key = self._locate(n.rsplit(".", 1)[0] if "." in n else n)
             layer, rest = key
-            group = rest.split(".")[0] if rest else "params"
+            # a block's child module (attn, mlp, ln_1, …); outside the blocks the module itself (the embedding and
+            # the final norm are apart even when one parent holds both)
+            group = (rest.split(".")[0] if layer is not None else rest) if rest else "params"
             g = (layer, group)
             self.param_group[id(p)] = g
             if g not in self.param_order:
@@ -407,9 +417,12 @@ class Tracer:
         self._grads: dict[int, dict[str, float]] = {}
         self._updates: dict[tuple, dict[str, float]] = {}
         self._old: dict[int, torch.Tensor] = {}
+        self._lrs: dict[int, float] = {}  # id(parameter) -> the learning rate of its optimizer group at this step
+        self._opt_depth: dict[int, int] = {}  # id(optimizer) -> nesting of its step() calls in flight
         self._counters: dict[tuple, int] = {}
         self._pending_reset()
         self._grad_batch: dict[int, torch.Tensor] = {}
+        self._grad_order: dict[tuple, None] = {}  # parameter groups in the order the backward finished them
         self._grad_queued = False
 
     def _add(self, stage: str, layer: int | None, site: str, stats: dict[str, Any]) -> None:
@@ -694,6 +707,7 @@ class Tracer:
         if not self.recording or "grad" in self.disabled or p.grad is None:
             return
         self._grad_batch[id(p)] = p
+        self._grad_order.setdefault(self.param_group[id(p)])  # the order the backward finished them in
         if self._grad_queued:
             return
         try:
@@ -716,7 +730,11 @@ class Tracer:
         return [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
 
     def _opt_pre(self, optimizer, args, kwargs) -> None:
-        if self.recording:
+        # an optimizer subclass whose step() calls super().step() runs the global hooks once per level: only the
+        # outermost call measures, so the subclass's own writes around super().step() are part of the update
+        depth = self._opt_depth.get(id(optimizer), 0)
+        self._opt_depth[id(optimizer)] = depth + 1
+        if self.recording and depth == 0:
             self._guard("update", self._keep_parameters, optimizer)
 
     def _keep_parameters(self, optimizer) -> None:
@@ -724,6 +742,13 @@ class Tracer:
         recorded."""
         with torch.no_grad():
             own = self._own(optimizer)
+            for g in optimizer.param_groups:  # the learning rate each parameter is stepped with
+                lr = g.get("lr")
+                if isinstance(lr, torch.Tensor):
+                    lr = float(lr)
+                if isinstance(lr, int | float) and not isinstance(lr, bool):
+                    for p in g["params"]:
+                        self._lrs[id(p)] = float(lr)
             if own:
                 # fresh memory each step would cost its page faults
                 bufs = [self._buffer(id(p), p.shape, p.dtype, p.device) for p in own]
@@ -739,6 +764,11 @@ class Tracer:
         return b
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
+        depth = self._opt_depth.get(id(optimizer), 1) - 1
+        if depth > 0:
+            self._opt_depth[id(optimizer)] = depth
+            return
+        self._opt_depth.pop(id(optimizer), None)
         if self._old:
             try:
                 self._guard("update", self._update_stats, optimizer)
@@ -769,6 +799,8 @@ class Tracer:
                     stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
                                       "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}))
             for p, st in stats:
+                if id(p) in self._lrs:
+                    st["max_lr"] = self._lrs[id(p)]
                 g = self.param_group[id(p)]
                 acc = self._updates.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0,
                                                    "param_sumsq": 0.0})
@@ -822,9 +854,11 @@ class Tracer:
                     _merge(grads[g], st)
                 else:
                     grads[g] = dict(st)
-        for g in reversed(self.param_order):  # backward order: the last layer's gradients come first
+        # backward order: as the backward finished each group's first gradient (a NaN born in layer 3's backward
+        # also poisons layers 0-2 and, within a layer, the parameters its backward reaches later)
+        for g in [*self._grad_order, *reversed(self.param_order)]:
             if g in grads:
-                entries.append({"stage": "grad", "layer": g[0], "site": g[1], **grads[g]})
+                entries.append({"stage": "grad", "layer": g[0], "site": g[1], **grads.pop(g)})
         for g in self.param_order:
             if g in self._updates:
                 entries.append({"stage": "update", "layer": g[0], "site": g[1], **self._updates[g]})

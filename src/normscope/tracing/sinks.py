@@ -21,6 +21,7 @@ tag                                             value
 ``masked_rows/layer<i>/head<h>``                fully masked query rows of a head
 ``grad_rms/layer<i>/<group>``, ``grad_max/…``   gradient RMS and max |g| per parameter group
 ``update_ratio/layer<i>/<group>``               RMS(Δparameter) / RMS(parameter) per parameter group
+``update_lr/layer<i>/<group>``                  the learning rate the group was stepped with
 ``nonfinite/<stage>/layer<i>/<site>``           non-finite fraction (activations, gradients, updates), count
                                                 (attention logits) or 0/1 (loss)
 ``samples/<name>/rms``, ``samples/<name>/max``  histograms over the samples of the step (``data``: the model's

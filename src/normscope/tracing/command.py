@@ -1,9 +1,9 @@
 """``normscope diagnose RUN_DIR``: the command-line glue (``add_parser(subparsers)`` and ``run(args, console)``).
 
 Reads the ``trace.jsonl`` that ``normscope.trace`` writes (also while the run is still going) and prints the first
-anomaly of the chain and the table of all of them; ``--json`` prints the diagnosis (schema
-``normscope.diagnosis/1``), ``--html FILE`` writes a self-contained page with plots. Exit codes: 0 diagnosed,
-1 anomalies found with ``--strict``, 2 usage or input error.
+incident, its first cause along the chain, the table of incidents and the drifts; ``--json`` prints the diagnosis
+(schema ``normscope.diagnosis/2``), ``--html FILE`` writes a self-contained page with plots. Exit codes: 0
+diagnosed, 1 an incident found with ``--strict``, 2 usage or input error.
 """
 
 from __future__ import annotations
@@ -24,17 +24,24 @@ def add_parser(subparsers) -> Any:
         "diagnose",
         help="the first stage, layer and head where a traced training run went wrong",
         description="Read RUN_DIR/trace.jsonl (written by normscope.trace, also while the run is going) and localize "
-                    "the first anomaly along the residual chain: data → layer input → norm → attention logits → "
-                    "sublayer → residual sum → loss → gradients → updates. Exit 0 diagnosed, 1 anomalies (with "
-                    "--strict), 2 usage error.",
+                    "its incidents (non-finite values, loss, gradient-norm and update spikes, learning-rate jumps) "
+                    "and, for each, the first link of the residual chain that left its range: data → layer input → "
+                    "norm → attention logits → sublayer → residual sum → loss → gradients → updates; drifts that "
+                    "have not hurt yet are listed apart. Exit 0 diagnosed, 1 an incident (with --strict), 2 usage "
+                    "or input error.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir given to normscope.trace (or its trace.jsonl)")
-    p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diagnosis/1)")
+    p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diagnosis/2)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots (default: none)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when there is an anomaly (default: exit 0 whatever it finds)")
-    p.add_argument("--window", type=int, default=20, help="recent values a jump is judged against (default 20)")
-    p.add_argument("--z", type=float, default=10.0, help="jump threshold in robust σ (default 10)")
+                   help="exit 1 when there is an incident (default: exit 0 whatever it finds)")
+    p.add_argument("--window", type=int, default=20, help="recorded values a trend is fitted to (default 20)")
+    p.add_argument("--min-history", type=int, default=8,
+                   help="values a series needs before it is judged, at most --window (default 8)")
+    p.add_argument("--z", type=float, default=8.0,
+                   help="least robust σ of an incident or a cause, raised for the number of series (default 8)")
+    p.add_argument("--lookback", type=int, default=3,
+                   help="recorded steps before an incident searched for its cause (default 3)")
     p.set_defaults(run=run)
     return p
 
@@ -43,9 +50,7 @@ def run(args, console: Console) -> int:
     from .detect import diagnose
     from .report import render_diagnosis, render_html
 
-    if args.window < 2 or args.z <= 0:
-        raise InputError("--window must be ≥ 2 and --z positive")
-    d = diagnose(args.run_dir, window=args.window, z=args.z)
+    d = diagnose(args.run_dir, window=args.window, min_history=args.min_history, z=args.z, lookback=args.lookback)
     if args.html:
         out = Path(args.html)
         if out.parent and not out.parent.exists():
@@ -57,4 +62,4 @@ def run(args, console: Console) -> int:
         render_diagnosis(d, console)
         if args.html:
             console.print(f"[dim]HTML report: {args.html}[/]")
-    return EXIT_FINDINGS if args.strict and d.anomalies else EXIT_OK
+    return EXIT_FINDINGS if args.strict and d.incidents else EXIT_OK

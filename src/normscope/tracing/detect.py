@@ -1,22 +1,31 @@
-"""``normscope.diagnose(run_dir)``: find the first link of the residual chain that broke.
+"""``normscope.diagnose(run_dir)``: the incidents of a traced run, the first link of the chain behind each, and the
+drifts that have not hurt yet.
 
-Every recorded statistic is a *series* (stage, layer, site, head, metric) over the recorded steps. A value breaks
-its series when
+**Incidents first.** An incident is what a user would call a problem:
 
-- it is non-finite, or the series' non-finite count / fully masked query rows turn positive after a history of
-  zeros (no history needed: a NaN is never normal);
-- it jumps relative to the series' own recent history: with ``m`` and ``MAD`` the median and median absolute
-  deviation of the last ``window`` finite values and ``s = max(1.4826·MAD, floor·|m|)``, an upward metric breaks
-  at ``v ≥ m + z·s`` (with the defaults at least twice its median) and a downward one (attention entropy) at
-  ``v ≤ m − z·s'`` with ``s' = max(1.4826·MAD, floor_down·|m|)`` (at least halved). Jumps are judged only once a
-  series has ``min_history`` values: the early transient of training (fast-falling loss, large first Adam
-  updates) is learned, not flagged.
+- a non-finite value anywhere (an activation, a logit, the loss, a gradient, an update), or query rows whose keys
+  are all masked appearing after a history of none;
+- a loss spike: the log of the loss above its own robust local trend (:mod:`.trend`), for the step's mean loss or
+  for single samples (their log-loss against the step's mean, pooled over the recent steps);
+- a gradient-norm spike: the log of the global gradient norm above its trend;
+- an update out of proportion to the learning rate: the log of RMS(Δparameter)/RMS(parameter) divided by the
+  recorded learning rate of the group, above its trend; or a learning rate that jumps past every value the schedule
+  reached before (warm-up, decay and restarts stay below it: they are context, not faults).
 
-Per-sample series (``data``, per-sample ``loss``) pool the values of every sample of the recent steps; the samples
-over the threshold are named by their ``sample_ids``. Each series reports its first break only. Anomalies are
-ordered by step and, within a step, in chain order: data, then per block the order in which the forward computed
-the statistics (layer input, norm input/output, attention logits, sublayer output, residual sum), loss, gradients
-in backward order (last layer first), updates. ``Diagnosis.first`` is the first of them.
+The thresholds account for how many series are judged: an incident needs ``z`` robust σ, raised to the Gaussian
+tail quantile that leaves an expected ``false_alarms`` false incidents over the whole run.
+
+**Then localization.** For each incident, every recorded series (activations per layer and site, attention heads,
+per-sample data, the loss, gradients and updates per layer and group) is scored against its own trend over a
+``lookback`` window before the incident. The cause is the earliest step, and within it the earliest link of the
+chain (data → layer input → norm input/output → attention logits → sublayer output → residual sum → loss →
+gradients in backward order → updates), whose series left its normal range (a non-finite value always does);
+the other departures are listed with it, ranked by how far they left it. ``Diagnosis.first`` is the first
+incident's cause.
+
+**Drifts** are listed apart: attention logits, a norm's scale γ or the residual stream growing step after step,
+with their slope and the level where they become dangerous; flagged when they crossed it or, at their slope, will
+within as many steps as the run has recorded. They are never ``first``.
 """
 
 from __future__ import annotations
@@ -25,22 +34,25 @@ import dataclasses
 import json
 import math
 import os
-from collections import deque
 from typing import Any
 
 import numpy as np
 
+from ..errors import InputError
 from ..jsonable import jsonable
-from .store import read_run, trace_path
+from .store import read_run
+from .trend import departures, fit, gaussian_tail_quantile, log_values
 
-DIAGNOSIS_SCHEMA = "normscope.diagnosis/1"
+DIAGNOSIS_SCHEMA = "normscope.diagnosis/2"
 STAGES = ("data", "layer_input", "norm_input", "norm_output", "attention_logits", "sublayer_output", "residual_sum",
           "loss", "grad", "update")
 _ACT = ("layer_input", "norm_input", "norm_output", "sublayer_output", "residual_sum")
+INCIDENT_KINDS = ("nonfinite", "masked_rows", "loss_spike", "grad_spike", "update_spike", "lr_jump")
 
 
 @dataclasses.dataclass
 class Anomaly:
+    """A series that left its normal range at ``step``: a cause or a departure of an incident."""
     step: int
     stage: str
     layer: int | None
@@ -52,6 +64,7 @@ class Anomaly:
     next_check: str
     site: str = ""
     sample_ids: list | None = None
+    score: float = math.inf  # robust σ from its baseline (inf: a non-finite value or a count after zeros)
     order: tuple = ()
 
     def where(self) -> str:
@@ -71,24 +84,82 @@ class Anomaly:
 
 
 @dataclasses.dataclass
+class Incident:
+    """A problem at ``step`` (``kind``, with its symptom's numbers) and the first link of the chain behind it."""
+    step: int
+    kind: str
+    metric: str
+    value: float
+    baseline: float | None
+    evidence: str
+    cause: Anomaly
+    departures: list[Anomaly]  # what else left its range in the window, farthest first (the cause included)
+    symptoms: list[str] = dataclasses.field(default_factory=list)  # later triggers folded into this incident
+
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable({"step": self.step, "kind": self.kind, "metric": self.metric, "value": self.value,
+                         "baseline": self.baseline, "evidence": self.evidence, "cause": self.cause.to_dict(),
+                         "departures": [a.to_dict() for a in self.departures], "symptoms": self.symptoms})
+
+
+@dataclasses.dataclass
+class Drift:
+    """A series growing step after step towards a level where it becomes dangerous."""
+    stage: str
+    layer: int | None
+    site: str
+    head: int | None
+    metric: str
+    step: int  # the last recorded step
+    value: float
+    slope: float  # ×exp(slope) per recorded step (natural log per step)
+    danger: float
+    steps_to_danger: float  # 0 when crossed
+    status: str  # "crossed" or "on course"
+    evidence: str
+
+    def where(self) -> str:
+        return Anomaly(self.step, self.stage, self.layer, self.head, self.metric, self.value, None, "", "",
+                       self.site).where()
+
+    def to_dict(self) -> dict[str, Any]:
+        return jsonable(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass
 class Diagnosis:
     run_dir: str
-    anomalies: list[Anomaly]
+    incidents: list[Incident]
+    drifts: list[Drift]
     steps: list[int]
     header: dict[str, Any]
     disabled: list[str]
     errors: list[dict[str, Any]]
     settings: dict[str, Any]
     complete: bool  # the tracer closed the run (an end line); False while it is still written or after a crash
+    damaged: list[str] = dataclasses.field(default_factory=list)  # lines of the file that could not be read
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
 
     @property
     def first(self) -> Anomaly | None:
-        return self.anomalies[0] if self.anomalies else None
+        """The cause of the first incident (None on a clean run)."""
+        return self.incidents[0].cause if self.incidents else None
+
+    @property
+    def anomalies(self) -> list[Anomaly]:
+        """Every incident's departures, in chain order (earliest step first)."""
+        seen, out = set(), []
+        for inc in self.incidents:
+            for a in inc.departures:
+                key = (a.step, a.stage, a.layer, a.site, a.head, a.metric)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(a)
+        return sorted(out, key=lambda a: a.order)
 
     @property
     def ok(self) -> bool:
-        return not self.anomalies
+        return not self.incidents
 
     def series(self, stage: str, metric: str, layer: int | None = None, site: str | None = None,
                head: int | None = None) -> tuple[list[int], list[float]]:
@@ -100,7 +171,7 @@ class Diagnosis:
                     continue
                 v = entry_metrics(e).get(metric)
                 if isinstance(v, list):
-                    v = v[head or 0] if v else None
+                    v = v[head or 0] if len(v) > (head or 0) else None
                 if v is not None:
                     xs.append(rec["step"])
                     ys.append(v)
@@ -112,9 +183,10 @@ class Diagnosis:
                          "last_step": self.steps[-1] if self.steps else None, "complete": self.complete,
                          "model": self.header.get("model"), "every": self.header.get("every"),
                          "world_size": self.header.get("world_size"), "disabled": self.disabled,
-                         "errors": self.errors, "settings": self.settings,
+                         "errors": self.errors, "damaged": self.damaged, "settings": self.settings,
                          "first": self.first.to_dict() if self.first else None,
-                         "anomalies": [a.to_dict() for a in self.anomalies]})
+                         "incidents": [i.to_dict() for i in self.incidents],
+                         "drifts": [d.to_dict() for d in self.drifts]})
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -142,16 +214,21 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
         return {"loss": e["sum"] / max(e["count"], 1), "nonfinite": e["nonfinite"]}
     if st == "update":
         u, p = rms(e["sumsq"], e["n"]), rms(e["param_sumsq"], e["n"])
-        return {"ratio": (u / p if p else (math.inf if u else 0.0)) if u is not None else None,
-                "nonfinite": e["nonfinite"] / max(e["n"], 1)}
+        out = {"ratio": (u / p if p else (math.inf if u else 0.0)) if u is not None else None,
+               "nonfinite": e["nonfinite"] / max(e["n"], 1)}
+        if "max_lr" in e:
+            out["lr"] = e["max_lr"]
+        return out
     return {}
 
 
 _UP = {"rms", "max", "max_logit", "loss", "ratio", "scale_rms"}
 _DOWN = {"entropy"}
 _COUNT = {"nonfinite", "masked_rows"}
-_METRIC_ORDER = {"nonfinite": 0, "masked_rows": 1, "max_logit": 2, "max": 3, "rms": 4, "entropy": 5, "loss": 6,
-                 "ratio": 7, "scale_rms": 8}
+_CONTEXT = {"min_row_rms", "lr"}  # recorded, not judged on their own
+# within one entry, the metric that explains the others first: a norm's γ before its output's RMS
+_METRIC_ORDER = {"nonfinite": 0, "masked_rows": 1, "scale_rms": 2, "max_logit": 3, "max": 4, "rms": 5, "entropy": 6,
+                 "loss": 7, "ratio": 8}
 
 
 def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
@@ -170,167 +247,590 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
         return (f"the query/key projections of {L} {h} (their update ratio and weight norms) and the norm feeding "
                 "them; QK-norm or logit soft-capping bound this")
     if stage == "loss":
-        return ("earlier stages were clean at this step: look at the targets/labels of the samples with the "
-                "largest per-sample loss and at the loss computation (scaling, ignore_index)")
+        who = f"samples {ids}" if ids else "the samples with the largest per-sample loss"
+        return (f"earlier stages were within their range at this step: look at the targets/labels of {who} and at "
+                "the loss computation (scaling, reduction, ignore_index)")
     if stage == "grad":
         if metric == "nonfinite":
             return (f"the backward of {L} ({site}): re-run this step under torch.autograd.detect_anomaly() to name the "
                     "op; under float16 AMP check the loss scaler")
-        return f"the gradient of {L} ({site}): the loss and batch of this step, and gradient clipping"
+        return (f"the gradient of {L} ({site}) while the forward and the loss were in range: the backward itself "
+                "(gradient accumulation and its scaling, zero_grad, a hook that edits gradients)")
     if stage == "update":
         return (f"the optimizer's param group for {L} ({site}): its learning rate at this step (scheduler, warmup, a "
-                "per-layer multiplier), Adam ε and second-moment state")
+                "per-layer multiplier), Adam ε and second-moment state, and any code that writes the parameters")
     if stage == "norm_output" and metric == "scale_rms":
-        return f"the scale γ of {site} in {L}: its updates and weight decay"
+        return f"the scale γ of {site} in {L}: what wrote it (a checkpoint load, its updates, weight decay)"
     if stage in ("norm_input", "layer_input"):
         return f"the stream entering {L}: the residual sum of the layer before and the data at this step"
     if stage == "norm_output":
         return f"{site} in {L}: its input's per-row RMS (a collapsing σ/RMS amplifies) and its scale γ"
-    return f"the {site or stage} sublayer of {L}: its weights (update stage) and the norm that feeds it"
+    return f"the {site or stage} sublayer of {L}: its weights (update stage), its precision, and the norm that feeds it"
 
 
+# ---------------------------------------------------------------------- the run as series
+@dataclasses.dataclass
 class _Series:
-    __slots__ = ("hist", "broken", "zeros")
-
-    def __init__(self, window: int):
-        self.hist: deque = deque(maxlen=window)
-        self.broken = False
-        self.zeros = True
-
-
-def _baseline(hist, z: float, floor: float) -> tuple[float, float]:
-    a = np.fromiter(hist, float)
-    m = float(np.median(a))
-    mad = float(np.median(np.abs(a - m)))
-    return m, max(1.4826 * mad, floor * abs(m), 1e-12)
+    """Every scalar series of a run as rows of one matrix (steps as columns), with what each row is."""
+    steps: np.ndarray
+    keys: list[tuple]  # (stage, layer, site, head, metric)
+    order: list[tuple]  # chain position of each row: (entry position, metric order, head)
+    values: np.ndarray  # (rows, steps), NaN where not recorded
 
 
-def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int = 8, z: float = 10.0,
-             floor: float = 0.1, floor_down: float = 0.05) -> Diagnosis:
-    """Read ``run_dir`` (also while it is being written) and localize the first anomaly of the chain."""
-    headers, records, ends = read_run(run_dir)
-    settings = {"window": window, "min_history": min_history, "z": z, "floor": floor, "floor_down": floor_down}
-    series: dict[tuple, _Series] = {}
-    pooled: dict[str, deque] = {}
-    pooled_broken: set[str] = set()
-    found: list[Anomaly] = []
-
-    def judge(key, v, metric, step) -> tuple[bool, float | None, str] | None:
-        s = series.get(key)
-        if s is None:
-            s = series[key] = _Series(window)
-        if v is None or s.broken:
-            if v is not None and metric not in _COUNT and math.isfinite(v):
-                s.hist.append(v)
-            return None
-        verdict = None
-        if metric in _COUNT:
-            if v > 0 and s.zeros:
-                verdict = (True, 0.0, f"{metric} = {v:.4g} after {len(s.hist)} recorded steps at 0")
-            s.zeros = s.zeros and v == 0
-            s.hist.append(v)
-        elif not math.isfinite(v):
-            base = float(np.median(np.fromiter(s.hist, float))) if s.hist else None
-            verdict = (True, base, f"{metric} is {v}" + (f" (median of the last {len(s.hist)}: {base:.4g})"
-                                                         if base is not None else ""))
-        else:
-            if len(s.hist) >= min_history:
-                m, sc = _baseline(s.hist, z, floor)
-                if metric in _UP and v >= m + z * sc:
-                    verdict = (True, m, f"{metric} {v:.4g} vs median {m:.4g} of the last {len(s.hist)} recorded "
-                                        f"steps (+{(v - m) / sc:.1f} robust σ, ×{v / m:.3g})" if m else
-                                        f"{metric} {v:.4g} vs median 0")
-                elif metric in _DOWN:
-                    m, sd = _baseline(s.hist, z, floor_down)
-                    if v <= m - z * sd:
-                        verdict = (True, m, f"{metric} {v:.4g} vs median {m:.4g} of the last {len(s.hist)} recorded "
-                                            f"steps (−{(m - v) / sd:.1f} robust σ, ×{v / m:.3g})")
-            s.hist.append(v)
-        if verdict:
-            s.broken = True
-        return verdict
-
-    for rec in records:
-        step = rec["step"]
-        ids = rec.get("sample_ids")
+def _collect(records: list[dict[str, Any]]) -> _Series:
+    rows: dict[tuple, int] = {}
+    order: list[tuple] = []
+    cols: list[dict[int, float]] = []
+    for t, rec in enumerate(records):
         entries = rec["entries"]
         loss_pos = next((i for i, e in enumerate(entries) if e["stage"] == "loss"), len(entries))
-        # per-sample series, pooled over samples
-        for name, d in (rec.get("samples") or {}).items():
+        for pos, e in enumerate(entries):
+            try:
+                metrics = entry_metrics(e)
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                continue
+            if e["stage"] == "loss":
+                pos = loss_pos
+            for metric, v in metrics.items():
+                for head, vh in (enumerate(v) if isinstance(v, list) else ((None, v),)):
+                    key = (e["stage"], e["layer"], e["site"], head, metric)
+                    r = rows.get(key)
+                    if r is None:
+                        r = rows[key] = len(order)
+                        order.append((pos, _METRIC_ORDER.get(metric, 9), -1 if head is None else head))
+                        cols.append({})
+                    if isinstance(vh, int | float):
+                        cols[r][t] = float(vh)
+    values = np.full((len(order), len(records)), np.nan)
+    for r, c in enumerate(cols):
+        if c:
+            idx = np.fromiter(c.keys(), int)
+            values[r, idx] = np.fromiter(c.values(), float)
+    return _Series(np.array([r["step"] for r in records], int), list(rows), order, values)
+
+
+def _samples(records: list[dict[str, Any]], name: str, metric: str) -> list[np.ndarray | None]:
+    """The per-sample values of ``samples[name][metric]`` at each step (None where absent or malformed)."""
+    out: list[np.ndarray | None] = []
+    for rec in records:
+        d = (rec.get("samples") or {}).get(name)
+        try:
+            if metric == "rms":
+                v = [math.sqrt(s / n) if n else 0.0 for s, n in zip(d["sumsq"], d["n"], strict=False)]
+            else:
+                v = d[metric]
+            out.append(np.asarray(v, float).reshape(-1))
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            out.append(None)
+    return out
+
+
+def _ids(rec: dict[str, Any], idx) -> list:
+    ids = rec.get("sample_ids")
+    return [ids[i] if isinstance(ids, list) and i < len(ids) else i for i in idx]
+
+
+# ---------------------------------------------------------------------- the detector
+@dataclasses.dataclass
+class _Trigger:
+    t: int  # column
+    kind: str
+    metric: str
+    value: float
+    baseline: float | None
+    evidence: str
+    key: tuple | None  # the incident series' own row key, the cause when nothing before it left its range
+    sample_ids: list | None = None
+    score: float = math.inf
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+class _Detector:
+    def __init__(self, records, *, window, min_history, z, lookback, floor, false_alarms, lr_jump, grad_factor,
+                 update_factor, sample_factor):
+        self.records = records
+        self.factors = {"grad_spike": grad_factor, "update_spike": update_factor, "sample": sample_factor}
+        self.window, self.min_history, self.z = window, min_history, z
+        self.lookback, self.floor, self.false_alarms, self.lr_jump = lookback, floor, false_alarms, lr_jump
+        self.s = _collect(records)
+        self.T = len(records)
+
+    def threshold(self, tests: int) -> float:
+        """z raised so that ``tests`` Gaussian tests leave ``false_alarms`` expected false alarms."""
+        return max(self.z, gaussian_tail_quantile(self.false_alarms / max(tests, 1)))
+
+    # ------------------------------------------------------------------ incidents
+    def rows(self, pred) -> list[int]:
+        return [i for i, k in enumerate(self.s.keys) if pred(k)]
+
+    def incident_triggers(self) -> list[_Trigger]:
+        s, T = self.s, self.T
+        out: list[_Trigger] = []
+        # non-finite values and masked rows after none
+        bad_prev = False
+        for t in range(T):
+            col = s.values[:, t]
+            bad_rows = [i for i, k in enumerate(s.keys) if k[4] not in _COUNT and k[4] not in _CONTEXT
+                        and not math.isnan(col[i]) and not math.isfinite(col[i])]
+            counts = [i for i, k in enumerate(s.keys) if k[4] == "nonfinite" and col[i] > 0]
+            sample_bad = self._sample_nonfinite(t)
+            bad = bool(bad_rows or counts or sample_bad)
+            if bad and not bad_prev:
+                n = len(set(bad_rows) | set(counts))
+                where = f"{n} series" + (f" and {sample_bad} samples" if sample_bad else "")
+                out.append(_Trigger(t, "nonfinite", "nonfinite", math.nan, 0.0, f"non-finite values in {where}", None))
+            bad_prev = bad
+        masked = self.rows(lambda k: k[4] == "masked_rows")
+        if masked:
+            m = s.values[masked]
+            for r, row in zip(masked, m, strict=True):
+                prior = row[:1]
+                for t in range(1, T):
+                    prior = row[:t]
+                    fin = prior[np.isfinite(prior)]
+                    if row[t] > 0 and fin.size and np.all(fin == 0):
+                        k = s.keys[r]
+                        out.append(_Trigger(t, "masked_rows", "masked_rows", float(row[t]), 0.0,
+                                            f"{int(row[t])} fully masked query rows at layer {k[1]} after "
+                                            f"{fin.size} recorded steps with none", k))
+                        break
+        # trend departures of the loss, the gradient norm and the updates (each against its lr)
+        judged: list[tuple[str, str, np.ndarray, tuple | None]] = []
+        loss = self.rows(lambda k: k[0] == "loss" and k[4] == "loss")
+        if loss:
+            judged.append(("loss_spike", "loss", s.values[loss[0]], s.keys[loss[0]]))
+        grads = self.rows(lambda k: k[0] == "grad" and k[4] == "rms")
+        if grads:
+            total = np.full(T, np.nan)
+            for t, rec in enumerate(self.records):
+                ss = [e["sumsq"] for e in rec["entries"] if e["stage"] == "grad"]
+                if ss:
+                    total[t] = math.sqrt(sum(ss))
+            judged.append(("grad_spike", "grad_norm", total, None))
+        for r in self.rows(lambda k: k[0] == "update" and k[4] == "ratio"):
+            k = s.keys[r]
+            lr = self._lr_row(k)
+            ratio = s.values[r]
+            per_lr = np.where(np.isfinite(lr) & (lr > 0), ratio / np.where(lr > 0, lr, 1.0), ratio)
+            judged.append(("update_spike", "ratio", per_lr, k))
+            if np.isfinite(lr).any():
+                out.extend(self._lr_jumps(k, lr, ratio))
+        thr = self.threshold(len(judged) * T)
+        for kind, metric, series, key in judged:
+            out.extend(self._spikes(kind, metric, series, key, thr, self.factors.get(kind, 1.0)))
+        out.extend(self._sample_spikes())
+        return out
+
+    def _sample_spikes(self) -> list[_Trigger]:
+        """Steps where single samples' losses sit far above the rest of their batch, beyond the recent steps' spread
+        of the same ratio and at least ``sample_factor`` times the batch's median (a corrupt sample hurts its own
+        loss long before it moves the mean)."""
+        vals = _samples(self.records, "loss", "loss")
+        n = sum(v.size for v in vals if v is not None)
+        if not n:
+            return []
+        thr, factor = self.threshold(n), self.factors["sample"]
+        out = []
+        for t in range(self.T):
+            ids, z, ratio = self._sample_outliers(t, vals, thr)
+            if ids is None:
+                continue
+            keep = [i for i, r in zip(ids, ratio, strict=True) if r >= factor]
+            if keep:
+                v = vals[t]
+                top = max(keep, key=lambda i: v[i])
+                sids = _ids(self.records[t], keep)
+                med = float(np.median(v[np.isfinite(v)]))
+                out.append(_Trigger(t, "loss_spike", "loss", float(v[top]), med,
+                                    f"per-sample loss {_fmt(v[top])} of sample {sids[keep.index(top)]} is "
+                                    f"×{v[top] / med:.3g} its batch's median {_fmt(med)} (+{z[top]:.1f} robust σ "
+                                    f"over the recent steps' spread; thresholds {thr:.1f} and ×{factor:g}); "
+                                    f"{len(keep)} of {v.size} samples", ("loss", None, "", None, "loss"),
+                                    sample_ids=sids, score=float(z[top])))
+        return out
+
+    def _sample_outliers(self, t: int, vals, thr: float):
+        """(indices, robust σ, ratio to the batch median) of the samples of column ``t`` whose log-loss minus the
+        batch's median log-loss is ``thr`` robust σ above the same of the recent steps' samples."""
+        past = [r for r in (self._relative_log_loss(v) for v in vals[max(0, t - self.window):t]) if r is not None]
+        cur = self._relative_log_loss(vals[t])
+        if cur is None or len(past) < self.min_history:
+            return None, None, None
+        a = np.concatenate(past)
+        m = float(np.median(a))
+        sc = max(1.4826 * float(np.median(np.abs(a - m))), self.floor)
+        z = (cur - m) / sc
+        hit = np.flatnonzero(np.isfinite(z) & (z >= thr))
+        if not hit.size:
+            return None, None, None
+        return hit.tolist(), z, np.exp(cur[hit])
+
+    def _lr_row(self, key: tuple) -> np.ndarray:
+        i = self.s.keys.index(key[:4] + ("lr",)) if key[:4] + ("lr",) in self.s.keys else None
+        return self.s.values[i] if i is not None else np.full(self.T, np.nan)
+
+    def _lr_jumps(self, key, lr, ratio) -> list[_Trigger]:
+        out = []
+        for t in range(self.min_history, self.T):
+            before = lr[:t][np.isfinite(lr[:t])]
+            if before.size >= self.min_history and np.isfinite(lr[t]) and lr[t] > self.lr_jump * before.max() > 0:
+                out.append(_Trigger(t, "lr_jump", "lr", float(lr[t]), float(before.max()),
+                                    f"learning rate {_fmt(lr[t])} for layer {key[1]} ({key[2]}) is ×"
+                                    f"{lr[t] / before.max():.3g} the highest its schedule reached before "
+                                    f"({_fmt(before.max())}); update ratio {_fmt(ratio[t])}", key))
+                break
+        return out
+
+    def _spikes(self, kind, metric, series, key, thr, factor) -> list[_Trigger]:
+        """Upward departures of one series from its trend, the flagged values kept out of later baselines."""
+        y = log_values(series)
+        hist = y.copy()
+        out, prev = [], False
+        for t in range(1, self.T):
+            f = fit(hist[None, max(0, t - self.window):t], self.min_history, self.floor)
+            z, base = f.up(y[t:t + 1])
+            z, base = float(z[0]), float(base[0])
+            hit = math.isfinite(z) and z >= thr and y[t] - base >= math.log(factor)
+            if hit:
+                hist[t] = np.nan
+                if not prev:
+                    what = {"loss_spike": "loss", "grad_spike": "global gradient norm",
+                            "update_spike": f"update ratio per unit of learning rate, layer {key[1] if key else ''} "
+                                            f"({key[2] if key else ''})"}[kind]
+                    b = math.exp(base)
+                    out.append(_Trigger(t, kind, metric, float(series[t]), b,
+                                        f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
+                                        f"+{z:.1f} robust σ; threshold {thr:.1f}"
+                                        + (f" and ×{factor:g})" if factor > 1 else ")"), key, score=z))
+            prev = hit
+        return out
+
+    def _sample_nonfinite(self, t: int) -> int:
+        n = 0
+        for name in (self.records[t].get("samples") or {}):
             if name == "tokens":
                 continue
-            stage, pos = ("loss", loss_pos - 0.5) if name == "loss" else ("data", -1)
-            if name == "loss":
-                vals = {"loss": d["loss"]}
-            else:
-                vals = {"rms": [math.sqrt(s / n) if n else 0.0 for s, n in zip(d["sumsq"], d["n"], strict=False)],
-                        "max": d["max"], "nonfinite": d["nonfinite"]}
-            for metric, vs in vals.items():
-                key = f"{name}:{metric}"
-                hist = pooled.setdefault(key, deque(maxlen=window))
-                arr = np.asarray(vs, float)
-                flagged, base, ev = [], None, ""
-                if key not in pooled_broken and arr.size:
-                    if metric == "nonfinite" or not np.all(np.isfinite(arr)):
-                        bad = np.flatnonzero(arr > 0) if metric == "nonfinite" else np.flatnonzero(~np.isfinite(arr))
-                        if bad.size:
-                            flagged, base = bad.tolist(), 0.0
-                            ev = f"{metric} non-finite/positive in {bad.size} of {arr.size} samples"
-                    elif len(hist) >= min_history and metric != "nonfinite":
-                        pool = np.concatenate(list(hist))
-                        m, sc = _baseline(pool, z, floor)
-                        bad = np.flatnonzero(arr >= m + z * sc)
-                        if bad.size:
-                            flagged, base = bad.tolist(), m
-                            top = float(arr[bad].max())
-                            ev = (f"per-sample {metric} up to {top:.4g} vs median {m:.4g} of {pool.size} samples of the "
-                                  f"last {len(hist)} recorded steps (+{(top - m) / sc:.1f} robust σ); "
-                                  f"{bad.size} of {arr.size} samples")
-                if flagged:
-                    pooled_broken.add(key)
-                    sids = [ids[i] if ids and i < len(ids) else i for i in flagged]
-                    found.append(Anomaly(step, stage, None, None, metric, float(np.nanmax(arr[flagged])) if
-                                         np.any(np.isfinite(arr[flagged])) else float(arr[flagged][0]), base,
-                                         f"{name}: {ev}", _next_check(stage, metric, None, name, None, sids),
-                                         site=name, sample_ids=sids, order=(step, pos, _METRIC_ORDER.get(metric, 9), -1)))
-                fin = arr[np.isfinite(arr)]
-                if fin.size:
-                    hist.append(fin)
-        for pos, e in enumerate(entries):
-            stage, layer, site = e["stage"], e["layer"], e["site"]
-            for metric, v in entry_metrics(e).items():
-                if metric == "min_row_rms" or (stage == "norm_output" and metric == "scale_rms" and v is None):
+            for metric in ("loss", "rms", "max", "nonfinite"):
+                v = _samples(self.records[t:t + 1], name, metric)[0]
+                if v is not None:
+                    n += int(np.sum(v > 0) if metric == "nonfinite" else np.sum(~np.isfinite(v)))
+        return n
+
+    def _loss_samples(self, t: int) -> tuple[list | None, str]:
+        """The samples that carry a loss spike at column ``t`` (far above their batch against the recent steps'
+        spread), and the evidence."""
+        vals = _samples(self.records, "loss", "loss")
+        ids, z, ratio = self._sample_outliers(t, vals, self.loc_threshold)
+        if ids is None:
+            return None, ""
+        sids = _ids(self.records[t], ids)
+        return sids, f"; samples {sids} carry it (up to ×{float(np.max(ratio)):.3g} their batch's median loss)"
+
+    @staticmethod
+    def _relative_log_loss(v: np.ndarray | None) -> np.ndarray | None:
+        if v is None or not v.size:
+            return None
+        lv = log_values(v)
+        fin = lv[np.isfinite(lv)]
+        if not fin.size:
+            return None
+        return lv - float(np.median(fin))
+
+    # ------------------------------------------------------------------ localization
+    def scores(self):
+        s = self.s
+        logv = log_values(s.values)
+        self.up, self.down, self.base_up, self.base_down = departures(logv, self.window, self.min_history,
+                                                                      self.floor)
+        judged = sum(1 for k in s.keys if k[4] in _UP or k[4] in _DOWN)
+        self.loc_threshold = self.threshold(max(judged, 1) * (self.lookback + 1))
+
+    def departures_in(self, t0: int, t1: int) -> list[Anomaly]:
+        """Every series that left its range at a column in [t0, t1]."""
+        s = self.s
+        found: list[Anomaly] = []
+        thr = self.loc_threshold
+        for r, key in enumerate(s.keys):
+            stage, layer, site, head, metric = key
+            if metric in _CONTEXT:
+                continue
+            row = s.values[r]
+            for t in range(t0, t1 + 1):
+                v = row[t]
+                if math.isnan(v) and metric not in _COUNT:
                     continue
-                if isinstance(v, list):
-                    hits = []
-                    for h, vh in enumerate(v):
-                        r = judge((stage, layer, site, h, metric), vh, metric, step)
-                        if r:
-                            hits.append((h, vh, r))
-                    if not hits:
+                hit = None
+                if metric in _COUNT:
+                    prior = row[:t][np.isfinite(row[:t])]
+                    if v > 0 and (prior.size == 0 and t == 0 or prior.size and np.all(prior == 0)):
+                        hit = (math.inf, 0.0, f"{metric} = {v:.4g} after {prior.size} recorded steps at 0")
+                elif not math.isfinite(v):
+                    hit = (math.inf, None, f"{metric} is {v}")
+                elif metric in _UP and self.up[r, t] >= thr:
+                    b = math.exp(self.base_up[r, t])
+                    hit = (float(self.up[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
+                                                    f"(×{v / b:.3g}, +{self.up[r, t]:.1f} robust σ)")
+                elif metric in _DOWN and self.down[r, t] >= thr:
+                    b = math.exp(self.base_down[r, t])
+                    hit = (float(self.down[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
+                                                      f"(×{v / b:.3g}, −{self.down[r, t]:.1f} robust σ)")
+                if hit is not None:
+                    step = int(s.steps[t])
+                    found.append(Anomaly(step, stage, layer, head, metric, float(v), hit[1], hit[2],
+                                         _next_check(stage, metric, layer, site, head, None), site=site,
+                                         score=hit[0], order=(step, *s.order[r])))
+                    break  # a series' first departure in the window
+        found.extend(self._sample_departures(t0, t1))
+        return _every_head(found, self.heads)
+
+    @property
+    def heads(self) -> dict[tuple, int]:
+        """(stage, layer, site, metric) → the number of heads of a per-head series."""
+        out: dict[tuple, int] = {}
+        for stage, layer, site, head, metric in self.s.keys:
+            if head is not None:
+                k = (stage, layer, site, metric)
+                out[k] = max(out.get(k, 0), head + 1)
+        return out
+
+    def _sample_departures(self, t0: int, t1: int) -> list[Anomaly]:
+        out = []
+        names = sorted({n for r in self.records for n in (r.get("samples") or {}) if n not in ("tokens", "loss")})
+        thr = self.loc_threshold
+        for name in names:
+            for metric in ("nonfinite", "rms", "max"):
+                vals = _samples(self.records, name, metric)
+                for t in range(t0, t1 + 1):
+                    v = vals[t]
+                    if v is None or not v.size:
                         continue
-                    if len(v) > 1 and len(hits) == len(v):  # every head: one anomaly for the layer
-                        h0 = max(hits, key=lambda t: t[1] if math.isfinite(t[1]) else math.inf)
-                        found.append(Anomaly(step, stage, layer, None, metric, h0[1], h0[2][1],
-                                             f"all {len(v)} heads; largest in head {h0[0]}: {h0[2][2]}",
-                                             _next_check(stage, metric, layer, site, None, None), site=site,
-                                             order=(step, pos, _METRIC_ORDER.get(metric, 9), -1)))
+                    if metric == "nonfinite":
+                        bad = np.flatnonzero(v > 0)
+                        z = np.where(v > 0, math.inf, 0.0)
+                        base, ev = 0.0, f"non-finite values in {bad.size} of {v.size} samples"
                     else:
-                        for h, vh, r in hits:
-                            found.append(Anomaly(step, stage, layer, h, metric, vh, r[1], r[2],
-                                                 _next_check(stage, metric, layer, site, h, None), site=site,
-                                                 order=(step, pos, _METRIC_ORDER.get(metric, 9), h)))
-                else:
-                    r = judge((stage, layer, site, None, metric), v, metric, step)
-                    if r:
-                        found.append(Anomaly(step, stage, layer, None, metric, v, r[1], r[2],
-                                             _next_check(stage, metric, layer, site, None, None), site=site,
-                                             order=(step, pos, _METRIC_ORDER.get(metric, 9), -1)))
-    found.sort(key=lambda a: a.order)
-    disabled = sorted({p for e in ends for p in e.get("disabled", [])} | {p for r in records
-                                                                           for p in r.get("disabled", [])})
-    errors = [x for e in ends for x in e.get("errors", [])]
-    last = headers[-1]
-    complete = bool(ends) and len(ends) >= len(headers)
-    return Diagnosis(str(trace_path(run_dir).parent), found, [r["step"] for r in records], last, disabled, errors,
-                     settings, complete, records)
+                        past = [log_values(p) for p in vals[max(0, t - self.window):t] if p is not None]
+                        past = [p[np.isfinite(p)] for p in past]
+                        if len(past) < self.min_history:
+                            continue
+                        a = np.concatenate(past)
+                        if not a.size:
+                            continue
+                        m = float(np.median(a))
+                        sc = max(1.4826 * float(np.median(np.abs(a - m))), self.floor)
+                        lv = log_values(v)
+                        z = np.where(np.isfinite(lv), (lv - m) / sc, np.where(np.isnan(v), 0.0, math.inf))
+                        bad = np.flatnonzero(z >= thr)
+                        base = math.exp(m)
+                        if bad.size:
+                            top = float(np.max(v[bad]))
+                            ev = (f"per-sample {metric} up to {_fmt(top)} vs median {_fmt(base)} of {a.size} samples of "
+                                  f"the last {len(past)} recorded steps (+{float(np.max(z[bad])):.1f} robust σ); "
+                                  f"{bad.size} of {v.size} samples")
+                    if bad.size:
+                        ids = _ids(self.records[t], bad.tolist())
+                        step = int(self.s.steps[t])
+                        value = float(np.max(v[bad])) if np.isfinite(v[bad]).any() else float(v[bad][0])
+                        out.append(Anomaly(step, "data", None, None, metric, value, base, f"{name}: {ev}",
+                                           _next_check("data", metric, None, name, None, ids), site=name,
+                                           sample_ids=ids, score=float(np.max(z[bad])),
+                                           order=(step, -1, _METRIC_ORDER.get(metric, 9), -1)))
+                        break
+        return out
+
+    def localize(self, trig: _Trigger) -> Incident:
+        t0 = max(0, trig.t - self.lookback)
+        deps = self.departures_in(t0, trig.t)
+        if trig.kind == "loss_spike" and trig.sample_ids is None:
+            trig.sample_ids, named = self._loss_samples(trig.t)
+            trig.evidence += named
+        own = self._own_anomaly(trig)
+        if own is not None and not any(a.order[:1] == own.order[:1] and (a.stage, a.layer, a.site, a.metric)
+                                       == (own.stage, own.layer, own.site, own.metric) for a in deps):
+            deps.append(own)
+        if not deps:  # non-finite values that no series holds (only per-sample values): the symptom itself
+            step = int(self.s.steps[trig.t])
+            deps = [Anomaly(step, "loss", None, None, trig.metric, trig.value, trig.baseline, trig.evidence,
+                            _next_check("loss", trig.metric, None, "", None, None), order=(step, math.inf, 9, -1))]
+        cause = _one_head(min(deps, key=lambda a: a.order), deps)
+        if cause not in deps:  # one head named for its layer's non-finite logits: it stands for its own departure
+            same = (cause.step, cause.stage, cause.layer, cause.site, cause.head, cause.metric)
+            deps = [a for a in deps if (a.step, a.stage, a.layer, a.site, a.head, a.metric) != same] + [cause]
+        ranked = sorted(deps, key=lambda a: (-a.score if math.isfinite(a.score) else -math.inf, a.order))
+        step = int(self.s.steps[trig.t])
+        return Incident(step, trig.kind, trig.metric, trig.value, trig.baseline, trig.evidence, cause, ranked)
+
+    def _own_anomaly(self, trig: _Trigger) -> Anomaly | None:
+        """The incident's own series as an anomaly (the cause when nothing earlier in the chain left its range)."""
+        step = int(self.s.steps[trig.t])
+        if trig.key is None:  # the global gradient norm, or non-finite values: their series speak for them
+            if trig.kind != "grad_spike":
+                return None
+            grads = [i for i, k in enumerate(self.s.keys) if k[0] == "grad" and k[4] == "rms"]
+            return Anomaly(step, "grad", None, None, "grad_norm", trig.value, trig.baseline, trig.evidence,
+                           _next_check("grad", "rms", None, "all layers", None, None), site="all layers",
+                           score=trig.score, order=(step, min(self.s.order[i][0] for i in grads), 9, -1))
+        stage, layer, site, head, metric = trig.key
+        r = self.s.keys.index(trig.key) if trig.key in self.s.keys else None
+        order = (step, *self.s.order[r]) if r is not None else (step, math.inf, 9, -1)
+        return Anomaly(step, stage, layer, head, "lr" if trig.kind == "lr_jump" else metric, trig.value,
+                       trig.baseline, trig.evidence, _next_check(stage, metric, layer, site, head, trig.sample_ids),
+                       site=site, sample_ids=trig.sample_ids, score=trig.score, order=order)
+
+    # ------------------------------------------------------------------ drifts
+    def drifts(self, logit_danger: float, scale_danger: float, stream_danger: float) -> list[Drift]:
+        s, T = self.s, self.T
+        if T < self.min_history + 1:
+            return []
+        out = []
+        horizon = max(T, 1)
+        w = min(self.window, T)
+        for r, key in enumerate(s.keys):
+            stage, layer, site, head, metric = key
+            if metric == "max_logit":
+                what, danger = "attention logits", logit_danger
+            elif metric == "scale_rms":
+                what, danger = "norm scale γ RMS", scale_danger
+            elif stage == "layer_input" and metric == "rms":
+                what, danger = "residual stream RMS", stream_danger
+            else:
+                continue
+            y = log_values(s.values[r, T - w:])
+            f = fit(y[None, :], self.min_history, self.floor / 4)
+            if not f.ok[0]:
+                continue
+            slope, noise = float(f.slope[0]), float(f.scale[0])
+            k = max(1, w // 3)
+            if not (slope > 0 and slope * (w - k) >= 3 * noise):
+                continue  # not growing beyond its noise
+            v = float(s.values[r, -1])
+            if not math.isfinite(v) or v <= 0:
+                continue
+            steps = 0.0 if v >= danger else (math.log(danger) - math.log(v)) / slope
+            if steps > horizon:
+                continue
+            status = "crossed" if steps == 0 else "on course"
+            ev = (f"{what} {_fmt(v)}, ×{math.exp(slope):.3g} per recorded step over the last {w}; "
+                  + (f"past the danger level {_fmt(danger)}" if steps == 0 else
+                     f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate"))
+            out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, steps, status, ev))
+        return sorted(out, key=lambda d: d.steps_to_danger)
+
+
+def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int = 8, z: float = 8.0,
+             lookback: int = 3, floor: float = 0.05, false_alarms: float = 0.01, lr_jump: float = 2.0,
+             grad_factor: float = 100.0, update_factor: float = 5.0, sample_factor: float = 10.0,
+             logit_danger: float = 30.0,
+             scale_danger: float = 10.0, stream_danger: float = 1000.0) -> Diagnosis:
+    """Read ``run_dir`` (also while it is being written): its incidents, the first link behind each, and drifts.
+
+    ``window``: recorded values a trend is fitted to; ``min_history``: values a series needs before it is judged
+    (at most ``window``); ``z``: the least robust σ of an incident or a departure, raised for the number of series
+    judged so that a clean run expects ``false_alarms`` false incidents in all; ``lookback``: recorded steps before an
+    incident searched for its cause; ``floor``: the least noise a series is credited with (natural log: 0.05 ≈ 5 %);
+    ``lr_jump``: a learning rate this many times the highest one before is a jump; ``grad_factor``,
+    ``update_factor``: the least factor over its trend of a gradient-norm spike and of an update per unit of learning
+    rate (single-batch gradient spikes of ×10–40 and update wobbles of ×2.5 are ordinary in real runs, measured);
+    ``sample_factor``: the least factor of a sample's loss over its batch's median for a per-sample loss spike;
+    ``logit_danger``, ``scale_danger``, ``stream_danger``: where a drift becomes dangerous, for the max attention
+    logit (the collapse regime: logits of tens), a norm's scale γ RMS and the residual stream's RMS.
+    """
+    settings = {"window": window, "min_history": min_history, "z": z, "lookback": lookback, "floor": floor,
+                "false_alarms": false_alarms, "lr_jump": lr_jump, "grad_factor": grad_factor,
+                "update_factor": update_factor, "sample_factor": sample_factor, "logit_danger": logit_danger,
+                "scale_danger": scale_danger, "stream_danger": stream_danger}
+    _check_settings(settings)
+    run = read_run(run_dir)
+    det = _Detector(run.records, window=window, min_history=min_history, z=z, lookback=lookback, floor=floor,
+                    false_alarms=false_alarms, lr_jump=lr_jump, grad_factor=grad_factor,
+                    update_factor=update_factor, sample_factor=sample_factor)
+    incidents: list[Incident] = []
+    if run.records:
+        triggers = sorted(det.incident_triggers(), key=lambda tr: (tr.t, INCIDENT_KINDS.index(tr.kind)))
+        if triggers:
+            det.scores()
+        for trig in triggers:
+            last = incidents[-1] if incidents else None
+            if last is not None and trig.t - _col(det, last.step) <= lookback:
+                last.symptoms.append(f"step {int(det.s.steps[trig.t])}: {trig.kind}: {trig.evidence}")
+                continue
+            incidents.append(det.localize(trig))
+    drifts = det.drifts(logit_danger, scale_danger, stream_danger) if run.records else []
+    disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
+                      | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})
+    errors = [x for e in run.ends for x in (e.get("errors") or []) if isinstance(x, dict)]
+    complete = bool(run.ends) and len(run.ends) >= len(run.headers)
+    return Diagnosis(str(run.path.parent), incidents, drifts, [r["step"] for r in run.records], run.headers[-1],
+                     disabled, errors, settings, complete, run.damaged, run.records)
+
+
+def _one_head(cause: Anomaly, deps: list[Anomaly]) -> Anomaly:
+    """An attention entry's non-finite count is one number for all heads; when only some heads' own series left
+    their range at that step, the first of them is the cause (the others' logits were fine)."""
+    if cause.stage != "attention_logits" or cause.head is not None:
+        return cause
+    heads = [a for a in deps if a.stage == cause.stage and a.layer == cause.layer and a.site == cause.site
+             and a.step == cause.step and a.head is not None]
+    if not heads:
+        return cause
+    top = max(heads, key=lambda a: a.score)
+    return dataclasses.replace(top, evidence=f"{top.evidence}; the layer's logits hold non-finite values "
+                                             f"({cause.metric} = {_fmt(cause.value)})", order=cause.order)
+
+
+def _every_head(found: list[Anomaly], heads: dict[tuple, int]) -> list[Anomaly]:
+    """Departures of every head of one entry at one step become one anomaly of the layer (``head=None``): a mask
+    or an input that all heads share, not one head's weights."""
+    groups: dict[tuple, list[Anomaly]] = {}
+    for a in found:
+        if a.head is not None:
+            groups.setdefault((a.step, a.stage, a.layer, a.site, a.metric), []).append(a)
+    out = [a for a in found if a.head is None]
+    for (_, stage, layer, site, metric), members in groups.items():
+        n = heads.get((stage, layer, site, metric), 0)
+        if n > 1 and len(members) == n:
+            top = max(members, key=lambda a: a.score)
+            out.append(dataclasses.replace(top, head=None, evidence=f"all {n} heads; largest in head {top.head}: "
+                                           f"{top.evidence}", next_check=_next_check(stage, metric, layer, site, None,
+                                                                                     None),
+                                           order=top.order[:-1] + (-1,)))
+        else:
+            out.extend(members)
+    return out
+
+
+def _col(det: _Detector, step: int) -> int:
+    return int(np.searchsorted(det.s.steps, step))
+
+
+def _check_settings(st: dict[str, Any]) -> None:
+    def positive_int(name):
+        v = st[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer, got {v!r}")
+
+    for name in ("window", "min_history"):
+        positive_int(name)
+    if isinstance(st["lookback"], bool) or not isinstance(st["lookback"], int) or st["lookback"] < 0:
+        raise InputError(f"lookback must be a non-negative integer, got {st['lookback']!r}")
+    if st["window"] < 3:
+        raise InputError(f"window must be at least 3 (a trend needs a first and a last third), got {st['window']}")
+    if st["min_history"] > st["window"]:
+        raise InputError(f"min_history ({st['min_history']}) must not exceed window ({st['window']}): a series holds "
+                         f"at most window values, so no value would ever be judged; raise window or lower min_history")
+    for name in ("z", "floor", "lr_jump", "grad_factor", "update_factor", "sample_factor", "logit_danger",
+                 "scale_danger",
+                 "stream_danger"):
+        v = st[name]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise InputError(f"{name} must be a positive number, got {v!r}")
+    for name in ("lr_jump", "grad_factor", "update_factor", "sample_factor"):
+        if st[name] < 1:
+            raise InputError(f"{name} is a factor of at least 1, got {st[name]!r}")
+    fa = st["false_alarms"]
+    if isinstance(fa, bool) or not isinstance(fa, int | float) or not 0 < fa < 1:
+        raise InputError(f"false_alarms must be in (0, 1): the expected false incidents over a clean run, got {fa!r}")

@@ -32,32 +32,58 @@ def summary_line(d: Diagnosis) -> str:
     return line
 
 
+def _settings_line(d: Diagnosis) -> str:
+    st = d.settings
+    return (f"incident threshold ≥ {st['z']} robust σ (raised for the number of series judged), a trend over the last "
+            f"{st['window']} recorded values, judged after {st['min_history']}; causes searched {st['lookback']} "
+            f"recorded steps back")
+
+
 def render_diagnosis(d: Diagnosis, console: Console) -> None:
     console.print(f"[dim]{summary_line(d)}[/]")
     for e in d.errors:
         console.print(f"[yellow]probe {e['probe']} was disabled at step {e['step']}: {e['error']}[/]")
-    if not d.anomalies:
-        console.print(f"[green]no anomaly[/] in {len(d.steps)} recorded steps (jump threshold {d.settings['z']} "
-                      f"robust σ over the last {d.settings['window']} values; judged after "
-                      f"{d.settings['min_history']})")
-        return
-    a = d.first
-    console.print(f"[bold red]first anomaly[/]: step {a.step} · {a.where()} · {a.metric} = {_fmt(a.value)}"
-                  + (f" (baseline {_fmt(a.baseline)})" if a.baseline is not None else ""))
-    console.print(f"  evidence: {a.evidence}")
-    if a.sample_ids:
-        console.print(f"  samples: {a.sample_ids}")
-    console.print(f"  next: {a.next_check}")
-    t = Table(title=f"{len(d.anomalies)} anomalies, in chain order", title_justify="left")
-    for col in ("step", "stage", "layer", "site", "head", "metric", "value", "baseline", "samples"):
-        t.add_column(col, justify="right" if col in ("step", "layer", "head", "value", "baseline") else "left")
-    for x in d.anomalies[:MAX_ROWS]:
-        t.add_row(str(x.step), x.stage, _fmt(x.layer), x.site, _fmt(x.head), x.metric, _fmt(x.value),
-                  _fmt(x.baseline), ", ".join(map(str, x.sample_ids[:4])) + ("…" if len(x.sample_ids) > 4 else "")
-                  if x.sample_ids else "")
-    console.print(t)
-    if len(d.anomalies) > MAX_ROWS:
-        console.print(f"[dim]… {len(d.anomalies) - MAX_ROWS} more (--json lists all)[/]")
+    if d.damaged:
+        console.print(f"[yellow]{len(d.damaged)} damaged line(s) of the trace file were skipped:[/]")
+        for line in d.damaged[:10]:
+            console.print(f"[yellow]  {line}[/]")
+    if not d.incidents:
+        console.print(f"[green]no incident[/] in {len(d.steps)} recorded steps ({_settings_line(d)})")
+    else:
+        inc, a = d.incidents[0], d.first
+        console.print(f"[bold red]incident[/] at step {inc.step}: {inc.kind} — {inc.evidence}")
+        console.print(f"[bold red]first cause[/]: step {a.step} · {a.where()} · {a.metric} = {_fmt(a.value)}"
+                      + (f" (baseline {_fmt(a.baseline)})" if a.baseline is not None else ""))
+        console.print(f"  evidence: {a.evidence}")
+        if a.sample_ids:
+            console.print(f"  samples: {a.sample_ids}")
+        console.print(f"  next: {a.next_check}")
+        t = Table(title=f"{len(d.incidents)} incident(s), each with its first cause", title_justify="left")
+        for col in ("step", "incident", "cause step", "stage", "layer", "site", "head", "metric", "value",
+                    "baseline", "samples"):
+            t.add_column(col, justify="right" if col in ("step", "cause step", "layer", "head", "value", "baseline")
+                         else "left")
+        for x in d.incidents[:MAX_ROWS]:
+            c = x.cause
+            t.add_row(str(x.step), x.kind, str(c.step), c.stage, _fmt(c.layer), c.site, _fmt(c.head), c.metric,
+                      _fmt(c.value), _fmt(c.baseline), ", ".join(map(str, c.sample_ids[:4]))
+                      + ("…" if len(c.sample_ids) > 4 else "") if c.sample_ids else "")
+        console.print(t)
+        if len(d.incidents) > MAX_ROWS:
+            console.print(f"[dim]… {len(d.incidents) - MAX_ROWS} more (--json lists all)[/]")
+        deps = [x for x in inc.departures if x is not a][:8]
+        if deps:
+            console.print("[dim]also left their range before the first incident (farthest first):[/]")
+            for x in deps:
+                console.print(f"[dim]  step {x.step} · {x.where()} · {x.evidence}[/]")
+    if d.drifts:
+        t = Table(title=f"{len(d.drifts)} drift(s): growing, not (yet) an incident", title_justify="left")
+        for col in ("series", "metric", "value", "×/step", "danger", "steps to danger", "status"):
+            t.add_column(col, justify="left" if col in ("series", "metric", "status") else "right")
+        for x in d.drifts[:MAX_ROWS]:
+            t.add_row(x.where(), x.metric, _fmt(x.value), f"{math.exp(x.slope):.3g}", _fmt(x.danger),
+                      f"{x.steps_to_danger:.0f}", x.status)
+        console.print(t)
 
 
 # ---------------------------------------------------------------------- HTML
@@ -90,11 +116,14 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
 
     a = d.first
+    inc = d.incidents[0] if d.incidents else None
     figs = []
 
     def finish(fig, ax, title, log=True):
-        if a is not None:
-            ax.axvline(a.step, color="red", lw=1.2, ls="--", label=f"first anomaly (step {a.step})")
+        if inc is not None:
+            ax.axvline(inc.step, color="red", lw=1.2, ls="--", label=f"incident ({inc.kind}, step {inc.step})")
+            if a is not None and a.step != inc.step:
+                ax.axvline(a.step, color="darkorange", lw=1.0, ls=":", label=f"first cause (step {a.step})")
         lo, hi = ax.get_ylim()
         if log and lo > 0 and hi / lo > 20:  # a log axis only where the values span decades
             ax.set_yscale("log")
@@ -132,7 +161,8 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
         ax.plot(xs, positive(ys), lw=1, label=f"layer {layer}")
     finish(fig, ax, "residual stream RMS entering each layer")
     # max logit per head
-    att = [a2 for a2 in d.anomalies if a2.stage == "attention_logits"]
+    att = [a2 for a2 in ([a] if a is not None else []) + d.anomalies + [
+        dr for dr in d.drifts if dr.stage == "attention_logits"] if a2.stage == "attention_logits"]
     layers = sorted({e["layer"] for rec in d.records for e in rec["entries"] if e["stage"] == "attention_logits"},
                     key=lambda v: (v is None, v or 0))
     if layers:
@@ -146,9 +176,11 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(6.4, 3.2))
         heads = next((len(e["max_logit"]) for rec in d.records for e in rec["entries"]
                       if e["stage"] == "attention_logits" and e["layer"] == layer), 0)
+        marked = att[0].head if att and att[0].layer == layer else None
         for h in range(heads):
             xs, ys = d.series("attention_logits", "max_logit", layer=layer, head=h)
-            ax.plot(xs, positive(ys), lw=1, label=f"head {h}")
+            ax.plot(xs, positive(ys), lw=2.2 if h == marked else 1,
+                    label=f"head {h}" + (" (cause)" if h == marked and att[0] is a else ""))
         finish(fig, ax, f"max |attention logit| per head, layer {layer}")
     # gradients and updates by layer
     for stage, title, pick in (
@@ -166,7 +198,8 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
 
 
 def render_html(d: Diagnosis) -> str:
-    """One self-contained page: summary, the first anomaly, plots (inline PNG) and the anomaly table."""
+    """One self-contained page that opens on the first incident and its cause: then plots (inline PNG) marked at
+    the incident, the incidents' table, the departures behind the first, and the drifts in their own section."""
     esc = html.escape
     a = d.first
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>normscope diagnose</title><style>",
@@ -175,29 +208,59 @@ def render_html(d: Diagnosis) -> str:
              "td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}th{background:#f3f3f3}"
              ".first{background:#fde8e8;border:1px solid #e99;padding:10px;margin:12px 0}"
              ".ok{background:#e8f6e8;border:1px solid #9c9;padding:10px;margin:12px 0}"
+             ".warn{background:#fff6e0;border:1px solid #e8c46a;padding:10px;margin:12px 0}"
              ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid img{border:1px solid #ddd}",
-             "</style></head><body>", "<h1>normscope diagnose</h1>", f"<p>{esc(summary_line(d))}</p>"]
-    for e in d.errors:
-        parts.append(f"<p>probe <b>{esc(e['probe'])}</b> was disabled at step {e['step']}: {esc(e['error'])}</p>")
+             "</style></head><body>", "<h1>normscope diagnose</h1>"]
     if a is None:
-        parts.append(f"<div class='ok'><b>No anomaly</b> in {len(d.steps)} recorded steps.</div>")
+        parts.append(f"<div class='ok'><b>No incident</b> in {len(d.steps)} recorded steps "
+                     f"({esc(_settings_line(d))}).</div>")
     else:
-        parts.append(f"<div class='first'><b>First anomaly: step {a.step} · {esc(a.where())}</b> — {esc(a.metric)} = "
+        inc = d.incidents[0]
+        parts.append(f"<div class='first'><b>Incident at step {inc.step}: {esc(inc.kind)}</b> — {esc(inc.evidence)}"
+                     f"<br><b>First cause: step {a.step} · {esc(a.where())}</b> — {esc(a.metric)} = "
                      f"{esc(_fmt(a.value))} (baseline {esc(_fmt(a.baseline))})<br>evidence: {esc(a.evidence)}<br>"
                      + (f"samples: {esc(', '.join(map(str, a.sample_ids)))}<br>" if a.sample_ids else "")
                      + f"next: {esc(a.next_check)}</div>")
+    parts.append(f"<p>{esc(summary_line(d))}</p>")
+    for e in d.errors:
+        parts.append(f"<p>probe <b>{esc(e['probe'])}</b> was disabled at step {e['step']}: {esc(e['error'])}</p>")
+    if d.damaged:
+        parts.append("<div class='warn'><b>Damaged lines skipped</b><br>"
+                     + "<br>".join(esc(x) for x in d.damaged[:50]) + "</div>")
     parts.append("<div class='grid'>")
     for title, b64 in _figures(d):
         parts.append(f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{b64}'></figure>")
     parts.append("</div>")
-    if d.anomalies:
-        parts.append(f"<h2>{len(d.anomalies)} anomalies, in chain order</h2><table><tr>")
-        cols = ("step", "stage", "layer", "site", "head", "metric", "value", "baseline", "samples", "evidence")
+    if d.incidents:
+        parts.append(f"<h2>{len(d.incidents)} incident(s)</h2><table><tr>")
+        cols = ("step", "incident", "evidence", "cause", "cause evidence", "samples", "next", "folded in")
         parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
-        for x in d.anomalies[:200]:
-            row = (x.step, x.stage, _fmt(x.layer), x.site, _fmt(x.head), x.metric, _fmt(x.value), _fmt(x.baseline),
-                   ", ".join(map(str, x.sample_ids or [])), x.evidence)
+        for x in d.incidents[:200]:
+            c = x.cause
+            row = (x.step, x.kind, x.evidence, f"step {c.step} · {c.where()} · {c.metric}", c.evidence,
+                   ", ".join(map(str, c.sample_ids or [])), c.next_check, "; ".join(x.symptoms))
             parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
         parts.append("</table>")
+        deps = d.incidents[0].departures
+        parts.append("<h2>What left its range in the window before the first incident (farthest first)</h2><table><tr>")
+        cols = ("step", "stage", "layer", "site", "head", "metric", "value", "baseline", "robust σ", "evidence")
+        parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+        for x in deps[:100]:
+            row = (x.step, x.stage, _fmt(x.layer), x.site, _fmt(x.head), x.metric, _fmt(x.value), _fmt(x.baseline),
+                   _fmt(x.score), x.evidence)
+            parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
+        parts.append("</table>")
+    parts.append("<h2>Drifts</h2>")
+    if d.drifts:
+        parts.append("<p>Series growing step after step towards a dangerous level; not incidents.</p><table><tr>")
+        cols = ("series", "metric", "value", "×/step", "danger", "steps to danger", "status", "evidence")
+        parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
+        for x in d.drifts:
+            row = (x.where(), x.metric, _fmt(x.value), f"{math.exp(x.slope):.3g}", _fmt(x.danger),
+                   f"{x.steps_to_danger:.0f}", x.status, x.evidence)
+            parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<p>None.</p>")
     parts.append("</body></html>")
     return "\n".join(parts)

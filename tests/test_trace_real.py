@@ -1,0 +1,180 @@
+"""``normscope.diagnose`` on real training runs (``trace_real``): three architectures the tracer was not built
+around, trained on the characters of the standard library's source with warm-up, dropout and batch noise.
+
+Clean runs report no incident (3 architectures × 3 seeds); each of twelve faults, injected at step ``AT`` into a
+different link of the chain, is the first incident's cause at the right step, stage, layer, head, site and sample.
+Also: the learning rate recorded per group, the data stage of Hugging Face GPT-2 (its ids reach the embedding
+through a view), an optimizer subclass that calls ``super().step()``, settings that cannot work together, and
+damaged run files read without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import trace_real as R
+from command_runner import run_command
+
+from normscope.errors import InputError
+from normscope.tracing import command, diagnose, read_run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytest.importorskip("transformers", reason="the real-run tests build Hugging Face GPT-2 and Llama (pip install "
+                                           "normscope[hf])")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("arch", sorted(R.MODELS))
+def test_clean_real_run_has_no_incident(tmp_path, arch, seed):
+    tr = R.run(arch, tmp_path, seed)
+    assert not tr.errors and not tr.disabled
+    d = diagnose(tmp_path)
+    assert d.steps == list(range(R.STEPS)) and d.complete and not d.damaged
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    assert d.first is None and d.ok
+    for drift in d.drifts:  # a drift is context: it says where it is heading, and it is never `first`
+        assert drift.slope > 0 and drift.status in ("crossed", "on course") and drift.danger > 0
+
+
+@pytest.mark.parametrize("name", list(R.CASES))
+def test_fault_is_the_first_cause(tmp_path, name):
+    case = R.CASES[name]
+    seen = {}
+
+    def fault(st):
+        if st.step == R.AT:
+            seen["ids"] = st.ids
+        return case.fault(st)
+
+    if case.run_kw.get("optimizer") is not None:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # another optimizer class built before (hooks nest)
+    R.run(case.arch, tmp_path, 0, fault, **case.run_kw)
+    d = diagnose(tmp_path)
+    assert d.incidents, f"{name}: no incident"
+    inc, a = d.incidents[0], d.first
+    got = (a.step, a.stage, a.layer, a.head)
+    want = (R.AT, case.stage, a.layer if case.any_layer else case.layer, case.head)
+    assert got == want, (name, a, inc.evidence)
+    assert inc.step == R.AT
+    if case.site is not None:
+        assert a.site == case.site, a
+    if case.metric is not None:
+        assert a.metric == case.metric, a
+    if case.kind is not None:
+        assert inc.kind == case.kind, inc
+    if case.sample is not None:
+        assert a.sample_ids == [seen["ids"][case.sample]], a
+    assert a.evidence and a.next_check
+    assert a in inc.departures and a in d.anomalies
+
+
+def test_learning_rate_is_recorded_per_group(tmp_path):
+    R.run("postln", tmp_path, 0, steps=20)
+    recs = read_run(tmp_path).records
+    lrs = [next(e["max_lr"] for e in r["entries"] if e["stage"] == "update") for r in recs]
+    assert lrs[0] == pytest.approx(R.LR / R.WARMUP) and lrs[-1] == pytest.approx(R.LR)
+    assert all(b >= a for a, b in zip(lrs, lrs[1:], strict=False))  # the warm-up, as the scheduler set it
+
+
+def test_gpt2_data_stage_is_recorded(tmp_path):
+    """HF GPT-2 reaches its embedding through ``input_ids.view(-1, T)``: still the data stage."""
+    R.run("gpt2", tmp_path, 0, steps=2)
+    samples = read_run(tmp_path).records[-1]["samples"]
+    assert "embedding" in samples and len(samples["embedding"]["sumsq"]) == R.B
+
+
+def test_optimizer_subclass_write_is_measured(tmp_path):
+    """A subclass whose step() calls super().step() runs the global step hooks nested (when the parent class was
+    built before): its own write after super().step() is part of the update."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    R.run("gpt2", tmp_path, 0, R.at(R._subclass_write), steps=R.AT + 1, optimizer=R.WritingAdamW)
+    rec = read_run(tmp_path).records[-1]
+    e = next(e for e in rec["entries"] if e["stage"] == "update" and e["layer"] == 1 and e["site"] == "attn")
+    assert math.sqrt(e["sumsq"] / e["param_sumsq"]) > 0.3  # ×3 on c_attn: the update is most of the parameter
+
+
+def test_settings_that_cannot_work_together(tmp_path):
+    R.run("postln", tmp_path, 0, steps=3)
+    with pytest.raises(InputError, match="min_history .* must not exceed window"):
+        diagnose(tmp_path, window=5, min_history=8)
+    for bad in ({"z": 0}, {"window": 2}, {"false_alarms": 1.5}, {"lookback": -1}, {"grad_factor": 0.5}):
+        with pytest.raises(InputError):
+            diagnose(tmp_path, **bad)
+
+
+# ---------------------------------------------------------------------- damaged run files
+@pytest.fixture(scope="module")
+def run_lines(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    R.run("postln", d, 0, steps=12)
+    return (d / "trace.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def _damaged(lines: list[bytes]) -> dict[str, bytes]:
+    head, steps, end = lines[0], lines[1:-1], lines[-1]
+    step = json.loads(steps[3])
+    missing = dict(step)
+    missing.pop("entries")
+    wrong_entry = dict(step)
+    wrong_entry["entries"] = [{"stage": "grad", "layer": 0, "site": "mlp", "sumsq": "x"}, *step["entries"][1:]]
+    return {
+        "not utf-8": head + b"".join(steps[:3]) + b"\xff\xfe\x80 garbage\n" + b"".join(steps[3:]) + end,
+        "missing key": head + b"".join(steps[:3]) + json.dumps(missing).encode() + b"\n" + b"".join(steps[4:]) + end,
+        "non-numeric step": head + b"".join(steps[:3]) + steps[3].replace(b'"step":3', b'"step":"abc"')
+        + b"".join(steps[4:]) + end,
+        "wrong type": head + b"[1, 2, 3]\n" + b'"text"\n' + b"".join(steps) + end,
+        "wrong entry": head + b"".join(steps[:3]) + json.dumps(wrong_entry).encode() + b"\n" + b"".join(steps[4:]),
+        "NUL block": head + b"".join(steps[:5]) + b"\0" * 4096 + b"\n" + b"".join(steps[5:]),
+        "NUL inside": head + b"".join(steps[:5]) + steps[5][:40] + b"\0" * 64 + b"\n" + b"".join(steps[6:]),
+        "cut then resumed": head + b"".join(steps[:5]) + steps[5][: len(steps[5]) // 2] + head
+        + b"".join(steps[5:]),
+        "cut header": steps[0][:30] + head + b"".join(steps),
+        "truncated": head + b"".join(steps[:6]) + steps[6][:50],
+        "only garbage lines": head + b"{not json\n" * 3 + b"".join(steps),
+    }
+
+
+DAMAGE = ("not utf-8", "missing key", "non-numeric step", "wrong type", "wrong entry", "NUL block", "NUL inside",
+          "cut then resumed", "cut header", "truncated", "only garbage lines")
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_damaged_file_reads_what_it_can(tmp_path, run_lines, kind, capsys):
+    blobs = _damaged(run_lines)
+    assert set(blobs) == set(DAMAGE)
+    blob = blobs[kind]
+    (tmp_path / "trace.jsonl").write_bytes(blob)
+    d = diagnose(tmp_path)  # never a traceback
+    assert len(d.steps) >= 6, kind
+    assert d.damaged, kind
+    code, out, err = run_command(command, ["diagnose", str(tmp_path)], capsys)
+    assert code == 0 and "Traceback" not in out + err
+    assert "damaged" in out, out
+
+
+def test_trainer_callback(tmp_path):
+    """One line traces a Hugging Face Trainer run: every optimizer step recorded with its loss and updates."""
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install normscope[hf])")
+    from transformers import Trainer, TrainingArguments
+
+    from normscope.tracing import TraceCallback
+
+    text = R.corpus()
+    rows = [{"input_ids": text[i:i + R.T], "labels": text[i:i + R.T]} for i in range(0, 64 * R.T, R.T)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, max_steps=10,
+                             learning_rate=1e-3, warmup_steps=4, logging_steps=100, save_strategy="no",
+                             report_to=[], use_cpu=True, gradient_accumulation_steps=2, disable_tqdm=True)
+    trainer = Trainer(model=R.hf_gpt2(0), args=args, train_dataset=rows,
+                      callbacks=[TraceCallback(tmp_path / "run")])
+    trainer.train()
+    d = diagnose(tmp_path / "run")
+    assert d.steps == list(range(10)) and d.complete and not d.errors
+    losses = d.series("loss", "loss")[1]
+    assert len(losses) == 10 and all(2 < v < 6 for v in losses)
+    rec = d.records[-1]
+    assert {e["stage"] for e in rec["entries"]} >= {"layer_input", "norm_output", "attention_logits", "grad", "update"}
+    lrs = [next(e["max_lr"] for e in r["entries"] if e["stage"] == "update") for r in d.records]
+    assert lrs[0] < lrs[3] and max(lrs) <= 1e-3 * (1 + 1e-6)  # the Trainer's warm-up, as recorded

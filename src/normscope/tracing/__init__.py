@@ -22,14 +22,17 @@ _LAZY = {
     "SCHEMA": ".store",
     "read_run": ".store",
     "TensorBoardSink": ".sinks",
+    "TraceCallback": ".callback",
 }
 
-__all__ = ["SCHEMA", "STAGES", "Anomaly", "Diagnosis", "TensorBoardSink", "Tracer", "diagnose", "read_run", "trace"]
+__all__ = ["SCHEMA", "STAGES", "Anomaly", "Diagnosis", "TensorBoardSink", "TraceCallback", "Tracer", "diagnose",
+           "read_run", "trace"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
+    from .callback import TraceCallback
     from .detect import STAGES, Anomaly, Diagnosis, diagnose
     from .recorder import Tracer, trace
     from .sinks import TensorBoardSink

@@ -59,15 +59,13 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             console.print(f"  samples: {a.sample_ids}")
         console.print(f"  next: {a.next_check}")
         t = Table(title=f"{len(d.incidents)} incident(s), each with its first cause", title_justify="left")
-        for col in ("step", "incident", "cause step", "stage", "layer", "site", "head", "metric", "value",
-                    "baseline", "samples"):
-            t.add_column(col, justify="right" if col in ("step", "cause step", "layer", "head", "value", "baseline")
-                         else "left")
+        for col in ("step", "incident", "first cause", "value", "samples"):
+            t.add_column(col, justify="right" if col in ("step", "value") else "left", overflow="fold")
         for x in d.incidents[:MAX_ROWS]:
             c = x.cause
-            t.add_row(str(x.step), x.kind, str(c.step), c.stage, _fmt(c.layer), c.site, _fmt(c.head), c.metric,
-                      _fmt(c.value), _fmt(c.baseline), ", ".join(map(str, c.sample_ids[:4]))
-                      + ("…" if len(c.sample_ids) > 4 else "") if c.sample_ids else "")
+            t.add_row(str(x.step), x.kind, f"step {c.step} · {c.where()} · {c.metric}", _fmt(c.value),
+                      ", ".join(map(str, c.sample_ids[:4])) + ("…" if len(c.sample_ids) > 4 else "")
+                      if c.sample_ids else "")
         console.print(t)
         if len(d.incidents) > MAX_ROWS:
             console.print(f"[dim]… {len(d.incidents) - MAX_ROWS} more (--json lists all)[/]")
@@ -77,13 +75,11 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             for x in deps:
                 console.print(f"[dim]  step {x.step} · {x.where()} · {x.evidence}[/]")
     if d.drifts:
-        t = Table(title=f"{len(d.drifts)} drift(s): growing, not (yet) an incident", title_justify="left")
-        for col in ("series", "metric", "value", "×/step", "danger", "steps to danger", "status"):
-            t.add_column(col, justify="left" if col in ("series", "metric", "status") else "right")
+        console.print(f"[yellow]{len(d.drifts)} drift(s)[/]: growing towards a dangerous level, not (yet) an incident")
         for x in d.drifts[:MAX_ROWS]:
-            t.add_row(x.where(), x.metric, _fmt(x.value), f"{math.exp(x.slope):.3g}", _fmt(x.danger),
-                      f"{x.steps_to_danger:.0f}", x.status)
-        console.print(t)
+            console.print(f"  {x.status}: {x.where()} · {x.evidence}")
+        if len(d.drifts) > MAX_ROWS:
+            console.print(f"[dim]… {len(d.drifts) - MAX_ROWS} more (--json lists all)[/]")
 
 
 # ---------------------------------------------------------------------- HTML

@@ -308,6 +308,76 @@ def test_ddp_two_gloo_ranks(tmp_path):
             assert mine[0]["sumsq"] != pytest.approx(mine[1]["sumsq"], rel=1e-3), e
 
 
+_FSDP2 = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist, torch.nn.functional as F
+    rank, world, run_dir, port = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+    sys.path.insert(0, sys.argv[4])
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from trace_models import GPT
+    import normscope.tracing as nt
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(10 + rank)
+    with nt.trace(model, run_dir) as tr:
+        for step in range(3):
+            idx = torch.randint(0, 64, (2, 16), generator=g)
+            losses = F.cross_entropy(model(idx).transpose(1, 2), idx, reduction="none").mean(1)
+            losses.mean().backward()
+            full = {n: float(p.grad.full_tensor().double().square().sum()) for n, p in model.h[0].attn.named_parameters()}
+            before = {n: p.full_tensor().detach().clone() for n, p in model.h[0].attn.named_parameters()}
+            opt.step(); opt.zero_grad()
+            moved = sum(float((p.full_tensor() - before[n]).double().square().sum())
+                        for n, p in model.h[0].attn.named_parameters())
+            tr.step(step, loss=losses.mean().item(), losses=losses, sample_ids=[f"r{rank}-{i}" for i in range(2)])
+    if rank == 0:
+        json.dump({"grad": sum(full.values()), "update": moved, "errors": tr.errors}, open(f"{run_dir}/full.json", "w"))
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_two_gloo_ranks(tmp_path):
+    """Under FSDP2 (``fully_shard``, parameters and gradients sharded as DTensors) each rank summarises its shards
+    and rank 0 writes their sums: the whole gradient's and the whole update's, exactly."""
+    import socket
+
+    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
+    from torch.distributed import fsdp
+
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2 came with torch 2.6)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _FSDP2, str(r), str(tmp_path), port, str(Path(__file__).parent)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err.decode()[-3000:]
+    full = json.loads((tmp_path / "full.json").read_text())
+    assert full["errors"] == []
+    headers, steps, ends = read_run(tmp_path)
+    assert headers[0]["world_size"] == 2 and [s["step"] for s in steps] == [0, 1, 2]
+    last = steps[2]
+    assert {e["stage"] for e in last["entries"]} >= {"layer_input", "norm_output", "attention_logits", "grad", "update"}
+    grad = next(e for e in last["entries"] if e["stage"] == "grad" and e["layer"] == 0 and e["site"] == "attn")
+    update = next(e for e in last["entries"] if e["stage"] == "update" and e["layer"] == 0 and e["site"] == "attn")
+    assert grad["n"] == update["n"] == 32 * 96 + 96 + 32 * 32 + 32  # the whole parameters, shards summed
+    assert grad["sumsq"] == pytest.approx(full["grad"], rel=1e-5)
+    assert update["sumsq"] == pytest.approx(full["update"], rel=1e-4)
+    assert update["max_lr"] == pytest.approx(1e-3)
+    assert diagnose(tmp_path).ok
+
+
 def test_hugging_face_llama_left_padding(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()

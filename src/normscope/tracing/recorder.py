@@ -184,6 +184,13 @@ def _deferrable(x: torch.Tensor) -> bool:
         return False
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's local shard (an FSDP2 ``DTensor`` parameter or gradient), else the tensor itself: each rank
+    summarises its own shard, and the ranks' sums add up to the whole tensor's."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _same_ids(a, ids: torch.Tensor) -> bool:
     """Whether ``a`` is the forward's token ids or a view of all of them (``input_ids.view(-1, T)``)."""
     if a is ids:
@@ -722,7 +729,7 @@ class Tracer:
         self._guard("grad", self._grad_stats, [p for p in batch.values() if p.grad is not None])
 
     def _grad_stats(self, params: list[torch.Tensor]) -> None:
-        for p, st in zip(params, batch_stats([p.grad for p in params]), strict=True):
+        for p, st in zip(params, batch_stats([_local(p.grad) for p in params]), strict=True):
             self._grads[id(p)] = st  # the accumulated gradient: the last backward wins
 
     def _own(self, optimizer) -> list[torch.Tensor]:
@@ -751,8 +758,9 @@ class Tracer:
                         self._lrs[id(p)] = float(lr)
             if own:
                 # fresh memory each step would cost its page faults
-                bufs = [self._buffer(id(p), p.shape, p.dtype, p.device) for p in own]
-                torch._foreach_copy_(bufs, [p.detach() for p in own])
+                values = [_local(p.detach()) for p in own]
+                bufs = [self._buffer(id(p), v.shape, v.dtype, v.device) for p, v in zip(own, values, strict=True)]
+                torch._foreach_copy_(bufs, values)
                 self._old.update(zip(map(id, own), bufs, strict=True))
 
     def _buffer(self, key, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -783,7 +791,7 @@ class Tracer:
                 return
             stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
             rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            olds, news = [self._old[id(p)] for p in own], [p.detach() for p in own]
+            olds, news = [self._old[id(p)] for p in own], [_local(p.detach()) for p in own]
             # the change and its sums in one read of both copies, one call for all parameters
             for p, d, w, one in zip(own, olds, news, fused.update_sums(olds, news), strict=True):
                 if one is not None and all(map(math.isfinite, one)):

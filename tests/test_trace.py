@@ -162,7 +162,7 @@ def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
 def test_layers_override_and_bad_arguments(tmp_path):
     model = GPT(layers=2)
     tr = trace(model, tmp_path, layers=["h.1"])
-    assert tr.block_names == ["h.1"]
+    assert tr.layout.block_names == ["h.1"]
     with pytest.raises(InputError, match="names no submodule"):
         trace(model, tmp_path, layers=["h.9"])
     with pytest.raises(InputError, match="positive integer"):
@@ -392,7 +392,7 @@ def test_hugging_face_llama_left_padding(tmp_path):
         out = model(input_ids=ids, attention_mask=attention_mask, labels=ids)
         out.loss.backward()
         tr.step(0, loss=out.loss.item())
-    assert tr.block_names == ["model.layers.0", "model.layers.1"] and not tr.disabled
+    assert tr.layout.block_names == ["model.layers.0", "model.layers.1"] and not tr.disabled
     entries = diagnose(tmp_path).records[0]["entries"]
     sites = {(e["stage"], e["layer"], e["site"]) for e in entries}
     assert {("norm_output", 0, "input_layernorm"), ("sublayer_output", 1, "attn"), ("residual_sum", 1, "mlp"),
@@ -411,7 +411,7 @@ def _sdpa_stats(args, kwargs) -> dict:
 
 def test_fused_statistics_match_brute_force():
     """The fast paths (amax/amin for max |x|, broadcast masks, foreach update norms) give the exact numbers."""
-    from normscope.tracing import recorder as rec
+    from normscope.tracing import statistics as rec
 
     for x in (torch.randn(5, 7) * -3, torch.tensor([1.0, -math.inf, 2.0, -7.0]), torch.tensor([math.nan, -5.0, 3.0]),
               torch.randn(4, 4).bfloat16()):
@@ -500,7 +500,7 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        upd = dict(tr._updates)
+        upd = dict(tr.updates.stats)
         tr.step(0, loss=loss.item())
     groups: dict = {}
     for n, p in model.named_parameters():
@@ -515,6 +515,31 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
         assert upd[g]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-12)
         assert upd[g]["max"] == pytest.approx(mx, rel=1e-5, abs=1e-12)
         assert upd[g]["param_sumsq"] == pytest.approx(ps, rel=1e-4)
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
+def test_eager_softmax_kernel_matches_torchs_path(fill):
+    """The one-read kernel for the logits an eager softmax is given agrees with torch's path: causal and fully
+    masked rows, -inf and finfo.min masks, a strided view, more keys than queries; a NaN logit is left to torch."""
+    from normscope.tracing import attention, fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed: torch's path only")
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 3, 17, 17), (3, 4, 40, 40), (1, 2, 5, 9)]:
+        x = torch.randn(shape, generator=g) * 3
+        causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril(shape[-1] - shape[-2])
+        y = x.masked_fill(~causal, fill)
+        y[0, -1, 2, :] = fill  # a query row that sees no key
+        for logits in (y, y.transpose(1, 2).contiguous().transpose(1, 2)):
+            got = fused.logits_summary(logits, max(1, shape[2] // attention.ENTROPY_ROWS))
+            want = attention.logit_stats(logits, logits <= torch.finfo(torch.float32).min / 2)
+            assert got.keys() == want.keys()
+            for k, v in want.items():
+                assert got[k] == (pytest.approx(v, rel=1e-5, abs=1e-6) if k in ("max_logit", "entropy_sum") else v), k
+    y[0, 0, 0, 0] = float("nan")
+    assert fused.logits_summary(y, 1) is None
+    assert attention.eager_logit_stats(y)["nonfinite"] == 1
 
 
 def test_logit_entropy_exact_and_float_masks():
@@ -561,7 +586,7 @@ def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp
             opt.step()
             opt.zero_grad()
             if step == 0:
-                got, want = dict(tr._grads), raw
+                got, want = dict(tr.gradients.stats), raw
             tr.step(step)
     assert hooks[1] == hooks[3] == 0 and hooks[0] > 0 and hooks[2] == hooks[0]
     assert len(model._forward_pre_hooks) == 0
@@ -609,16 +634,16 @@ def test_a_records_writing_counts_towards_the_next_recorded_steps_tracer_ms(tmp_
     steps."""
     import time as clock
 
-    from normscope.tracing import recorder as rec
+    from normscope.tracing import writer
 
-    write = rec.Tracer._write
+    write = writer.RecordWriter.write
 
     def slow(self, record):
         write(self, record)
         if record.get("kind") == "step" and record["step"] == 0:
             clock.sleep(0.06)
 
-    monkeypatch.setattr(rec.Tracer, "_write", slow)
+    monkeypatch.setattr(writer.RecordWriter, "write", slow)
     train(tmp_path, steps=3, every=2)
     steps = {r["step"]: r["tracer_ms"] for r in read_run(tmp_path)[1]}
     assert sorted(steps) == [0, 2] and steps[2] >= 60 > steps[0]
@@ -628,7 +653,7 @@ def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
     """The numba path (Σx² and max |x| from the bit patterns in one read; the update's difference and its sums in
     one read) gives the numbers of the exact definition, NaN/inf/-0/subnormals included, and torch's path agrees."""
     from normscope.tracing import fused
-    from normscope.tracing import recorder as rec
+    from normscope.tracing import statistics as rec
 
     assert fused.available()  # numba is in the dev extra: the tests run the fast path
     g = torch.Generator().manual_seed(0)
@@ -866,7 +891,7 @@ def test_a_norms_scale_rms_is_that_of_its_weight_at_the_call(tmp_path):
     assert entries[(0, "ln_1")]["max_scale_rms"] == pytest.approx(3.0)
     assert entries[(0, "ln_2")]["max_scale_rms"] == pytest.approx(1.0)
     assert math.isnan(float(entries[(1, "ln_1")]["max_scale_rms"]))
-    from normscope.tracing.recorder import _merge
+    from normscope.tracing.statistics import merge as _merge
 
     for first, second in ((math.nan, 1.0), (1.0, math.nan)):  # a NaN maximum survives, whichever call came first
         acc = {"max_scale_rms": first, "max_logit": [first, 2.0]}
@@ -878,7 +903,7 @@ def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_it
     """A view of storage shrunk to nothing (as FSDP leaves an unsharded parameter) is not read by address; a
     tensor whose statistics cannot be taken drops its own entry, the rest of the forward's are recorded."""
     from normscope.tracing import fused
-    from normscope.tracing import recorder as rec
+    from normscope.tracing import statistics as rec
 
     base = torch.randn(1 << 16)
     view = base[1000:5096]

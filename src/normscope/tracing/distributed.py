@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .recorder import _merge
+from .statistics import merge
 
 
 def merge_records(parts: list[tuple[list[dict[str, Any]], dict[str, dict[str, list]], list | None]]):
@@ -26,7 +26,7 @@ def merge_records(parts: list[tuple[list[dict[str, Any]], dict[str, dict[str, li
             key = (e["stage"], e["layer"], e["site"])
             stats = {k: v for k, v in e.items() if k not in ("stage", "layer", "site")}
             if key in entries:
-                _merge(entries[key], stats)
+                merge(entries[key], stats)
             else:
                 entries[key] = {"stage": e["stage"], "layer": e["layer"], "site": e["site"], **stats}
         for name, d in samp.items():

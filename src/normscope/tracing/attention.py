@@ -204,5 +204,10 @@ def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False)
 
 def eager_logit_stats(logits: torch.Tensor) -> dict:
     """The statistics of logits an eager softmax is given: entries at or below half the dtype's lowest value (the
-    ``-inf`` or ``finfo.min`` a mask fills in) are masked."""
+    ``-inf`` or ``finfo.min`` a mask fills in) are masked. On the CPU with numba, float32 logits are read once per
+    row by one kernel (:func:`.fused.logits_summary`); elsewhere, or when a logit is not finite, torch's path."""
+    if logits.dim() == 4 and logits.dtype == torch.float32:
+        got = fused.logits_summary(logits.detach(), max(1, logits.shape[2] // ENTROPY_ROWS))
+        if got is not None:
+            return got
     return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)

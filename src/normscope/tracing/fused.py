@@ -47,6 +47,9 @@ class _Kernels:
     def attention_summary(self, *args) -> None:
         launch(self.k.attention_summary_parallel, self.k.attention_summary_serial, *args)
 
+    def logits_summary(self, *args) -> None:
+        launch(self.k.logits_summary_parallel, self.k.logits_summary_serial, *args)
+
 
 def _kernels() -> _Kernels | None:
     if not _KERNELS:
@@ -238,6 +241,28 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     if max(top) >= INF_BITS:
         return None
     return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "entropy_sum": ent, "entropy_rows": rows}
+
+
+def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
+    """Per head of the (N, H, Tq, Tk) logits an eager softmax is given, in one read of each row: max |logit| over the
+    entries above half the dtype's lowest value (the others are masked), fully masked query rows, and the softmax
+    entropy summed over every ``stride``-th query row with an unmasked key and their number (float64 sums of float32
+    terms). CPU float32 logits with a contiguous last dimension only; None where this path does not apply or a logit
+    is not finite (the caller's exact path)."""
+    kern = _kernels()
+    if (kern is None or logits.dim() != 4 or logits.shape[3] == 0 or logits.shape[2] == 0
+            or _extent(logits, False) is None):
+        return None
+    n, h, tq, tk = logits.shape
+    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
+    kern.logits_summary(logits.data_ptr(), np.array(logits.stride()[:3], np.int64),
+                        np.array([n, h, tq, tk], np.int64), stride,
+                        np.float32(torch.finfo(torch.float32).min / 2), *out)
+    top, full, ent, rows = (a.tolist() for a in out)
+    if max(top) >= INF_BITS:
+        return None
+    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "rows": [n * tq] * h,
+            "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0}
 
 
 def _rows(x: torch.Tensor, name: str, copy) -> torch.Tensor | None:

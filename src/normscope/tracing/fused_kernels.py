@@ -290,6 +290,57 @@ def _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows):  # pragma: 
             entropy_rows[b] += er[a, b]
 
 
+@numba.njit(**_JIT)
+def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
+                 entropy_rows):  # pragma: no cover - compiled
+    """One (sample, head) of :func:`logits_summary_serial`: its rows of given logits read once each; an entry at
+    or below ``lowest`` is masked (the ``-inf`` or ``finfo.min`` a mask fills in; NaN is not masked)."""
+    h, tq, tk = dims[1], dims[2], dims[3]
+    a, b = u // h, u % h
+    buf = np.empty(tk, np.float32)
+    bits = buf.view(np.int32)
+    keep = np.empty(tk, np.float32)
+    ex = np.empty(tk, np.float32)
+    m = np.int32(0)
+    full = 0
+    es = 0.0
+    er = 0
+    for i in range(tq):
+        row = numba.carray(_f32_at(x + 4 * (a * xs[0] + b * xs[1] + i * xs[2])), (tk,))
+        live = np.float32(0.0)
+        for j in range(tk):
+            v = row[j]
+            buf[j] = v
+            k = np.float32(0.0) if v <= lowest else np.float32(1.0)
+            keep[j] = k
+            live += k
+        for j in range(tk):
+            m = max(m, (bits[j] & _ABS) * np.int32(keep[j]))  # a masked entry: 0
+        if live == 0:
+            full += 1
+            continue
+        if i % stride != 0:
+            continue
+        top = np.float32(-np.inf)
+        for j in range(tk):
+            top = max(top, buf[j] if keep[j] > 0 else np.float32(-np.inf))
+        for j in range(tk):  # a masked key's logit replaced: weight 0 below
+            buf[j] = buf[j] if keep[j] > 0 else top
+        _exp_shifted(buf, top, ex, tk)
+        se = 0.0
+        sz = 0.0
+        for j in range(tk):
+            e = np.float64(ex[j] * keep[j])
+            se += e
+            sz += e * np.float64(buf[j])
+        es += np.log(se) + np.float64(top) - sz / se
+        er += 1
+    maxbits[a, b] = m
+    full_rows[a, b] = full
+    entropy_sum[a, b] = es
+    entropy_rows[a, b] = er
+
+
 # Each kernel in two builds, serial and on numba's threads (``prange``), as separate module-level functions: numba
 # caches a function by its name and closure, and keys on neither its ``parallel`` flag nor a stable closure.
 
@@ -364,7 +415,30 @@ def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, 
     _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
 
 
-def _warm(sums, update_sums, attention_summary) -> None:
+@numba.njit(**_JIT)
+def logits_summary_serial(x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
+                          entropy_rows):  # pragma: no cover - compiled
+    """Per head of the (N, H, Tq, Tk) float32 logits at address ``x`` that an eager softmax is given (``xs``: the
+    element strides of the first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk): the largest
+    |logit| bit pattern over the entries above ``lowest`` (the others are masked), the query rows with every key
+    masked, and the softmax entropy summed over every ``stride``-th query row with an unmasked key (and their
+    number); one read of each row. A result at or above the infinity's bit pattern means a non-finite logit."""
+    units = _attention_units(dims)
+    for u in range(dims[0] * dims[1]):
+        _logits_unit(u, x, xs, dims, stride, lowest, *units)
+    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+
+
+@numba.njit(parallel=True, **_JIT)
+def logits_summary_parallel(x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
+                            entropy_rows):  # pragma: no cover - compiled
+    units = _attention_units(dims)
+    for u in numba.prange(dims[0] * dims[1]):
+        _logits_unit(u, x, xs, dims, stride, lowest, *units)
+    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+
+
+def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
     x = np.ones(4, np.float32)
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
@@ -377,10 +451,12 @@ def _warm(sums, update_sums, attention_summary) -> None:
     dims = np.array([1, 1, 2, 2, 2, 1], np.int64)
     attention_summary(x.ctypes.data, st, x.ctypes.data, st, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),
                       np.full((1, 1, 2), 2, np.int64), np.ones((1, 1, 2), np.uint8), 1, *one)
+    dims = np.array([1, 1, 2, 2], np.int64)
+    logits_summary(x.ctypes.data, st, dims, 1, np.float32(-1e30), *one)
 
 
 def warm_up(parallel: bool) -> None:
     """Compile (or load from the cache) now, not inside a probe's first call."""
-    _warm(sums_serial, update_sums_serial, attention_summary_serial)
+    _warm(sums_serial, update_sums_serial, attention_summary_serial, logits_summary_serial)
     if parallel:
-        _warm(sums_parallel, update_sums_parallel, attention_summary_parallel)
+        _warm(sums_parallel, update_sums_parallel, attention_summary_parallel, logits_summary_parallel)

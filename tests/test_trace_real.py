@@ -69,6 +69,13 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert a.sample_ids == [seen["ids"][case.sample]], a
     assert a.evidence and a.next_check
     assert a in inc.departures and a in d.anomalies
+    if case.head is not None:  # the report opens on the incident and plots the cause's layer
+        from normscope.tracing.report import render_html
+
+        page = render_html(d)
+        assert page.index("class='first'") < page.index("<img") and f"step {R.AT}" in page
+        assert f"max |attention logit| per head, layer {case.layer}" in page
+        assert page.index("<h2>Drifts</h2>") > page.index("incident(s)</h2>")
 
 
 def test_learning_rate_is_recorded_per_group(tmp_path):

@@ -419,9 +419,8 @@ class _Detector:
             judged.append(("update_spike", "ratio", per_lr, k))
             if np.isfinite(lr).any():
                 out.extend(self._lr_jumps(k, lr, ratio))
-        thr = self.threshold(len(judged) * T)
-        for kind, metric, series, key in judged:
-            out.extend(self._spikes(kind, metric, series, key, thr, self.factors.get(kind, 1.0)))
+        if judged:
+            out.extend(self._spikes(judged, self.threshold(len(judged) * T)))
         out.extend(self._sample_spikes())
         return out
 
@@ -456,8 +455,9 @@ class _Detector:
     def _sample_outliers(self, t: int, vals, thr: float):
         """(indices, robust σ, ratio to the batch median) of the samples of column ``t`` whose log-loss minus the
         batch's median log-loss is ``thr`` robust σ above the same of the recent steps' samples."""
-        past = [r for r in (self._relative_log_loss(v) for v in vals[max(0, t - self.window):t]) if r is not None]
-        cur = self._relative_log_loss(vals[t])
+        rel = self._relative_log_losses(vals)
+        past = [r for r in rel[max(0, t - self.window):t] if r is not None]
+        cur = rel[t]
         if cur is None or len(past) < self.min_history:
             return None, None, None
         a = np.concatenate(past)
@@ -485,27 +485,31 @@ class _Detector:
                 break
         return out
 
-    def _spikes(self, kind, metric, series, key, thr, factor) -> list[_Trigger]:
-        """Upward departures of one series from its trend, the flagged values kept out of later baselines."""
-        y = log_values(series)
+    def _spikes(self, judged, thr) -> list[_Trigger]:
+        """Upward departures of the judged series from their trends (all series at once, step by step), the
+        flagged values kept out of later baselines; a series reports the first step of each run of departures."""
+        y = log_values(np.array([series for _, _, series, _ in judged], float))
         hist = y.copy()
-        out, prev = [], False
+        factors = np.log(np.array([self.factors.get(kind, 1.0) for kind, _, _, _ in judged], float))
+        out: list[_Trigger] = []
+        prev = np.zeros(len(judged), bool)
         for t in range(1, self.T):
-            f = fit(hist[None, max(0, t - self.window):t], self.min_history, self.floor)
-            z, base = f.up(y[t:t + 1])
-            z, base = float(z[0]), float(base[0])
-            hit = math.isfinite(z) and z >= thr and y[t] - base >= math.log(factor)
-            if hit:
-                hist[t] = np.nan
-                if not prev:
-                    what = {"loss_spike": "loss", "grad_spike": "global gradient norm",
-                            "update_spike": f"update ratio per unit of learning rate, layer {key[1] if key else ''} "
-                                            f"({key[2] if key else ''})"}[kind]
-                    b = math.exp(base)
-                    out.append(_Trigger(t, kind, metric, float(series[t]), b,
-                                        f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
-                                        f"+{z:.1f} robust σ; threshold {thr:.1f}"
-                                        + (f" and ×{factor:g})" if factor > 1 else ")"), key, score=z))
+            f = fit(hist[:, max(0, t - self.window):t], self.min_history, self.floor)
+            z, base = f.up(y[:, t])
+            with np.errstate(invalid="ignore"):
+                hit = np.isfinite(z) & (z >= thr) & (y[:, t] - base >= factors)
+            hist[hit, t] = np.nan
+            for r in np.flatnonzero(hit & ~prev):
+                kind, metric, series, key = judged[r]
+                factor = self.factors.get(kind, 1.0)
+                what = {"loss_spike": "loss", "grad_spike": "global gradient norm",
+                        "update_spike": f"update ratio per unit of learning rate, layer {key[1] if key else ''} "
+                                        f"({key[2] if key else ''})"}[kind]
+                b = math.exp(base[r])
+                out.append(_Trigger(t, kind, metric, float(series[t]), b,
+                                    f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
+                                    f"+{z[r]:.1f} robust σ; threshold {thr:.1f}"
+                                    + (f" and ×{factor:g})" if factor > 1 else ")"), key, score=float(z[r])))
             prev = hit
         return out
 
@@ -529,6 +533,12 @@ class _Detector:
             return None, ""
         sids = _ids(self.records[t], ids)
         return sids, f"; samples {sids} carry it (up to ×{float(np.max(ratio)):.3g} their batch's median loss)"
+
+    def _relative_log_losses(self, vals) -> list[np.ndarray | None]:
+        """Each step's per-sample log-losses minus their median (computed once per run)."""
+        if getattr(self, "_rel", None) is None:
+            self._rel = [self._relative_log_loss(v) for v in vals]
+        return self._rel
 
     @staticmethod
     def _relative_log_loss(v: np.ndarray | None) -> np.ndarray | None:

@@ -11,7 +11,6 @@ the end of one (a loss that flattens) reads as a jump.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from statistics import NormalDist
 
 import numpy as np
@@ -36,6 +35,21 @@ class Fit:
         return np.where(self.ok, (base - y) / self.scale, np.nan), base
 
 
+def nanmedian_rows(a: np.ndarray) -> np.ndarray:
+    """The median of each row's non-NaN values (NaN for a row without any): one sort of the whole matrix, where
+    ``np.nanmedian`` takes a masked-array path that costs ~0.5 ms a call on small rows."""
+    rows, width = a.shape
+    if width == 0:
+        return np.full(rows, np.nan)
+    s = np.sort(a, axis=1)  # NaNs sort last
+    n = (~np.isnan(a)).sum(1)
+    idx = np.arange(rows)
+    lo, hi = np.maximum((n - 1) // 2, 0), np.maximum(n // 2, 0)
+    with np.errstate(invalid="ignore"):
+        med = (s[idx, np.minimum(lo, width - 1)] + s[idx, np.minimum(hi, width - 1)]) / 2
+    return np.where(n > 0, med, np.nan)
+
+
 def fit(history: np.ndarray, min_history: int, floor: float) -> Fit:
     """Baselines for the value after ``history`` (series × values, oldest first, NaN where missing)."""
     s, w = history.shape
@@ -45,14 +59,13 @@ def fit(history: np.ndarray, min_history: int, floor: float) -> Fit:
     ok = np.isfinite(history).sum(1) >= max(min_history, 1)
     k = max(1, w // 3)
     x = np.arange(w, dtype=float)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: their result is NaN and not ok
-        left, right = np.nanmedian(history[:, :k], 1), np.nanmedian(history[:, w - k:], 1)
+    with np.errstate(invalid="ignore"):
+        left, right = nanmedian_rows(history[:, :k]), nanmedian_rows(history[:, w - k:])
         slope = (right - left) / (w - k) if w > k else np.zeros(s)
         slope = np.where(np.isfinite(slope), slope, 0.0)
         detrended = history - slope[:, None] * x
-        level = np.nanmedian(detrended, 1)
-        scale = 1.4826 * np.nanmedian(np.abs(detrended - level[:, None]), 1)
+        level = nanmedian_rows(detrended)
+        scale = 1.4826 * nanmedian_rows(np.abs(detrended - level[:, None]))
     scale = np.fmax(np.where(np.isfinite(scale), scale, floor), floor)
     return Fit(level + slope * w, right, scale, slope, ok & np.isfinite(level))
 

@@ -15,7 +15,7 @@ from ..errors import InputError
 if TYPE_CHECKING:  # building the parser must not import rich
     from rich.console import Console
 
-from ..exitcodes import EXIT_DIVERGED, EXIT_OK
+from ..exitcodes import EXIT_DIVERGED, EXIT_INCONCLUSIVE, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
@@ -118,4 +118,4 @@ def run(args, console: Console) -> int:
         render_diff(result, console, all_sites=args.all)
         if args.plot:
             console.print(f"[dim]plot: {args.plot}[/]")
-    return EXIT_DIVERGED if result.diverged else EXIT_OK
+    return {"fail": EXIT_DIVERGED, "inconclusive": EXIT_INCONCLUSIVE}.get(result.verdict, EXIT_OK)

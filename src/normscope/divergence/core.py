@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..dtypes import dtype_name
@@ -41,6 +42,8 @@ _LOW = ("bfloat16", "float16", "float32", "float64")
 _AUTOCAST = ("bfloat16", "float16")
 _WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 _SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
+MIN_OWN_SHARE = 0.5  # "no divergence" needs at least this share of the sites with an own error compared with one
+COMPOSITION = 10.0  # a module whose output errs this many times more than all its children's: its own code diverged
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -202,7 +205,8 @@ class _CallStack:
     def enter(self, args) -> None:
         if self.frames:
             self.frames[-1]["children"] += 1
-        self.frames.append({"args": args, "versions": _versions(args), "children": 0, "leaf_children": True})
+        self.frames.append({"args": args, "versions": _versions(args), "children": 0, "leaf_children": True,
+                            "child_error": 0.0, "child_unmeasured": False})
 
     def leave(self) -> tuple[dict[str, Any], bool]:
         """(the call's frame, whether it is a leaf)."""
@@ -276,7 +280,7 @@ class _Memo:
             hit = self.entries.get(id(module))
             if hit is not None and hit[0] == key and hit[2]._version == hit[3]:
                 self.hits += 1
-                return hit[2]
+                return hit[2].clone()  # each caller its own tensor: one may write it in place
             out = forward(*args, **kwargs)
             if isinstance(out, torch.Tensor):
                 self.entries.pop(id(module), None)
@@ -288,18 +292,21 @@ class _Memo:
         return memo_forward
 
     def cast(self, obj, dtype: torch.dtype | None, clamp: bool = False):
-        """:func:`_cast`, one cast tensor per reference tensor (and version) among the last few."""
-        if dtype is None:
-            return obj
+        """The reference's tensors as a teacher-forced module gets them: :func:`_cast` to ``dtype``, or a copy at
+        their own dtype — never the reference's live tensors, which a module that writes its input in place would
+        change under the reference's own forward. One copy per reference tensor (and version) among the last
+        few, reused only while nothing wrote it."""
         if isinstance(obj, torch.Tensor):
-            if clamp and obj.is_floating_point() and obj.numel() and \
+            if clamp and dtype is not None and obj.is_floating_point() and obj.numel() and \
                     bool(obj.detach().abs().amax() <= torch.finfo(dtype).max):
                 clamp = False  # nothing to clamp: the same cast as a positional argument's
-            for src, version, cl, out in self.casts:
-                if src is obj and version == obj._version and cl == clamp:
+            for src, version, cl, out, out_version in self.casts:
+                if src is obj and version == obj._version and cl == clamp and out._version == out_version:
                     return out
             out = _cast(obj, dtype, clamp)
-            self.casts.append((obj, obj._version, clamp, out))
+            if out is obj:
+                out = obj.detach().clone()
+            self.casts.append((obj, obj._version, clamp, out, out._version))
             del self.casts[:-self.SIZE]
             return out
         if isinstance(obj, tuple | list):
@@ -389,8 +396,9 @@ class _Record:
 
 
 def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
-                         context=contextlib.nullcontext) -> tuple[list[_Record], str | None, int]:
-    """One forward of the candidate; the primary output of every module call, in completion order."""
+                         context=contextlib.nullcontext) -> tuple[list[_Record], str | None, int, tuple | None]:
+    """One forward of the candidate; the primary output of every module call, in completion order, and where it
+    raised (the innermost module call that did, as (path, number))."""
     records: list[_Record] = []
     peak = [0]
     live = [0]
@@ -416,7 +424,7 @@ def _run_torch_candidate(model, args, kwargs, dtype: torch.dtype | None,
         except Exception as exc:
             where = _site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
             error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
-    return records, error, peak[0]
+    return records, error, peak[0], hooks.failed_at if error else None
 
 
 # ---------------------------------------------------------------------------------------------- diff
@@ -481,6 +489,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         reference.eval()
         # ------------------------------------------------------------------ the candidate's own forward
         cand_torch_dtype = None
+        cand_failed = None  # (path, number) of the candidate's module call that raised in its own forward
+        cand_error = None  # what the candidate's own forward raised
         ac = _Autocast(None, "cpu")
         if onnx_cand:
             say("running the ONNX candidate on onnxruntime")
@@ -508,7 +518,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             cand_dtype = autocast or candidate_dtype or _model_dtype(cand_model)
             cand_torch_dtype = getattr(torch, cand_dtype) if cand_dtype != ref_dtype and not ac else None
             say("running the candidate")
-            records, cand_error, cand_bytes = _run_torch_candidate(cand_model, args, kwargs, cand_torch_dtype, ac)
+            records, cand_error, cand_bytes, cand_failed = _run_torch_candidate(cand_model, args, kwargs,
+                                                                                cand_torch_dtype, ac)
             if cand_error:
                 notes.append(cand_error)
         twin = None
@@ -528,6 +539,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         ref_paths = [p for p, _ in reference.named_modules()]
         if onnx_cand:
             records = onnxsites.records(values, scopes, ref_paths, _Record)
+            declared = subgraphs.proto.graph.output
+            final = values.get(declared[0].name) if len(declared) else None
+            if final is not None and np.asarray(final).dtype.kind == "f":  # the model's output: the graph's first
+                records.append(_Record("", 0, None, torch.from_numpy(np.asarray(final).copy())))
             cand_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
             del values
             mode = "onnx scopes"
@@ -551,6 +566,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
 
         # ------------------------------------------------------------------ the reference, streamed
         sites: list[SiteDiff] = []
+        coverage = {"own_sites": 0}  # sites that have an own error to measure (leaves and their parents)
+        outputs: list[tuple[torch.Tensor, float]] = []  # recent reference outputs and their propagated errors
         frames = _CallStack()
         first: dict[str, Any] = {}
         state = {"nonfinite": None}
@@ -562,9 +579,34 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
 
         def post(module, path, number, a, kw, output):
             f, leaf = frames.leave()
+            count = len(sites)
+            try:
+                compare(module, path, number, kw, output, f, leaf)
+            finally:
+                _account(f, sites[count] if len(sites) > count else None)
+
+        def _account(f, s: SiteDiff | None) -> None:
+            """Tell the parent call what this one erred by (for :func:`_composition`): the site's propagated error,
+            else its own (an output the candidate overwrote later), else that it could not be measured."""
+            parent = frames.frames[-1] if len(frames) else None
+            if parent is None:
+                return
+            parent["child_error"] = max(parent["child_error"], f["child_error"])
+            parent["child_unmeasured"] |= f["child_unmeasured"]
+            if s is None:
+                return
+            err = next((m["normalized"] for m in (s.propagated, s.own) if m and isinstance(m.get("normalized"), float)
+                        and math.isfinite(m["normalized"])), None)
+            if err is None or s.status in ("raised", "shape", "unmatched"):
+                parent["child_unmeasured"] = True
+            else:
+                parent["child_error"] = max(parent["child_error"], err)
+
+        def compare(module, path, number, kw, output, f, leaf):
             y = _primary(output)
             if not isinstance(y, torch.Tensor) or not y.is_floating_point():
                 return
+
             name = _site_name(path, number)
             kind = "norm" if known_class(module) else ("leaf" if leaf else "module")
             s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(sites), depth=len(frames),
@@ -574,8 +616,16 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             if r is None:
                 s.note = "no counterpart in the candidate"
                 return
+            if onnx_cand and not path and r.output is not None and list(r.output.shape) != list(y.shape):
+                s.note = (f"the ONNX graph's first output {list(r.output.shape)} is not the model's primary output "
+                          f"{list(y.shape)}")
+                return
             r.used = True
             s.counterpart = _site_name(r.path, r.number)
+            if cand_failed is not None and (r.path, r.number) == cand_failed:
+                s.status, s.note = "raised", cand_error  # where the candidate's own forward stopped
+                _remember(first, s, module, r.module, f["args"], y, None, keep)
+                return
             if r.output is None:
                 s.note = "the candidate's forward gave no floating tensor here"
                 s.propagated = None
@@ -591,6 +641,11 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 del recent[:-4]
             r.output = None  # streaming: the candidate's copy is no longer needed
             n = _reduce_len(f["args"], y)
+            err = (s.propagated or {}).get("normalized")
+            if isinstance(err, float) and math.isfinite(err):
+                outputs.append((y, err))
+                del outputs[:-64]
+
             if s.propagated is None:
                 s.status = "propagated"
             elif "error" in s.propagated:
@@ -602,13 +657,18 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             else:
                 s.status = "propagated"
             own_site = (leaf or f["leaf_children"]) and id(module) not in block_or_above
+            if own_site:
+                coverage["own_sites"] += 1
             if not own_site or r.module is None:
                 if onnx_cand:
                     _onnx_propagated(s, n)
+                elif not leaf and not f["child_unmeasured"] and s.status == "propagated" and err is not None:
+                    _composition(s, f, err, n, module, r.module, y)
                 return
             x_in = _input(f["args"], kw, y)
             if x_in is not None and y is x_in:
                 s.note = "returns its input (an identity in evaluation mode): nothing of its own to compare"
+                coverage["own_sites"] -= 1
                 return
             if _versions(f["args"]) != f["versions"]:
                 s.note = "own error not measured: the module wrote its input in place"
@@ -631,10 +691,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                         yc = _primary(r.module(*memo.cast(f["args"], cand_torch_dtype),
                                                **memo.cast(kw, cand_torch_dtype, True)))
                 except Exception as exc:
-                    s.status = "raised"
-                    s.note = f"the candidate's {type(r.module).__name__} raised on the reference's input: " \
-                             f"{type(exc).__name__}: {exc}"
-                    _remember(first, s, module, r.module, f["args"], y, None, keep)
+                    # its own forward ran this module fine: on the reference's input it is another operation (or
+                    # aligned wrongly), so nothing is compared here, and that is not a divergence
+                    s.note = (f"own error not measured: the candidate's {type(r.module).__name__} raised on the "
+                              f"reference's input ({type(exc).__name__}: {exc}); its own forward ran it")
                     return
                 if not isinstance(yc, torch.Tensor):
                     s.note = "the candidate's module returned no tensor on the reference's input"
@@ -686,9 +746,29 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             if s.status == "diverged":
                 _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
 
+        def _composition(s: SiteDiff, f, err: float, n: int, module, cand_module, y) -> None:
+            """A module without an own error of its own (a block, the model) whose output errs far more than every
+            child's output did: the divergence is in its own code between its children (an in-place write that
+            changes a tensor it reuses, a missing or extra term)."""
+            floor, floor_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+            x = _input(f["args"], {}, None)
+            incoming = next((e for t, e in reversed(outputs) if t is x), None)
+            if x is not None and incoming is None and not any(x is a for a in [*args, *kwargs.values()]):
+                return  # its input's error is unknown: nothing to tell its own part from
+            limit = COMPOSITION * max(f["child_error"], incoming or 0.0, floor)
+            if err > limit:
+                s.status, s.bound = "diverged", limit
+                s.bound_rule = (f"{COMPOSITION:g} × the largest error of its input ({incoming or 0.0:.3g}) and its "
+                                f"children's outputs ({f['child_error']:.3g}), at least {COMPOSITION:g} × {floor_rule}")
+                s.note = (f"its output errs by {err:.3g} while its input and every child's output erred by at most "
+                          f"{max(f['child_error'], incoming or 0.0):.3g}: the divergence is in this module's own code "
+                          "between its children")
+                _remember(first, s, module, cand_module, f["args"], y, None, keep)
+
         def _onnx_propagated(s: SiteDiff, n: int) -> None:
-            """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n)."""
-            if s.status == "propagated" and s.propagated is not None:
+            """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n); the
+            model's output is compared, not judged (it carries every layer's rounding)."""
+            if s.status == "propagated" and s.propagated is not None and s.depth > 0:
                 s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
                 s.bound_rule += " (ONNX: on the propagated error" + (
                     f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
@@ -731,8 +811,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             divergence = _explain(culprit, first.get(culprit.name), say)
             if keep and culprit.name in first:
                 tensors = first[culprit.name].get("tensors")
-        elif any(n.startswith("the candidate's forward raised") for n in notes):
-            divergence = {"site": None, "reason": notes[0]}
+        elif cand_error:
+            divergence = {"site": None, "reason": cand_error}
+        undecided = [] if culprit is not None or cand_error else _undecided(
+            sites, coverage["own_sites"], hooks.errors, state["nonfinite"], mode, onnx_cand)
         g = {"sites": [], "first": None, "divergence": None, "params": []}
         if grad:
             if mode != "name":
@@ -749,11 +831,43 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 candidate_dtype=cand_dtype, autocast=autocast, inputs=_describe(args, kwargs), sites=sites,
                 first_divergence=culprit.name if culprit is not None else None, divergence=divergence,
                 unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
+                inconclusive=undecided, failed=culprit is None and bool(cand_error),
                 stats={"alignment": mode, "sites": len(sites),
                        "own_measured": sum(s.own is not None for s in sites), "reused_leaf_outputs": memo.hits,
                        "candidate_cache_bytes": int(cand_bytes)},
                 seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
                 grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])
+
+
+def _undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinite: str | None, mode: str,
+               onnx: bool) -> list[str]:
+    """Why a run without a divergence still cannot say "no divergence", each with what would decide it."""
+    why = []
+    align = {"name": "module names", "order": "execution order and output shapes",
+             "onnx scopes": "the exporter's node-name scopes"}.get(mode, mode)
+    if errors:
+        why.append(f"the comparison raised at {len(errors)} site(s), which were not judged (first: {errors[0]}); "
+                   "what would decide it: that site compared (report the error; inputs it can take)")
+    if nonfinite:
+        why.append(f"the reference itself is not finite from {nonfinite} on, so nothing after it was compared; what "
+                   "would decide it: inputs on which the reference stays finite")
+    judged = [s for s in sites if s.status in ("within", "diverged")]
+    compared = sum(1 for s in judged if s.own is not None or s.bound is not None)
+    if own_sites and compared < MIN_OWN_SHARE * own_sites:
+        why.append(f"only {compared} of the {own_sites} sites with an error of their own were compared ({align}: "
+                   f"{sum(s.status == 'unmatched' for s in sites)} reference sites found no counterpart); at least "
+                   f"{MIN_OWN_SHARE:.0%} are needed; what would decide it: a candidate whose "
+                   f"{'scopes' if onnx else 'module names or execution order'} match the reference's")
+    norms = [s for s in sites if s.kind == "norm" and s.status not in ("within", "diverged")]
+    if norms:
+        why.append(f"{len(norms)} norm site(s) were not judged (first: {norms[0].name}: "
+                   f"{norms[0].note or norms[0].status}); what would decide it: that norm aligned with the candidate's "
+                   "and run on the reference's input")
+    root = next((s for s in sites if s.depth == 0), None)
+    if root is None or root.propagated is None or root.status in ("unmatched", "shape"):
+        why.append("the final output was not compared (" + (root.note or root.status if root else "no output") +
+                   "); what would decide it: a candidate that returns the reference's output")
+    return why
 
 
 def _remember(first, s: SiteDiff, ref_module, cand_module, args, y, yc, keep: bool) -> None:
@@ -794,7 +908,8 @@ def _explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
         reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
-                  f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]")
+                  f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]"
+                  + (f"; {s.note}" if which == "propagated" and s.note else ""))
     out: dict[str, Any] = {"site": s.name, "class": s.cls, "kind": s.kind, "reason": reason}
     if s.kind != "norm" or info is None or info.get("shape") is None or info.get("cand") is None:
         return out

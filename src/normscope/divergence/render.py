@@ -93,7 +93,14 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
     for n in d.notes:
         console.print(f"[yellow]note:[/] {escape(n)}")
     if d.first_divergence is None:
-        console.print(f"[green]{escape(d._forward_summary())}[/]")
+        if d.failed:
+            console.print(f"[bold red]{escape(d._forward_summary())}[/]")
+        elif d.inconclusive:
+            console.print("[bold yellow]inconclusive[/]: the comparison could not tell, so this is not a pass:")
+            for why in d.inconclusive:
+                console.print(f"  [yellow]•[/] {escape(why)}")
+        else:
+            console.print(f"[green]{escape(d._forward_summary())}[/]")
         return
     v = d.divergence or {}
     console.print(f"[bold red]first divergence:[/] {escape(d.first_divergence)} ({escape(v.get('class', ''))}) — "

@@ -134,10 +134,30 @@ class Diff:
     param_grads: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: the autocast dtype the candidate ran under (``candidate_dtype`` is then that dtype too), or None
     autocast: str | None = None
+    #: why the comparison could not tell, each with what would decide it (empty: it could)
+    inconclusive: list[str] = dataclasses.field(default_factory=list)
+    #: a divergence found without a site to name (the candidate raised outside every aligned site)
+    failed: bool = False
 
     @property
     def diverged(self) -> bool:
-        return self.first_divergence is not None or self.grad_first_divergence is not None
+        return self.first_divergence is not None or self.grad_first_divergence is not None or self.failed
+
+    @property
+    def verdict(self) -> str:
+        """``"fail"`` (looked, and it breaks: a divergence), ``"inconclusive"`` (could not look or could not tell:
+        :attr:`inconclusive` says why and what would decide it) or ``"pass"`` (looked, and every site holds)."""
+        if self.diverged:
+            return "fail"
+        return "inconclusive" if self.inconclusive else "pass"
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+    @property
+    def conclusive(self) -> bool:
+        return self.verdict != "inconclusive"
 
     def site(self, name: str) -> SiteDiff:
         for s in self.sites:
@@ -158,6 +178,11 @@ class Diff:
         return text
 
     def _forward_summary(self) -> str:
+        if self.first_divergence is None and self.failed:
+            return f"the candidate failed: {(self.divergence or {}).get('reason', '')}"
+        if self.first_divergence is None and self.inconclusive:
+            return f"inconclusive: {self.inconclusive[0]}" + (
+                f" (and {len(self.inconclusive) - 1} more reasons)" if len(self.inconclusive) > 1 else "")
         if self.first_divergence is None:
             measured = sum(s.own is not None for s in self.sites)
             at = f"autocast {self.autocast}" if self.autocast else self.candidate_dtype
@@ -168,6 +193,9 @@ class Diff:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
+            "verdict": self.verdict,
+            "inconclusive": list(self.inconclusive),
+            "failed": self.failed,
             "reference": self.reference, "candidate": self.candidate,
             "reference_dtype": self.reference_dtype, "candidate_dtype": self.candidate_dtype,
             "autocast": self.autocast,
@@ -203,7 +231,8 @@ class Diff:
             stats=dict(d.get("stats", {})), seconds=float(d.get("seconds", 0.0)), grad=bool(d.get("grad", False)),
             grad_sites=[SiteDiff.from_dict(s) for s in d.get("grad_sites", [])],
             grad_first_divergence=d.get("grad_first_divergence"), grad_divergence=d.get("grad_divergence"),
-            param_grads=[_metrics_in(p) for p in d.get("param_grads", [])])
+            param_grads=[_metrics_in(p) for p in d.get("param_grads", [])],
+            inconclusive=list(d.get("inconclusive", [])), failed=bool(d.get("failed", False)))
 
     @classmethod
     def from_json(cls, text: str) -> Diff:

@@ -1,0 +1,179 @@
+"""``diff`` says pass only when it looked and every site holds: a candidate that raises is a divergence at the
+site that raised, a teacher-forced module never writes the reference's own tensors, a reused leaf output is
+never shared between two callers, a module whose own code diverges between its children is named, and what could
+not be compared (a comparison that raised, too few sites aligned, the reference not finite) is inconclusive —
+``Diff.verdict``, the JSON and exit code 6 — never "no divergence". Each case failed before its fix."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+from torch import nn
+
+from normscope.divergence import Diff, command, diff
+from normscope.divergence import core as diff_core
+
+W = 16
+X = torch.randn(2, 5, W, generator=torch.Generator().manual_seed(0))
+
+
+class Block(nn.Module):
+    def __init__(self, act=nn.GELU, reuse: bool = False):
+        super().__init__()
+        self.ln, self.fc, self.act, self.reuse = nn.LayerNorm(W), nn.Linear(W, W), act(), reuse
+
+    def forward(self, x):
+        h = self.ln(x)
+        y = x + self.fc(self.act(h))
+        return y + h if self.reuse else y  # reuse: h is read again after act saw it
+
+
+class Model(nn.Module):
+    def __init__(self, act=nn.GELU, reuse: bool = False, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(act, reuse) for _ in range(blocks))
+        self.out = nn.Linear(W, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def model(**kw) -> Model:
+    torch.manual_seed(0)
+    return Model(**kw).eval()
+
+
+def test_a_candidate_that_raises_in_a_block_is_its_divergence():
+    ref = model()
+    cand = copy.deepcopy(ref)
+
+    def broken(x):
+        raise RuntimeError("fused block kernel: unsupported shape")
+
+    cand.blocks[2].forward = broken
+    d = diff(ref, cand, {"x": X}, progress=False)
+    assert d.first_divergence == "blocks.2" and d.verdict == "fail" and not d.ok
+    assert d.site("blocks.2").status == "raised" and "unsupported shape" in d.divergence["reason"]
+    assert d.summary().startswith("first divergence at blocks.2")
+
+
+def test_teacher_forcing_never_writes_the_references_tensors():
+    """The candidate's ReLU works in place on a tensor its block reads again: its own output is right, the block's
+    is not. The reference's forward must not see that write (before: "no divergence", true output gap 0.64)."""
+    ref = model(act=nn.ReLU, reuse=True, blocks=2)
+    cand = model(act=lambda: nn.ReLU(inplace=True), reuse=True, blocks=2)
+    cand.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        want = ref(X)
+        gap = float((want - cand(X)).norm() / want.norm())
+    assert gap > 0.3
+    d = diff(ref, cand, {"x": X}, progress=False)
+    with torch.no_grad():
+        assert torch.equal(ref(X), want)  # the reference computes what it did before the comparison
+    assert d.first_divergence == "blocks.0" and d.verdict == "fail"
+    s = d.site("blocks.0")
+    assert s.status == "diverged" and "between its children" in s.note
+    assert all(d.site(n).status == "within" for n in ("blocks.0.act", "blocks.0.fc"))
+
+
+class Twice(nn.Module):
+    """One leaf called twice on one input, one of its outputs then written in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(W, W)
+
+    def forward(self, h):
+        a, b = self.fc(h), self.fc(h)
+        a.add_(1.0)
+        return a - b
+
+
+class TwiceModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.mix, self.out = nn.LayerNorm(W), Twice(), nn.Linear(W, 4)
+
+    def forward(self, x):
+        return self.out(self.mix(self.ln(x)))
+
+
+def test_a_reused_leaf_output_is_never_shared():
+    """The model against its own float32 copy: a reused output handed to two callers would make ``a - b`` zero
+    (before: a false divergence at ``mix``)."""
+    torch.manual_seed(3)
+    d = diff(TwiceModel().eval(), None, {"x": X}, candidate_dtype="float32", progress=False)
+    assert d.verdict == "pass" and d.first_divergence is None, d.summary()
+    assert d.site("mix").status == "within"
+
+
+def test_a_comparison_that_raises_is_inconclusive(monkeypatch):
+    errors = diff_core.metrics.errors
+    calls = [0]
+
+    def flaky(a, b):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("comparison broke")
+        return errors(a, b)
+
+    monkeypatch.setattr(diff_core.metrics, "errors", flaky)
+    ref = model()
+    d = diff(ref, copy.deepcopy(ref), {"x": X}, progress=False)
+    assert d.verdict == "inconclusive" and not d.ok and not d.conclusive and d.first_divergence is None
+    assert "comparison raised" in d.inconclusive[0] and "comparison broke" in d.inconclusive[0]
+    assert d.summary().startswith("inconclusive")
+
+
+class Other(nn.Module):
+    """Another architecture with the reference's input and output shapes: nothing of it aligns."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(W, 3 * W), nn.Linear(3 * W, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_candidate_that_does_not_align_is_inconclusive_not_a_pass():
+    d = diff(model(), Other().eval(), {"x": X}, progress=False)
+    assert d.verdict == "inconclusive", d.summary()
+    text = " ".join(d.inconclusive)
+    assert "sites with an error of their own were compared" in text and "norm site" in text
+
+
+def test_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
+    """Exit 0 pass, 5 fail, 6 inconclusive; the JSON carries the verdict and the reasons."""
+    mod = tmp_path / "verdict_models.py"
+    mod.write_text(
+        "import torch, copy\n"
+        "from test_diff_verdicts import model, Other\n"
+        "def ref():\n    return model()\n"
+        "def other():\n    return Other().eval()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    base = ["diff", "verdict_models:ref"]
+    cases = [(["--candidate-dtype", "float32"], 0, "pass"), (["verdict_models:other"], 6, "inconclusive")]
+    for extra, code, verdict in cases:
+        args = parser.parse_args([*base, *extra, "--inputs", "2,5,16", "--json"])
+        assert command.run(args, Console()) == code, extra
+        data = json.loads(capsys.readouterr().out)
+        assert data["verdict"] == verdict
+        back = Diff.from_dict(data)
+        assert back.verdict == verdict and back.inconclusive == data["inconclusive"]
+    args = parser.parse_args([*base, "verdict_models:other", "--inputs", "2,5,16"])
+    assert command.run(args, Console(width=200)) == 6
+    out = capsys.readouterr().out
+    assert "inconclusive" in out and "what would decide it" in out
+    sys.modules.pop("verdict_models", None)

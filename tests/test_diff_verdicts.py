@@ -11,7 +11,6 @@ import copy
 import json
 import sys
 
-import pytest
 import torch
 from rich.console import Console
 from torch import nn

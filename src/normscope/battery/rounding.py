@@ -4,8 +4,11 @@ Where two contracts are both within the forward bounds but still differ — the 
 dtype — the target must be nearer its own contract's emulation than the alternatives', each contract
 represented by the nearest of its faithful formulas (x/σ, x·(1/σ), folded affine): the contract does not fix
 that choice, so neither does the rule. A target nearer another contract fails only when the two separate beyond
-the noise of the measurement (:func:`normscope.probe.precision_experiment.separates`); otherwise the finding is
-an explicit skip that shows both distances.
+the noise of the measurement (:func:`normscope.probe.precision_experiment.separates`). Where they do not, the
+experiment escalates before it gives up: ``ESCALATION`` more draws of inputs and γ/β, and a decision on the sign
+test alone (at ``2 × SEPARATION_Z``) over all their elements — a consistent per-element advantage decides even
+when the mean distances are close. Still undecided, the finding is inconclusive (never a pass), with both
+distances and what would decide it.
 """
 
 from __future__ import annotations
@@ -23,31 +26,70 @@ from ..results.check import Finding
 from .context import Context
 from .parameters import perturbed
 
+ESCALATION = 16  # more draws of inputs and γ/β before an ambiguous rounding finding gives up
+
+
+def _measure(ctx: Context, d: str) -> tuple[pe.Distance, dict[str, pe.Distance], dict | None]:
+    """One draw: the distance of the target's outputs at ``d`` to its contract and to each alternative."""
+    spec = ctx.spec
+    # half the groups sit at an offset of 30σ: there statistics held in the input dtype visibly lose
+    # the mean, while cast-order differences show everywhere
+    x = Precision(d).round((ctx.rng.normal(size=ctx.shape) + pe.offset_groups(ctx.groups)) * 3).astype(np.float64)
+    with perturbed(ctx) as (values, inner):  # distinct γ/β make the order observable
+        y = inner.target(x, d)
+
+        def nearest(s, y=y, x=x, d=d, params=inner.params):  # each contract by its nearest faithful formula
+            return pe.distance(y, x, d, s, params, formulas=pe.faithful_formulas(s))
+
+        mine = nearest(spec)
+        other_stats = "input" if spec.stats_dtype == "float32" else "float32"
+        others = {f"statistics in {'the input dtype' if other_stats == 'input' else 'fp32'}":
+                  nearest(spec.replace(stats_dtype=other_stats))}
+        w = inner.params.gamma
+        identity = w is None or np.allclose(w + spec.gamma_offset, 1.0)
+        no_beta = inner.params.beta is None or not np.any(inner.params.beta)
+        if spec.stats_dtype == "float32" and (spec.gamma or spec.beta) and not (identity and no_beta):
+            flip = "scale_then_cast" if spec.affine_order == "cast_then_scale" else "cast_then_scale"
+            others[flip.replace("_", " ")] = nearest(spec.replace(affine_order=flip))
+    return mine, others, values
+
+
+def _escalate(ctx: Context, d: str, closest: str, first: tuple[pe.Distance, pe.Distance], repeat: float) -> dict:
+    """``ESCALATION`` more draws: the per-element distances to the contract and to ``closest`` pooled, and decided
+    by :func:`~normscope.probe.precision_experiment.separates`' rule on the pool, or by its sign test alone at
+    twice its threshold (a consistent per-element advantage decides even when the mean distances are close)."""
+    mine_e, near_e = [first[0].elements], [first[1].elements]
+    for _ in range(ESCALATION):
+        mine, others, _ = _measure(ctx, d)
+        if closest not in others:
+            break
+        mine_e.append(mine.elements)
+        near_e.append(others[closest].elements)
+    mine_all, near_all = np.concatenate(mine_e), np.concatenate(near_e)
+    diff = mine_all - near_all
+    diff = diff[np.isfinite(diff)]
+    n_near, n_mine = int(np.sum(diff >= 0.5)), int(np.sum(diff <= -0.5))  # elements nearer the other / the contract
+    z = (n_near - n_mine) / math.sqrt(max(n_near + n_mine, 1))
+    floor = max(C.SEPARATION_FLOOR_ULPS, 2 * repeat)
+    gap = float(np.nanmean(mine_all) - np.nanmean(near_all))
+    strict = 2 * C.SEPARATION_Z
+    m_mine, m_near = float(np.nanmean(mine_all)), float(np.nanmean(near_all))
+
+    def beyond(far: float, close: float, sign: float) -> bool:  # the pooled rule of ``separates``, or the sign test
+        ratio = (far + floor) / (close + floor)
+        return far - close > floor and (sign >= strict or (ratio >= C.SEPARATION_RATIO and sign >= C.SEPARATION_Z))
+
+    verdict = "fail" if beyond(m_mine, m_near, z) else ("pass" if beyond(m_near, m_mine, -z) else None)
+    return {"verdict": verdict, "z": z, "draws": len(mine_e), "elements": int(diff.size), "gap": gap,
+            "closer": [n_near, n_mine], "mine": float(np.nanmean(mine_all)), "near": float(np.nanmean(near_all)),
+            "strict": strict, "floor": floor}
+
 
 def rounding_order(ctx: Context) -> Iterator[Finding]:
-    spec = ctx.spec
     for d in ("bfloat16", "float16"):
         if d not in ctx.accepted:
             continue
-        # half the groups sit at an offset of 30σ: there statistics held in the input dtype visibly lose
-        # the mean, while cast-order differences show everywhere
-        x = Precision(d).round((ctx.rng.normal(size=ctx.shape) + pe.offset_groups(ctx.groups)) * 3).astype(np.float64)
-        with perturbed(ctx) as (values, inner):  # distinct γ/β make the order observable
-            y = inner.target(x, d)
-
-            def nearest(s, y=y, x=x, d=d, params=inner.params):  # each contract by its nearest faithful formula
-                return pe.distance(y, x, d, s, params, formulas=pe.faithful_formulas(s))
-
-            mine = nearest(spec)
-            other_stats = "input" if spec.stats_dtype == "float32" else "float32"
-            others = {f"statistics in {'the input dtype' if other_stats == 'input' else 'fp32'}":
-                      nearest(spec.replace(stats_dtype=other_stats))}
-            w = inner.params.gamma
-            identity = w is None or np.allclose(w + spec.gamma_offset, 1.0)
-            no_beta = inner.params.beta is None or not np.any(inner.params.beta)
-            if spec.stats_dtype == "float32" and (spec.gamma or spec.beta) and not (identity and no_beta):
-                flip = "scale_then_cast" if spec.affine_order == "cast_then_scale" else "cast_then_scale"
-                others[flip.replace("_", " ")] = nearest(spec.replace(affine_order=flip))
+        mine, others, values = _measure(ctx, d)
         mean = {k: (v.mean if not math.isnan(v.mean) else math.inf) for k, v in others.items()}
         mine_mean = mine.mean if not math.isnan(mine.mean) else math.inf
         closest = min(mean, key=mean.get)
@@ -65,13 +107,27 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
         near = others[closest]
         sep = pe.separates(near, mine, repeat)
         if mine_mean <= C.ROUNDING_MAX_ULPS and not sep["beyond_noise"]:
-            # nearer another contract, but not beyond the noise of this measurement: no verdict either way
-            yield ctx.finding("reference.rounding", f"rounding at {d}", "skip", mine_mean, mean, limit,
-                              f"ambiguous at {d}: mean distance (ulps) to the contract's rounding {mine_mean:.3g}, to "
-                              f"{closest} {nearest_mean:.3g}; they do not separate beyond noise (ratio "
-                              f"{sep['ratio']:.3g} < {C.SEPARATION_RATIO:g} or sign test z = {sep['sign_z']:.3g} < "
-                              f"{C.SEPARATION_Z:g} over "
-                              f"{near.elements.size} elements)" + own_words, dtype=d)
+            # nearer another contract, but not beyond the noise of one draw: more draws before any verdict
+            e = _escalate(ctx, d, closest, (mine, near), repeat)
+            first = (f"one draw: mean distance (ulps) to the contract's rounding {mine_mean:.3g}, to {closest} "
+                     f"{nearest_mean:.3g}, not separated beyond noise (ratio {sep['ratio']:.3g} < "
+                     f"{C.SEPARATION_RATIO:g} or sign test z = {sep['sign_z']:.3g} < {C.SEPARATION_Z:g} over "
+                     f"{near.elements.size} elements); escalated to {e['draws']} draws of inputs and γ/β "
+                     f"({e['elements']} elements): mean distance {e['mine']:.3g} vs {e['near']:.3g}, nearer "
+                     f"{closest} at {e['closer'][0]} elements and the contract at {e['closer'][1]} (sign test z = "
+                     f"{e['z']:.3g}; decisive at ±{e['strict']:g}, or at ±{C.SEPARATION_Z:g} with the mean distances "
+                     f"{C.SEPARATION_RATIO:g}× apart)")
+            if e["verdict"] == "fail":
+                yield ctx.finding("reference.rounding", f"rounding at {d}", "fail", e["mine"], mean, limit,
+                                  f"{first}: the target rounds as {closest}" + own_words, dtype=d)
+            elif e["verdict"] == "pass":
+                yield ctx.finding("reference.rounding", f"rounding at {d}", "pass", e["mine"], mean, limit,
+                                  f"{first}: the target rounds as its contract" + own_words, dtype=d)
+            else:
+                yield ctx.finding("reference.rounding", f"rounding at {d}", "inconclusive", e["mine"], mean, limit,
+                                  f"{first}: still undecided; what would decide it: a larger shape (more rows "
+                                  f"per draw), or the contract's cast order and statistics dtype checked on the "
+                                  f"target's source" + own_words, dtype=d)
             continue
         yield ctx.finding("reference.rounding", f"rounding at {d}", "fail", mine_mean, mean, limit,
                           f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to {closest} "

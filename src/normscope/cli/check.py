@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import InputError
-from ..exitcodes import EXIT_CODES, EXIT_FAIL, EXIT_OK
+from ..exitcodes import EXIT_CODES, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_OK
 from .common import _progress, add_target_args, note_size, number, target_from_args
 
 
@@ -76,4 +76,4 @@ def run(args, console) -> int:
         render_check(report, console, verbose=args.verbose)  # refused dtypes are findings of the report
         if args.junit:
             console.print(f"JUnit XML written to {args.junit}")
-    return EXIT_OK if report.ok else EXIT_FAIL
+    return {"fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}.get(report.verdict, EXIT_OK)

@@ -198,7 +198,7 @@ def render_inference(inf, console: Console) -> None:
         f"on fresh inputs ({escape(compact(checks))})")
 
 
-_STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow"}
+_STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow", "inconclusive": "bold yellow"}
 
 
 def render_check(report, console: Console, verbose: bool = False) -> None:
@@ -214,12 +214,13 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
     indented(console, f"parameters: {report.params_source}", 0)
     sections: dict[str, dict[str, int]] = {}
     for f in report.findings:
-        sections.setdefault(f.section, {"pass": 0, "fail": 0, "skip": 0})[f.status] += 1
+        sections.setdefault(f.section, {"pass": 0, "fail": 0, "skip": 0, "inconclusive": 0})[f.status] += 1
     width = max((len(s) for s in sections), default=7)
     console.print()
     for section, n in sections.items():
         parts = [f"{n['pass']} passed"] + [f"[{_STATUS_STYLE[k]}]{n[k]} {w}[/]" for k, w in
-                                          (("fail", "failed"), ("skip", "skipped")) if n[k]]
+                                          (("fail", "failed"), ("inconclusive", "inconclusive"),
+                                           ("skip", "skipped")) if n[k]]
         console.print(f"  {escape(section):<{width}}  " + ", ".join(parts))
     shown = [f for f in report.findings if verbose or f.status != "pass"]
     if shown:
@@ -232,7 +233,8 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
         if f.why:
             indented(console, f.why, 5)
     folded = "" if verbose or not c["pass"] else " (passes folded; --verbose lists every finding)"
-    indented(console, f"{'PASS' if report.ok else 'FAIL'}: {c['pass']} passed, {c['fail']} failed, "
+    undecided = f", {c['inconclusive']} inconclusive" if c["inconclusive"] else ""
+    indented(console, f"{report.verdict.upper()}: {c['pass']} passed, {c['fail']} failed{undecided}, "
                       f"{c['skip']} skipped{folded}", 0)
     if report.differences:
         console.print("[bold]the target's inferred contract differs:[/]")

@@ -13,7 +13,8 @@ def write(report: Report, path: str | Path) -> None:
     """Write ``report`` as a JUnit ``testsuite`` to ``path``: failures and skips carry the finding's reason."""
     c = report.counts()
     suite = ET.Element("testsuite", name=f"normscope check {report.target}", tests=str(len(report.findings)),
-                       failures=str(c["fail"]), skipped=str(c["skip"]), time=f"{report.seconds:.3f}")
+                       failures=str(c["fail"] + c["inconclusive"]), skipped=str(c["skip"]),
+                       time=f"{report.seconds:.3f}")
     for f in report.findings:
         case = ET.SubElement(suite, "testcase", classname=f"normscope.{f.section}", name=f.name)
         detail = (f"measured: {short(f.measured)}; expected: {short(f.expected)}; tolerance: "
@@ -21,6 +22,9 @@ def write(report: Report, path: str | Path) -> None:
         if f.status == Status.FAIL:
             el = ET.SubElement(case, "failure", message=f.why)
             el.text = detail + ("\n" + "\n".join(report.differences) if report.differences else "")
+        elif f.status == Status.INCONCLUSIVE:  # not a pass: CI must not read it as one
+            el = ET.SubElement(case, "failure", message=f"inconclusive: {f.why}", type="inconclusive")
+            el.text = detail
         elif f.status == Status.SKIP:
             ET.SubElement(case, "skipped", message=f.why)
         else:

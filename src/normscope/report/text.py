@@ -19,14 +19,16 @@ def short(v: Any) -> str:
 
 
 def render(report: Report) -> str:
-    """One line of counts, one per failed finding with its numbers, one per contract difference."""
+    """The verdict and one line of counts, one per failed or inconclusive finding with its numbers, one per
+    contract difference."""
     c = report.counts()
-    lines = [f"{report.target} vs {report.expected.summary()}: {c['pass']} passed, {c['fail']} failed, "
-             f"{c['skip']} skipped"]
+    undecided = f", {c['inconclusive']} inconclusive" if c["inconclusive"] else ""
+    lines = [f"{report.verdict.upper()}: {report.target} vs {report.expected.summary()}: {c['pass']} passed, "
+             f"{c['fail']} failed{undecided}, {c['skip']} skipped"]
     for f in report.findings:
-        if f.status == Status.FAIL:
-            lines.append(f"  FAIL {f.section}/{f.name}: {f.why} (measured {short(f.measured)}, expected "
-                         f"{short(f.expected)}, tolerance {short(f.tolerance)})")
+        if f.status in (Status.FAIL, Status.INCONCLUSIVE):
+            lines.append(f"  {f.status.upper()} {f.section}/{f.name}: {f.why} (measured {short(f.measured)}, "
+                         f"expected {short(f.expected)}, tolerance {short(f.tolerance)})")
     for d in report.differences:
         lines.append(f"  contract difference: {d}")
     return "\n".join(lines)

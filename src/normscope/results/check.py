@@ -30,7 +30,8 @@ class Status(enum.StrEnum):
 
     PASS = "pass"
     FAIL = "fail"
-    SKIP = "skip"
+    SKIP = "skip"  # the finding does not apply here (it decides nothing about this contract)
+    INCONCLUSIVE = "inconclusive"  # it decides the contract, and could not tell: never a pass
 
 
 def _param_text(v: Any) -> str:
@@ -106,8 +107,20 @@ class Report:
     dtypes_run: tuple[str, ...] = ()  # the dtypes the target ran at (``dtypes`` lists every one tried)
 
     @property
+    def verdict(self) -> str:
+        """``"fail"`` (a finding failed), ``"inconclusive"`` (none failed, but one that decides the contract could
+        not tell: its ``why`` says what would decide it) or ``"pass"``."""
+        if any(f.status == Status.FAIL for f in self.findings):
+            return "fail"
+        return "inconclusive" if any(f.status == Status.INCONCLUSIVE for f in self.findings) else "pass"
+
+    @property
     def ok(self) -> bool:
-        return all(f.status != Status.FAIL for f in self.findings)
+        return self.verdict == "pass"
+
+    @property
+    def conclusive(self) -> bool:
+        return self.verdict != "inconclusive"
 
     @property
     def failures(self) -> list[Finding]:
@@ -131,6 +144,7 @@ class Report:
         return {
             "schema": SCHEMA,
             "target": self.target,
+            "verdict": self.verdict,
             "ok": self.ok,
             "expected": self.expected.to_dict(),
             "expected_summary": self.expected.summary(),

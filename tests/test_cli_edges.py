@@ -275,6 +275,25 @@ def test_the_deadline_runs_the_target_in_the_callers_context_and_passes_errors_t
         flag.reset(token)
 
 
+def test_every_call_of_a_target_runs_on_one_thread():
+    """A library whose state belongs to the thread that created it (a compile cache opened at the first call)
+    works: every call of one target runs on the same long-lived worker, not a fresh thread each."""
+    local, opened = threading.local(), []
+
+    def thread_bound(x):
+        if not hasattr(local, "cache"):  # thread idents are reused; a thread-local object is not
+            if opened:
+                raise RuntimeError("this cache was opened on another thread")
+            local.cache = True
+            opened.append(threading.current_thread())
+        return numpy_ln(x)
+
+    t = normscope.targets.numpy(thread_bound)
+    spec = normscope.infer(t, shape=(2, 16)).spec
+    assert spec.kind == "layernorm" and spec.center and not spec.gamma
+    assert opened[0] is not threading.current_thread() and t.calls > 10
+
+
 def test_slow_targets_get_a_time_estimate_on_stderr(capsys, monkeypatch):
     import normscope.cli.common as cli_module
 

@@ -99,6 +99,7 @@ class Target:
     framework: str = "?"
     capabilities: Capabilities = Capabilities()
     timeout: float | None = DEFAULT_TIMEOUT  # per call; None waits forever (CLI: --timeout)
+    _worker: _Worker | None = None  # the thread every call runs on (with a timeout); made at the first call
 
     def __init__(self, description: str, inputs: Sequence[str] = ("x",), outputs: Sequence[str] = ("y",),
                  device: object = "cpu"):
@@ -282,32 +283,66 @@ class Target:
         raise TargetError(f"{self.description} is not differentiable through normscope")
 
 
+class _Worker:
+    """One long-lived daemon thread that runs a target's calls one after another.
+
+    Every call of a target runs on the same thread (not a fresh one per call), so a library whose state is tied
+    to the thread that created it (a compile cache, a handle, a per-thread stream) sees one thread throughout.
+    A call still running at its deadline leaves this worker behind (a thread cannot be stopped from outside);
+    the target's next call gets a new worker.
+    """
+
+    def __init__(self, name: str):
+        import queue
+        import threading
+
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, done, box = job
+            try:
+                box["out"] = fn()
+            except BaseException as exc:  # handed to the caller's thread
+                box["exc"] = exc
+            finally:
+                done.set()
+
+    def run(self, fn, timeout: float) -> dict[str, object] | None:
+        """``fn()``'s result (``{"out": …}`` or ``{"exc": …}``), or None when it is still running at ``timeout``."""
+        import threading
+
+        done, box = threading.Event(), {}
+        self.jobs.put((fn, done, box))
+        return box if done.wait(timeout) else None
+
+
 def run_with_deadline(target: Target, inputs: dict[str, np.ndarray], dtype: str) -> Outputs:
-    """``target._run(inputs, dtype)``, in a worker thread when the target has a timeout.
+    """``target._run(inputs, dtype)``, on the target's worker thread when it has a timeout.
 
     A call still running at the deadline raises :class:`TargetTimeout`; its thread is a daemon and is
-    left behind (a thread cannot be stopped from outside), so a hung target never holds up the exit.
-    The worker runs in a copy of the caller's context (NumPy's errstate lives there).
+    left behind (a thread cannot be stopped from outside), so a hung target never holds up the exit. Every call
+    of one target runs on one long-lived worker (:class:`_Worker`), in a copy of the caller's context (NumPy's
+    errstate lives there).
     """
     if not target.timeout:
         return target._run(inputs, dtype)
     import contextvars
-    import threading
 
-    box: dict[str, object] = {}
     context = contextvars.copy_context()
-
-    def work():
-        try:
-            box["out"] = context.run(target._run, inputs, dtype)
-        except BaseException as exc:  # handed to the caller's thread
-            box["exc"] = exc
-
-    worker = threading.Thread(target=work, name=f"normscope call {target.calls}", daemon=True)
-    worker.start()
-    worker.join(target.timeout)
+    worker = getattr(target, "_worker", None)
+    if worker is None or not worker.thread.is_alive():
+        worker = target._worker = _Worker(f"normscope calls of {target.description}"[:60])
+    box = worker.run(lambda: context.run(target._run, inputs, dtype), target.timeout)
     shapes = ", ".join(str(v.shape) for v in inputs.values())
-    if worker.is_alive():
+    if box is None:
+        worker.jobs.put(None)  # the hung worker ends if its call ever returns; the next call gets a fresh one
+        target._worker = None
         raise TargetTimeout(
             f"{target.description} did not return within {target.timeout:g} s (call {target.calls}, a {dtype} "
             f"input of shape {shapes}): it hangs or is far too slow; raise the limit with --timeout "

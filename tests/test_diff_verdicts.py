@@ -11,6 +11,7 @@ import copy
 import json
 import sys
 
+import pytest
 import torch
 from rich.console import Console
 from torch import nn
@@ -176,3 +177,43 @@ def test_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "inconclusive" in out and "what would decide it" in out
     sys.modules.pop("verdict_models", None)
+
+
+class Rotary(nn.Module):
+    """A module with two outputs, as rotary embeddings have: (cos, sin)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv", 1.0 / (10000 ** (torch.arange(0, W, 2).float() / W)))
+
+    def forward(self, x):
+        f = torch.outer(torch.arange(x.shape[1], dtype=torch.float32), self.inv)
+        emb = torch.cat([f, f], -1)
+        return emb.cos(), emb.sin()
+
+
+class RotaryModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.rotary, self.fc = nn.LayerNorm(W), Rotary(), nn.Linear(W, W)
+
+    def forward(self, x):
+        h = self.ln(x)
+        cos, sin = self.rotary(h)
+        return self.fc(h * cos + h.flip(-1) * sin)
+
+
+def test_an_onnx_scope_with_several_outputs_is_matched_by_shape_and_value():
+    """torch's first output (cos) against the ONNX scope's last value (sin) was a false divergence on every
+    rotary embedding exported to ONNX."""
+    import io
+
+    pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    m = RotaryModel().eval()
+    buf = io.BytesIO()
+    torch.onnx.export(m, (X,), buf, input_names=["x"], dynamo=False)
+    d = diff(m, buf.getvalue(), {"x": X}, progress=False)
+    assert d.verdict == "pass", d.summary()
+    s = d.site("rotary")
+    assert s.status == "within" and s.own["normalized"] < 1e-6 and s.propagated["normalized"] < 1e-6

@@ -385,10 +385,11 @@ def _site_name(path: str, number: int) -> str:
 
 # ---------------------------------------------------------------------------------------------- the candidate
 class _Record:
-    __slots__ = ("path", "number", "module", "shape", "output", "used", "version")
+    __slots__ = ("path", "number", "module", "shape", "output", "used", "version", "alternatives")
 
     def __init__(self, path, number, module, output):
         self.path, self.number, self.module = path, number, module
+        self.alternatives = None  # an ONNX scope's several outputs, (module key, tensor) each
         self.output = output
         self.version = output._version if output is not None else None
         self.shape = list(output.shape) if output is not None else None
@@ -616,6 +617,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             if r is None:
                 s.note = "no counterpart in the candidate"
                 return
+            if onnx_cand:
+                onnxsites.choose(r, y)
             if onnx_cand and not path and r.output is not None and list(r.output.shape) != list(y.shape):
                 s.note = (f"the ONNX graph's first output {list(r.output.shape)} is not the model's primary output "
                           f"{list(y.shape)}")

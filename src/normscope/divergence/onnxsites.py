@@ -74,9 +74,46 @@ def _load(model_obj):
         ("sha1", hashlib.sha1(proto.SerializeToString()).hexdigest())
 
 
-def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, str], str, Subgraphs]:
-    """Every intermediate value of the ONNX graph run on onnxruntime, node scope → its last output, a description,
-    and the :class:`Subgraphs` of the (unmodified) graph."""
+def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:
+    """Scope → the values it hands out, in production order: produced by its nodes and read outside it (or a graph
+    output). A module returning several tensors (a rotary embedding's cos and sin) has several; a scope whose
+    values are all read inside it falls back to its last output."""
+    produced: dict[str, str] = {}  # value → the scope of its producer
+    order: list[str] = []
+    for node in g.node:
+        sc = _scope(node)
+        if sc is None or node.op_type == "Constant":
+            continue
+        for o in node.output:
+            if o:
+                produced[o] = sc
+                order.append(o)
+    readers: dict[str, list[str | None]] = {}
+    for node in g.node:
+        for i in node.input:
+            if i in produced:
+                readers.setdefault(i, []).append(_scope(node))
+    graph_out = {o.name for o in g.output}
+
+    def inside(sc: str | None, scope: str) -> bool:
+        return sc is not None and (sc == scope or sc.startswith(scope + "."))
+
+    out: dict[str, list[str]] = {}
+    for v in order:
+        sc = produced[v]
+        parts = sc.split(".")
+        for k in range(1, len(parts) + 1):
+            scope = ".".join(parts[:k])
+            if v in graph_out or any(not inside(r, scope) for r in readers.get(v, ())):
+                out.setdefault(scope, []).append(v)
+    for scope, last in scope_last.items():
+        out.setdefault(scope, [last])
+    return out
+
+
+def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str]], str, Subgraphs]:
+    """Every intermediate value of the ONNX graph run on onnxruntime, node scope → the values it hands out
+    (:func:`_scope_outputs`), a description, and the :class:`Subgraphs` of the (unmodified) graph."""
     import onnx
     import onnxruntime as ort
 
@@ -123,7 +160,7 @@ def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, st
     values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
     subgraphs.meta = {k: (v.dtype, tuple(v.shape), _fingerprint(v)) for k, v in {**feeds, **values}.items()
                       if isinstance(v, np.ndarray)}
-    return values, scope_out, desc, subgraphs
+    return values, _scope_outputs(g, scope_out), desc, subgraphs
 
 
 def _fingerprint(v) -> np.ndarray:
@@ -147,28 +184,51 @@ def _options(threads: int = 0):
     return opts
 
 
-def records(values, scope_out, ref_paths: list[str], record) -> list:
+def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], record) -> list:
     """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix);
-    each record's ``module`` is the ONNX scope it came from (teacher forcing extracts it)."""
+    each record's ``module`` is (the ONNX scope it came from, the value's name) (teacher forcing extracts it). A
+    scope that hands out several floating values keeps them all as ``alternatives``: the one the reference's output
+    is compared with is chosen by shape and value when the reference runs (:func:`choose`)."""
     out = []
     for path in ref_paths:
         if not path:
             continue
         best = None
-        for scope, name in scope_out.items():
+        for scope, names in scope_out.items():
             if scope == path or scope.endswith("." + path):
                 if best is None or len(scope) < len(best[0]):
-                    best = (scope, name)
-        if best is None or not best[1] or best[1] not in values:
+                    best = (scope, names)
+        if best is None:
             continue
-        v = values[best[1]]
-        try:
-            t = torch.from_numpy(v.copy())
-        except TypeError:
-            continue
-        if t.is_floating_point():
-            out.append(record(path, 0, best, t))
+        options = []
+        for name in best[1]:
+            if name not in values:
+                continue
+            try:
+                t = torch.from_numpy(np.asarray(values[name]).copy())
+            except TypeError:
+                continue
+            if t.is_floating_point():
+                options.append(((best[0], name), t))
+        if options:
+            r = record(path, 0, options[-1][0], options[-1][1])  # the last value by default, as before
+            r.alternatives = options if len(options) > 1 else None
+            out.append(r)
     return out
+
+
+def choose(r, y: torch.Tensor) -> None:
+    """Among a record's alternatives (a scope handing out several values), the one of the reference output's shape
+    nearest it in value becomes the record's output and the subgraph it extracts."""
+    if not r.alternatives:
+        return
+    same = [(key, t) for key, t in r.alternatives if list(t.shape) == list(y.shape)]
+    if not same:
+        return
+    yd = y.detach().double().reshape(-1)
+    scale = float(yd.norm()) or 1.0
+    key, t = min(same, key=lambda kt: float((kt[1].double().reshape(-1) - yd).norm()) / scale)
+    r.module, r.output, r.version, r.shape, r.alternatives = key, t, t._version, list(t.shape), None
 
 
 class Subgraphs:

@@ -185,11 +185,19 @@ def _options(threads: int = 0):
 
 
 def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], record) -> list:
-    """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix);
+    """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix), or
+    the path ending in '.' + scope (the exporter dropped a wrapper level) where that is unambiguous;
     each record's ``module`` is (the ONNX scope it came from, the value's name) (teacher forcing extracts it). A
     scope that hands out several floating values keeps them all as ``alternatives``: the one the reference's output
     is compared with is chosen by shape and value when the reference runs (:func:`choose`)."""
     out = []
+    # a scope that skips the path's leading levels (an exporter that drops a wrapper module: "decoder.layers.0"
+    # for "model.decoder.layers.0") is the path's only when no other path ends with it
+    claims: dict[str, list[str]] = {}
+    for path in ref_paths:
+        for scope in scope_out:
+            if path and path.endswith("." + scope):
+                claims.setdefault(scope, []).append(path)
     for path in ref_paths:
         if not path:
             continue
@@ -198,6 +206,11 @@ def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], recor
             if scope == path or scope.endswith("." + path):
                 if best is None or len(scope) < len(best[0]):
                     best = (scope, names)
+        if best is None:
+            skipped = [sc for sc, paths in claims.items() if paths == [path]]
+            if skipped:
+                sc = max(skipped, key=len)
+                best = (sc, scope_out[sc])
         if best is None:
             continue
         options = []

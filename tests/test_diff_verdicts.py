@@ -246,3 +246,17 @@ def test_onnx_scopes_that_drop_a_wrapper_level_still_align():
     d = diff(m, proto, {"x": X}, progress=False)
     assert d.verdict == "pass", (d.summary(), d.inconclusive)
     assert {s.name for s in d.sites if s.status == "within"} >= {"inner.ln", "inner.rotary", "inner.fc"}
+
+
+def test_the_same_model_at_a_lower_dtype_says_what_is_known():
+    """Against its own copy at bf16 a site other than a norm is the reference's own operation at bf16: its bound
+    cannot fail, so the summary says so, and ranks the sites by the error each adds instead."""
+    d = diff(model(), None, {"x": X}, candidate_dtype="bfloat16", progress=False)
+    assert d.verdict == "pass"
+    text = d.summary()
+    assert "norm sites within their contracts" in text and "faithful by construction" in text
+    added = d.stats["error_added"]
+    assert added and text.endswith("its input's error)") and added[0]["site"] in text
+    assert [a["own_roundoffs"] for a in added] == sorted((a["own_roundoffs"] for a in added), reverse=True)
+    assert all(a["dtype"] == "bfloat16" and a["amplification"] > 0 for a in added)
+    assert "self_candidate" not in diff(model(), copy.deepcopy(model()), {"x": X}, progress=False).stats

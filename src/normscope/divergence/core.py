@@ -569,6 +569,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         sites: list[SiteDiff] = []
         coverage = {"own_sites": 0}  # sites that have an own error to measure (leaves and their parents)
         outputs: list[tuple[torch.Tensor, float]] = []  # recent reference outputs and their propagated errors
+        input_errors: dict[str, float] = {}  # site → the propagated error of its input
         frames = _CallStack()
         first: dict[str, Any] = {}
         state = {"nonfinite": None}
@@ -707,6 +708,9 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 cand_ref = r.module
             s.dtype = site_dtype
             s.own = metrics.errors(yc, y)
+            x_err = next((e for t, e in reversed(outputs) if t is x_in), None) if x_in is not None else None
+            if x_err is not None:
+                input_errors[s.name] = x_err
             if "error" in s.own:
                 s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
                 _remember(first, s, module, cand_ref, f["args"], y, yc, keep)
@@ -836,10 +840,33 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                 unmatched_reference=unmatched_ref, unmatched_candidate=unmatched_cand, notes=notes,
                 inconclusive=undecided, failed=culprit is None and bool(cand_error),
                 stats={"alignment": mode, "sites": len(sites),
+                       **({"self_candidate": True, "error_added": _error_added(sites, input_errors, ref_dtype)}
+                          if twin is not None and twin is cand_model and not ac else {}),
                        "own_measured": sum(s.own is not None for s in sites), "reused_leaf_outputs": memo.hits,
                        "candidate_cache_bytes": int(cand_bytes)},
                 seconds=time.perf_counter() - started, tensors=tensors, grad=grad, grad_sites=g["sites"],
                 grad_first_divergence=g["first"], grad_divergence=g["divergence"], param_grads=g["params"])
+
+
+def _error_added(sites: list[SiteDiff], input_errors: dict[str, float], ref_dtype: str, top: int = 5) -> list:
+    """The candidate is the reference at a lower dtype: a site other than a norm is the reference's own operation
+    at that dtype, faithful by construction, so its bound cannot fail. What is known instead is how much error
+    each site adds: its own error in units of the dtype's roundoff, and against the error its input already had
+    (amplification). The sites that add most, most first."""
+    from ..dtypes import UNIT_ROUNDOFF
+
+    out = []
+    for s in sites:
+        if s.own is None or s.dtype in (None, ref_dtype) or s.dtype not in UNIT_ROUNDOFF:
+            continue
+        own = s.own.get("normalized")
+        if not isinstance(own, float) or not math.isfinite(own):
+            continue
+        u = UNIT_ROUNDOFF[s.dtype]
+        x_err = input_errors.get(s.name)
+        out.append({"site": s.name, "cls": s.cls, "dtype": s.dtype, "own_error": own, "own_roundoffs": own / u,
+                    "input_error": x_err, "amplification": own / max(x_err or 0.0, u)})
+    return sorted(out, key=lambda e: -e["own_roundoffs"])[:top]
 
 
 def _undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinite: str | None, mode: str,

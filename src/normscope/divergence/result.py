@@ -186,6 +186,14 @@ class Diff:
         if self.first_divergence is None:
             measured = sum(s.own is not None for s in self.sites)
             at = f"autocast {self.autocast}" if self.autocast else self.candidate_dtype
+            if self.stats.get("self_candidate"):
+                norms = sum(s.kind == "norm" and s.status == "within" for s in self.sites)
+                added = self.stats.get("error_added") or []
+                most = (f"; the most error is added at {added[0]['site']} ({added[0]['own_roundoffs']:.3g} roundoffs "
+                        f"of {added[0]['dtype']}, ×{added[0]['amplification']:.3g} its input's error)") if added else ""
+                return (f"no divergence: {norms} norm sites within their contracts at {at}; the other sites are "
+                        f"the reference's own operations at {at}, faithful by construction ({measured} own errors "
+                        f"measured){most}")
             return (f"no divergence: {measured} sites' own errors within the bound at {at} "
                     f"({len(self.sites)} sites compared)")
         return f"first divergence at {self.first_divergence}: {self.divergence.get('reason', '')}"

@@ -11,6 +11,7 @@ import registry
 import torch
 import zoo
 
+import normscope
 from normscope import NormSpec, check
 from normscope.results.check import Report
 from normscope.testing import assert_conforms
@@ -343,7 +344,9 @@ def test_odd_hidden_size_passes():
     assert_passes(check(zoo.randomize(torch.nn.LayerNorm(7)), expect="torch_layernorm", shape=(2, 8, 7)))
 
 
-def test_promoted_output_dtype_is_reported_not_failed():
+def test_a_promoted_output_dtype_is_part_of_the_contract():
+    """A wider output is not a pass by default (layers after it compute in another dtype than the checkpoint's):
+    it fails against a contract at the input's dtype, passes against one that says fp32, and infer finds it."""
     class Promoting(torch.nn.LayerNorm):
         def forward(self, x):  # computes and returns float32 for half-precision inputs
             return torch.nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
@@ -351,7 +354,14 @@ def test_promoted_output_dtype_is_reported_not_failed():
 
     r = check(Promoting(64), expect="torch_layernorm", shape=SHAPE, explain_failures=False)
     (out,) = r.find("reference.output_dtype", dtype="bfloat16")
-    assert out.status == "skip" and out.measured == "float32"
+    assert out.status == "fail" and out.measured == "float32" and "output_dtype='float32'" in out.why
+    promoted = NormSpec.preset("torch_layernorm").replace(output_dtype="float32")
+    r = check(Promoting(64), expect=promoted, shape=SHAPE, quick=True, explain_failures=False)
+    assert all(f.status == "pass" for f in r.find("reference.output_dtype")), r.text()
+    assert "fp32 output" in promoted.summary()
+    inferred = normscope.infer(Promoting(64), shape=SHAPE).spec
+    assert inferred.output_dtype == "float32"
+    assert normscope.infer(torch.nn.LayerNorm(64), shape=SHAPE).spec.output_dtype == "input"
 
 
 def test_two_element_groups_pass_backward():

@@ -23,6 +23,7 @@ EPS_PLACEMENTS = ("inside_sqrt", "outside_sqrt", "clamp", "none")
 VARIANCES = ("biased", "unbiased")
 VARIANCE_ALGORITHMS = ("two_pass", "one_pass")
 STATS_DTYPES = ("float32", "input")
+OUTPUT_DTYPES = ("input", "float32")  # the output at the input's dtype, or promoted to fp32
 AFFINE_ORDERS = ("cast_then_scale", "scale_then_cast")
 BATCH_STATS = ("batch", "running")
 KINDS = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
@@ -102,6 +103,7 @@ class NormSpec:
     stats_dtype: str = "float32"
     affine_order: str = "scale_then_cast"
     batch_stats: str | None = None
+    output_dtype: str = "input"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -183,6 +185,7 @@ class NormSpec:
         _choice("affine_order", self.affine_order, AFFINE_ORDERS)
         if self.batch_stats is not None:
             _choice("batch_stats", self.batch_stats, BATCH_STATS)
+        _choice("output_dtype", self.output_dtype, OUTPUT_DTYPES)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -231,6 +234,8 @@ class NormSpec:
             parts.append(self.affine_order.replace("_", " "))
         if self.batch_stats is not None:
             parts.append(f"{self.batch_stats} statistics")
+        if self.output_dtype == "float32":
+            parts.append("fp32 output")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -426,4 +431,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
         words = {None: "statistics of each input (no train/eval modes)", "batch": "batch statistics",
                  "running": "running statistics"}
         out.append(f"expected {words[b.batch_stats]}; found {words[a.batch_stats]}")
+    if a.output_dtype != b.output_dtype:
+        words = {"input": "the output at the input's dtype", "float32": "an fp32 output"}
+        out.append(f"expected {words[b.output_dtype]}; found {words[a.output_dtype]}")
     return out

@@ -83,17 +83,21 @@ def forward(ctx: Context) -> Iterator[Finding]:
 
 
 def output_dtypes(ctx: Context, dtypes) -> Iterator[Finding]:
-    """A normalization returns its input's dtype; a wider one is reported, a narrower one fails."""
+    """The output's dtype is part of the contract (``output_dtype``: the input's, unless it says fp32): a wider one
+    fails as a narrower one does — layers after it would compute in another dtype than the checkpoint's."""
+    promoted = ctx.spec.output_dtype == "float32"
     for d in dtypes:
         ctx.target(ctx.rng.normal(size=ctx.shape), d)
         out = ctx.target.output_dtype
-        if out == d:
-            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "pass", out, d, None,
+        want = "float32" if promoted and d in _WIDTH and _WIDTH.index(d) < _WIDTH.index("float32") else d
+        if out == want:
+            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "pass", out, want, None,
                               f"{d} in, {out} out", dtype=d)
-        elif out in _WIDTH and _WIDTH.index(out) > _WIDTH.index(d):
-            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "skip", out, d, None,
-                              f"{d} in, {out} out: promoted (the contract does not fix the output dtype; values were "
-                              "compared as returned, and layers after it will compute in the wider dtype)", dtype=d)
+        elif out in _WIDTH and want in _WIDTH and _WIDTH.index(out) > _WIDTH.index(want):
+            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "fail", out, want, None,
+                              f"{d} in, {out} out: promoted, where the contract returns {want} (layers after it "
+                              "would compute in the wider dtype; if that is intended, the contract says "
+                              "output_dtype='float32')", dtype=d)
         else:
-            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "fail", out, d, None,
+            yield ctx.finding("reference.output_dtype", f"output dtype at {d}", "fail", out, want, None,
                               f"{d} in, {out} out: the output lost or changed precision", dtype=d)

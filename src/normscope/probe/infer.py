@@ -47,6 +47,19 @@ from .fields.variance_algorithm import variance_algorithm
 __all__ = ["SCHEMA", "VALIDATION_TOL", "Confidence", "Evidence", "Inference", "infer"]
 
 
+def output_dtype(probe) -> tuple[bool, Evidence]:
+    """Whether a low-precision input comes back in fp32 (a mixed-precision implementation that keeps fp32
+    parameters and never casts back): one call at each of bf16 and fp16 the target runs."""
+    seen = {}
+    for d in ("bfloat16", "float16"):
+        if d in probe.accepted:
+            probe.target(probe.rng.normal(size=probe.shape), d)
+            seen[d] = probe.target.output_dtype
+    promoted = bool(seen) and all(v == "float32" for v in seen.values())
+    note = "" if seen else "no 16-bit dtype ran: the output's dtype is the input's as far as was seen"
+    return promoted, Evidence("a 16-bit input's output dtype", {"returned": seen}, note=note)
+
+
 @quiet
 def infer(
     target,
@@ -125,6 +138,9 @@ def infer(
         rounding = with_random_parameters(probe, spec, params, aff)
         spec = rounding.spec
         ev.update(rounding.evidence)
+        promoted, ev["output_dtype"] = output_dtype(probe)
+        if promoted:
+            spec = spec.replace(output_dtype="float32")
         probe.progress("validation on fresh inputs")
         validation = validate(probe, spec, params, g, found_eps.measured_at)
 

@@ -364,6 +364,22 @@ def test_a_promoted_output_dtype_is_part_of_the_contract():
     assert normscope.infer(torch.nn.LayerNorm(64), shape=SHAPE).spec.output_dtype == "input"
 
 
+def test_a_frozen_batchnorm_passes_its_own_frozen_contract():
+    """A frozen BatchNorm (running statistics in train mode too, never updated) is stated by batch_stats="frozen"
+    and passes against it; a BatchNorm that trains fails the same contract where it departs from it."""
+    m = zoo.FrozenBatchNorm2d()
+    frozen = NormSpec.preset("torch_batchnorm_eval", batch_stats="frozen", stats_dtype="input")
+    assert "frozen running statistics" in frozen.summary()
+    r = check(m, expect=frozen, shape=(2, 4, 5, 5), quick=True, explain_failures=False)
+    assert r.ok, r.text()
+    assert {f.id for f in r.findings if f.section == "modes"} == {
+        "modes.frozen_training", "modes.frozen_evaluation", "modes.frozen_unchanged"}
+    bn = torch.nn.BatchNorm2d(4).train()
+    r = check(bn, expect=frozen.replace(stats_dtype="float32"), shape=(2, 4, 5, 5), quick=True,
+              explain_failures=False)
+    assert {"modes.frozen_training[dtype=float32]", "modes.frozen_unchanged"} <= failed(r), r.text()
+
+
 def test_two_element_groups_pass_backward():
     # dx is exactly 0 for groups of two: every term cancels, and rounding of the terms is all that is left
     gn = torch.nn.GroupNorm(2, 4)

@@ -381,7 +381,8 @@ def test_frozen_batchnorm_is_recognised_from_its_buffers():
     r = infer(m, shape=IMAGE)
     ev = r.evidence["stats_dtype"]
     assert r.spec.stats_dtype == "input" or ev.confidence is Confidence.AMBIGUOUS
-    assert_contract(r, NormSpec.preset("torch_batchnorm_eval", stats_dtype=r.spec.stats_dtype), 4)
+    assert_contract(r, NormSpec.preset("torch_batchnorm_eval", stats_dtype=r.spec.stats_dtype,
+                                       batch_stats="frozen"), 4)
     for name in ("running_mean", "running_var"):
         np.testing.assert_allclose(getattr(r.params, name), getattr(m, name).double().numpy(), rtol=1e-12)
     np.testing.assert_allclose(r.params.gamma, m.weight.double().numpy(), rtol=1e-6)

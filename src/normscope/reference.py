@@ -60,7 +60,7 @@ def _running(lay: Layout, values, name: str, p: Precision, stored: Precision | N
     """Running statistics as the kernel reads them: stored in ``stored`` precision, loaded into ``p``."""
     if values is None:
         raise InputError(
-            f"this spec uses running statistics (batch_stats='running'); pass {name}= with the sizes "
+            f"this spec uses running statistics (batch_stats='running' or 'frozen'); pass {name}= with the sizes "
             f"along the kept axes {list(lay.stats_axes)}"
         )
     values = lay.group(np.broadcast_to(lay.expand(values, lay.stats_axes, name), lay.shape))
@@ -78,7 +78,7 @@ def _stats(x: np.ndarray, spec: NormSpec, lay: Layout, p: Precision, running_mea
     n = lay.count
     n_var = n - 1 if spec.variance == "unbiased" else n
     with np.errstate(all="ignore"):
-        if spec.batch_stats == "running":
+        if spec.uses_running_statistics:
             mean = _running(lay, running_mean, "running_mean", p, stored) if spec.center else np.zeros_like(xg)
             var = _running(lay, running_var, "running_var", p, stored)
             dev = p.op(xg - mean) if spec.center else xg
@@ -232,7 +232,7 @@ def backward(
     dxhat = lay.group(dy * scale)
 
     with np.errstate(all="ignore"):
-        if spec.batch_stats == "running":
+        if spec.uses_running_statistics:
             return lay.ungroup(dxhat / denom), dgamma, dbeta
         axes, n = lay.reduce_axes, lay.count
         n_var = n - 1 if spec.variance == "unbiased" else n

@@ -25,7 +25,7 @@ VARIANCE_ALGORITHMS = ("two_pass", "one_pass")
 STATS_DTYPES = ("float32", "input")
 OUTPUT_DTYPES = ("input", "float32")  # the output at the input's dtype, or promoted to fp32
 AFFINE_ORDERS = ("cast_then_scale", "scale_then_cast")
-BATCH_STATS = ("batch", "running")
+BATCH_STATS = ("batch", "running", "frozen")  # frozen: the running statistics in both modes, never updated
 KINDS = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
 
 _KIND_TITLES = {
@@ -189,6 +189,11 @@ class NormSpec:
 
     # ------------------------------------------------------------------ derived views
     @property
+    def uses_running_statistics(self) -> bool:
+        """Normalizes with given running statistics (``batch_stats`` "running", or "frozen": in both modes)."""
+        return self.batch_stats in ("running", "frozen")
+
+    @property
     def kind(self) -> str:
         """The family name, derived from the fields (never stored)."""
         if self.groups is not None:
@@ -232,7 +237,9 @@ class NormSpec:
         parts.append(stats)
         if self.stats_dtype == "float32" and (self.gamma or self.beta):
             parts.append(self.affine_order.replace("_", " "))
-        if self.batch_stats is not None:
+        if self.batch_stats == "frozen":
+            parts.append("frozen running statistics (both modes, never updated)")
+        elif self.batch_stats is not None:
             parts.append(f"{self.batch_stats} statistics")
         if self.output_dtype == "float32":
             parts.append("fp32 output")
@@ -429,7 +436,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
         out.append(f"expected {b.affine_order.replace('_', ' ')}; found {a.affine_order.replace('_', ' ')}")
     if a.batch_stats != b.batch_stats:
         words = {None: "statistics of each input (no train/eval modes)", "batch": "batch statistics",
-                 "running": "running statistics"}
+                 "running": "running statistics", "frozen": "frozen running statistics (both modes, never updated)"}
         out.append(f"expected {words[b.batch_stats]}; found {words[a.batch_stats]}")
     if a.output_dtype != b.output_dtype:
         words = {"input": "the output at the input's dtype", "float32": "an fp32 output"}

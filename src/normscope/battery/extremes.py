@@ -67,7 +67,7 @@ def extremes(ctx: Context) -> Iterator[Finding]:
     x = offset + ctx.pattern()
     yield ctx.compare("extreme.offset", f"offset {offset:g} + small spread", x, d,
                       "a large common offset with unit spread (one-pass variance cancels)", offset=offset)
-    if spec.center and spec.batch_stats != "running":
+    if spec.center and not spec.uses_running_statistics:
         yield variance_algorithm(ctx)
     yield from nonfinite(ctx)
 

@@ -19,7 +19,7 @@ def hand_case(ctx: Context) -> Iterator[Finding]:
     starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=g.count))[:-1]])
     rank[order] = np.arange(flat.size) - starts[flat[order]]
     x = np.array([1.0, 2.0, 3.0])[rank % 3].reshape(ctx.shape)
-    stats = reference.statistics(x, spec.replace(batch_stats=None) if spec.batch_stats == "running" else spec,
+    stats = reference.statistics(x, spec.replace(batch_stats=None) if spec.uses_running_statistics else spec,
                                  **ctx.params.running())
     first = g.labels == 0
     kind = "mean square" if not spec.center else "variance"

@@ -21,6 +21,9 @@ def modes(ctx: Context) -> Iterator[Finding]:
         yield ctx.finding("modes.available", "train/eval rules", "skip", why="the target has no train/eval modes")
         return
     x = ctx.rng.normal(size=ctx.shape) * 2 + 1
+    if spec.batch_stats == "frozen":
+        yield from _frozen(ctx, x)
+        return
     with t.mode(True):
         yield ctx.compare("modes.training_batch_statistics", "training uses batch statistics", x, ctx.dtype,
                           "train mode", spec=spec.replace(batch_stats="batch"))
@@ -37,6 +40,30 @@ def modes(ctx: Context) -> Iterator[Finding]:
             yield ctx.with_params(ctx.params.merged(running)).compare(
                 "modes.evaluation_running_statistics", "evaluation uses running statistics", x, ctx.dtype,
                 "eval mode", spec=spec.replace(batch_stats="running"))
+
+
+def _frozen(ctx: Context, x) -> Iterator[Finding]:
+    """A frozen BatchNorm: the running statistics in both modes, and a training step leaves them as they were."""
+    t = ctx.target
+    before = t.buffers()
+    running = {k: before[k] for k in ("running_mean", "running_var") if k in before}
+    inner = ctx.with_params(ctx.params.merged(running)) if running else ctx
+    for training, label in ((True, "train mode"), (False, "eval mode")):
+        with t.mode(training):
+            yield inner.compare(f"modes.frozen_{'training' if training else 'evaluation'}",
+                                f"{label} uses the running statistics", x, ctx.dtype, label)
+    after = t.buffers_after_training_step(x)
+    if not after or "running_mean" not in after:
+        yield ctx.finding("modes.frozen_unchanged", "running statistics never updated", "skip",
+                          why="the target exposes no running buffers")
+        return
+    moved = {k: float(np.max(np.abs(after[k] - before[k]))) for k in ("running_mean", "running_var")
+             if k in after and k in before}
+    ok = all(v == 0.0 for v in moved.values())
+    yield ctx.finding("modes.frozen_unchanged", "running statistics never updated", "pass" if ok else "fail",
+                      moved, 0.0, 0.0, "the running statistics stayed as they were after a training step" if ok else
+                      f"a training step moved the running statistics (largest change {max(moved.values()):.3g}); "
+                      "a frozen contract never updates them")
 
 
 def running_update(ctx: Context, x, before, after) -> Finding:

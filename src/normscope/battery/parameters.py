@@ -48,7 +48,7 @@ def probe_affine(ctx: Context) -> PlusMinus:
     """γ (effective) and β at every position from ±a·u at the precise dtype, x̂ from the reference (with the
     context's running statistics where the contract uses them)."""
     base = ctx.spec.without_affine()
-    stats = ctx.params.running() if base.batch_stats == "running" else {}
+    stats = ctx.params.running() if base.uses_running_statistics else {}
     return plus_minus(lambda x: ctx.target(x, ctx.precise), ctx.groups, ctx.rng, 1e3,
                       normalize=lambda x: reference.forward(x, base, **stats))
 
@@ -73,7 +73,7 @@ def resolve(ctx: Context) -> Iterator[Finding]:
     exposed = ctx.target.parameters()
     buffers = ctx.target.buffers()
     sources = []
-    if spec.batch_stats == "running":
+    if spec.uses_running_statistics:
         running = {f: buffers[f] for f in ("running_mean", "running_var") if f in buffers}
         sources += [f"{f} from the target's buffer" for f in running]
         if "running_var" not in running:

@@ -90,7 +90,7 @@ class Norm(nn.Module):
     @property
     def spec(self) -> NormSpec:
         """The contract this module computes now (BatchNorm: batch statistics only in training mode)."""
-        if self._spec.batch_stats is None:
+        if self._spec.batch_stats in (None, "frozen"):
             return self._spec
         return self._spec.replace(batch_stats="batch" if self.training else "running")
 
@@ -140,7 +140,7 @@ class Norm(nn.Module):
             total = torch.where(total.abs() > c_max, total.sign() * math.inf, total)  # the accumulator's range
             return (total / count).to(c)
 
-        if spec.batch_stats == "running":
+        if spec.uses_running_statistics:
             rm, rv = self._running_view(lay)
             # read as the input dtype sees them, as γ/β are (a module cast with .to(dtype) stores them there)
             mu = rm.to(d).to(c) if spec.center else None

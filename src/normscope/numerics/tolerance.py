@@ -209,7 +209,7 @@ def faithful_gradients(x, dy, spec: NormSpec, dtype: str, params=None) -> dict[s
             for field in ("running_mean", "running_var"):
                 buf = getattr(m, field)
                 buf.copy_(torch.from_numpy(p.get(field).copy()).reshape(buf.shape))
-    m.train(spec.batch_stats != "running")
+    m.train(not spec.uses_running_statistics)
     m = m.to(torch_dtype(d))  # parameters rounded once, from float64
     xt = torch.from_numpy(x).to(torch_dtype(d)).requires_grad_(True)
     m.zero_grad()

@@ -99,7 +99,7 @@ def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Froz
     channel = [axis] if axis == 1 else [axis - ndim]
     axes = [a for a in range(ndim) if a != axis] if axis == 1 else [a - ndim for a in range(ndim) if a != axis]
     spec = NormSpec(center=center, axes=axes, eps=eps, eps_placement=placement, gamma=gamma, beta=beta,
-                    param_axes=channel if (gamma or beta) else [], batch_stats="running")
+                    param_axes=channel if (gamma or beta) else [], batch_stats="frozen")
     params = NormParams(gamma=gamma_c if gamma else None, beta=beta_c if beta else None,
                         running_mean=bufs[mean_name], running_var=bufs[var_name])
     ev: dict[str, Evidence] = {}

@@ -358,6 +358,7 @@ class _Detector:
         self.lookback, self.floor, self.false_alarms, self.lr_jump = lookback, floor, false_alarms, lr_jump
         self.s = _collect(records)
         self.T = len(records)
+        self._rel: list[np.ndarray | None] | None = None  # per-sample relative log-losses, made on first use
 
     def threshold(self, tests: int) -> float:
         """z raised so that ``tests`` Gaussian tests leave ``false_alarms`` expected false alarms."""
@@ -536,7 +537,7 @@ class _Detector:
 
     def _relative_log_losses(self, vals) -> list[np.ndarray | None]:
         """Each step's per-sample log-losses minus their median (computed once per run)."""
-        if getattr(self, "_rel", None) is None:
+        if self._rel is None:
             self._rel = [self._relative_log_loss(v) for v in vals]
         return self._rel
 

@@ -392,6 +392,32 @@ def test_frozen_batchnorm_is_recognised_from_its_buffers():
     assert r.validation["max_relative_error"] < 1e-9
 
 
+def test_each_mode_reports_its_own_eps():
+    """A BatchNorm whose evaluation path uses another ε than training (an export-time fold changed it): the
+    contract of each mode carries that mode's ε, and the other mode's is in the evidence."""
+    import torch.nn.functional as F
+
+    class TwoEps(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            if self.training:
+                return super().forward(x)
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, 1e-3)
+
+    torch.manual_seed(0)
+    m = TwoEps(4)
+    with torch.no_grad():
+        m.running_mean.copy_(torch.randn(4))
+        m.running_var.copy_(torch.rand(4) + 0.5)
+    zoo.randomize(m)
+    r = infer(m.eval(), shape=IMAGE)
+    assert r.spec.batch_stats == "running" and r.spec.eps == pytest.approx(1e-3, rel=1e-3)
+    assert r.evidence["eps_evaluation"].measured["training_eps"] == pytest.approx(1e-5, rel=1e-3)
+    r = infer(m.train(), shape=IMAGE)
+    assert r.spec.batch_stats == "batch" and r.spec.eps == pytest.approx(1e-5, rel=1e-3)
+    assert "eps_evaluation" in r.evidence
+    assert "eps_evaluation" not in infer(torch.nn.BatchNorm2d(4).eval(), shape=IMAGE).evidence
+
+
 def test_per_channel_affine_without_buffers_is_refused_with_what_decided():
     class Renamed(zoo.FrozenBatchNorm2d):
         def forward(self, x):

@@ -15,8 +15,9 @@ common shift          ``center`` → ``center``
                       ``variance`` → ``variance``
 gain of u·√v          ``eps`` → ``eps``, ``eps_placement``
 large offset          ``variance_algorithm`` → ``variance_algorithm``
-bf16/fp16 outputs     ``low_precision`` → ``stats_dtype``, ``affine_order``
-evaluation mode       ``running`` → running mean and variance
+bf16/fp16 outputs     ``low_precision`` → ``stats_dtype``, ``affine_order``; the output's dtype → ``output_dtype``
+evaluation mode       ``frozen`` in eval mode → evaluation's own ε (evidence ``eps_evaluation`` where it differs);
+                      ``running`` → running mean and variance
 fresh inputs          ``validation``: the contract must reproduce the target
 ====================  =============================================================================
 """
@@ -58,6 +59,13 @@ def output_dtype(probe) -> tuple[bool, Evidence]:
     promoted = bool(seen) and all(v == "float32" for v in seen.values())
     note = "" if seen else "no 16-bit dtype ran: the output's dtype is the input's as far as was seen"
     return promoted, Evidence("a 16-bit input's output dtype", {"returned": seen}, note=note)
+
+
+def _other_eps(a: NormSpec, b: NormSpec) -> bool:
+    """Whether two measured ε (or their placements) differ beyond measurement (0.1 %)."""
+    if a.eps_placement != b.eps_placement:
+        return True
+    return abs(a.eps - b.eps) > 1e-3 * max(abs(a.eps), abs(b.eps), 1e-30)
 
 
 @quiet
@@ -146,10 +154,18 @@ def infer(
 
     final = spec
     if found_modes.differ:
-        with t.mode(False):
-            params = params.merged(running_stats(probe, spec, params))
         eval_spec = spec.replace(batch_stats="running")
+        with t.mode(False):  # evaluation may use another ε (an export-time fold): measured there, as frozen
+            at_eval = frozen_batchnorm(probe, det, found_modes)
+        if at_eval is not None and _other_eps(at_eval.spec, spec):
+            eval_spec = eval_spec.replace(eps=at_eval.spec.eps, eps_placement=at_eval.spec.eps_placement)
+            e = at_eval.evidence["eps"]
+            ev["eps_evaluation"] = Evidence(e.experiment, {**e.measured, "training_eps": spec.eps,
+                                                           "training_placement": spec.eps_placement},
+                                            e.confidence, "evaluation mode uses another ε than training; the "
+                                            "contract reported is the module's mode's")
         with t.mode(False):
+            params = params.merged(running_stats(probe, eval_spec, params))  # with evaluation's own ε
             if not module_training:  # evaluation may apply its statistics at another precision than training
                 eval_rounding = with_random_parameters(probe, eval_spec, params, aff, ", evaluation mode")
                 eval_spec = eval_rounding.spec

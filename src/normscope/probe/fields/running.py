@@ -18,8 +18,8 @@ from .probe import Probe
 def running_stats(probe: Probe, spec: NormSpec, params: NormParams) -> NormParams:
     """Recover running mean and variance from two evaluation-mode calls (the target must be in eval mode).
 
-    ``spec`` is the training-mode contract and ``params`` its γ/β, used where they are indexed like the running
-    statistics (else γ ≡ 1, β ≡ 0 are assumed).
+    ``spec`` is the contract (its ε the one evaluation uses) and ``params`` its γ/β, used where they are indexed
+    like the running statistics (else γ ≡ 1, β ≡ 0 are assumed).
     """
     probe.progress("running statistics in evaluation mode")
     x1 = probe.rng.normal(size=probe.shape) * 3

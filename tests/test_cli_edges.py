@@ -209,6 +209,22 @@ def test_a_closed_pipe_is_exit_141_without_traceback(cli, monkeypatch):
     assert code == 141
 
 
+@pytest.mark.parametrize("argv", [["explain"], ["presets"], ["check", "torch.nn:LayerNorm", "--args", "[16]",
+                                                                  "--shape", "2,16", "--quick", "--expect",
+                                                                  "torch_layernorm"]])
+def test_a_closed_pipe_under_text_output_is_exit_141(argv):
+    """`normscope … | head -1`: text output (rich's console, not --json) into a closed pipe exits 141, never 1
+    ("check failed"), and prints no traceback. The pipe is closed before the command writes (head having
+    exited), so the test does not depend on timing."""
+    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(Path(normscope.__file__).resolve().parents[1])}
+    p = subprocess.Popen([sys.executable, "-m", "normscope", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.close()  # the reader is gone, as after head -1
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 141, err
+    assert "Traceback" not in err
+
+
 def test_ctrl_c_is_one_line_and_exit_130(cli, modules):
     modules(ctrlc="def f(x):\n    raise KeyboardInterrupt\n")
     code, _, err = cli("infer", "ctrlc:f", "--framework", "numpy", "--shape", "2,16")

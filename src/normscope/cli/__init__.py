@@ -71,7 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from rich.console import Console
 
-    console = Console(highlight=False)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # rich's own handling exits 1, which CI would read as "failed"
+            self.quiet = True
+            raise BrokenPipeError
+
+    console = _Console(highlight=False)
     name = f"normscope {args.command}"
     try:
         with warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes

@@ -225,6 +225,16 @@ def test_a_closed_pipe_under_text_output_is_exit_141(argv):
     assert "Traceback" not in err
 
 
+def test_a_target_that_returns_nan_fails_the_check_not_the_usage(cli, modules):
+    """A target that runs and returns all NaN: exit 1 (the target failed its check) with a finding per dtype, not
+    exit 2 (a usage or input error)."""
+    modules(allnan="import numpy as np\ndef f(x):\n    return np.full_like(x, np.nan)\n")
+    code, out, err = cli("check", "allnan:f", "--framework", "numpy", "--shape", "2,16", "--expect",
+                         "torch_layernorm", "--quick")
+    assert code == 1, err
+    assert "the output is not finite" in out and "FAIL" in out
+
+
 def test_ctrl_c_is_one_line_and_exit_130(cli, modules):
     modules(ctrlc="def f(x):\n    raise KeyboardInterrupt\n")
     code, _, err = cli("infer", "ctrlc:f", "--framework", "numpy", "--shape", "2,16")

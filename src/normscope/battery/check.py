@@ -16,11 +16,11 @@ from ..errors import InputError, NormscopeError, NotANormalization
 from ..inputs import probe_shape, quiet, spec_fits
 from ..loading import read_json_file
 from ..presets import preset_from_text
-from ..results.check import Report
+from ..results.check import Finding, Report
 from ..spec import NormSpec, differences
 from ..targets import as_target
 from ..targets.base import check_dtype_list
-from .context import Context, Progress
+from .context import Context, NonFiniteOutput, Progress
 from .registry import SECTIONS
 
 
@@ -72,7 +72,15 @@ def check(
     t = as_target(target, framework)
     calls_before = t.calls
     mode = {"batch": True, "running": False}.get(spec.batch_stats or "", t.training)
-    ctx = Context.build(t, spec, shape, check_dtype_list(dtypes), quick, seed, progress)
+    try:
+        ctx = Context.build(t, spec, shape, check_dtype_list(dtypes), quick, seed, progress)
+    except NonFiniteOutput as exc:  # it ran, and failed: a report with that finding, not a usage error
+        findings = [Finding(f"runs at {d}", "dtypes", "fail", "non-finite", "finite", None,
+                            f"normal random input of shape {shape} at {d}: the output is not finite", "dtypes.runs",
+                            {"dtype": d}) for d in exc.dtypes]
+        return Report(target=t.description, expected=spec, shape=shape, dtypes=exc.dtypes, findings=findings,
+                      params_source="not measured: the target's output is not finite", calls=t.calls - calls_before,
+                      seconds=time.perf_counter() - started, quick=quick)
     for section in SECTIONS:
         if section.label:
             ctx.progress(section.label)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from ..errors import InputError, NormscopeError
+from ..errors import InputError, NormscopeError, TargetError
 from ..layout import Layout
 from ..numerics import constants as C
 from ..numerics import tolerance
@@ -40,6 +40,16 @@ Progress = Callable[[str], None]
 
 #: The dtypes tried when none are asked for; float64 only as a last resort (see :meth:`Context.build`).
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class NonFiniteOutput(TargetError):
+    """The target ran at every dtype tried and returned non-finite values on ordinary inputs: a failed check (the
+    target's fault), not a usage error."""
+
+    def __init__(self, description: str, dtypes) -> None:
+        super().__init__(f"{description} returned non-finite values on an ordinary input at every dtype tried "
+                         f"({', '.join(dtypes)})")
+        self.dtypes = tuple(dtypes)
 
 
 @dataclasses.dataclass
@@ -82,6 +92,8 @@ class Context:
         if not accepted and dtypes is None and target.accepts("float64", shape):
             accepted = ("float64",)
         if not accepted:
+            if all(target.rejection(d) == "output was not finite" for d in allowed):
+                raise NonFiniteOutput(target.description, allowed)
             raise no_dtype_error(target, allowed)
         # every dtype tried is in the report: one that cannot run is a finding, never an omission
         tried = tuple(dict.fromkeys((*allowed, *accepted)))

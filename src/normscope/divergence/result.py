@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from ..jsonable import jsonable
+from ..results.verdict import Verdict, verdict_of
 
 SCHEMA = "normscope.diff/1"
 
@@ -101,7 +102,7 @@ class SiteDiff:
 
 
 @dataclasses.dataclass
-class Diff:
+class Diff(Verdict):
     """Two executions of one model compared site by site.
 
     ``first_divergence``: the name of the first site (in completion order) whose own error exceeds what a
@@ -147,17 +148,7 @@ class Diff:
     def verdict(self) -> str:
         """``"fail"`` (looked, and it breaks: a divergence), ``"inconclusive"`` (could not look or could not tell:
         :attr:`inconclusive` says why and what would decide it) or ``"pass"`` (looked, and every site holds)."""
-        if self.diverged:
-            return "fail"
-        return "inconclusive" if self.inconclusive else "pass"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
-
-    @property
-    def conclusive(self) -> bool:
-        return self.verdict != "inconclusive"
+        return verdict_of(self.diverged, bool(self.inconclusive))
 
     def site(self, name: str) -> SiteDiff:
         for s in self.sites:

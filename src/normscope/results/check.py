@@ -19,6 +19,7 @@ from typing import Any
 from ..jsonable import document, jsonable
 from ..loading import read_json_file
 from ..spec import NormSpec
+from .verdict import Verdict, verdict_of
 
 __all__ = ["SCHEMA", "Status", "Finding", "Report"]
 
@@ -91,7 +92,7 @@ class Finding:
 
 
 @dataclasses.dataclass
-class Report:
+class Report(Verdict):
     target: str
     expected: NormSpec
     shape: tuple[int, ...]
@@ -110,17 +111,8 @@ class Report:
     def verdict(self) -> str:
         """``"fail"`` (a finding failed), ``"inconclusive"`` (none failed, but one that decides the contract could
         not tell: its ``why`` says what would decide it) or ``"pass"``."""
-        if any(f.status == Status.FAIL for f in self.findings):
-            return "fail"
-        return "inconclusive" if any(f.status == Status.INCONCLUSIVE for f in self.findings) else "pass"
-
-    @property
-    def ok(self) -> bool:
-        return self.verdict == "pass"
-
-    @property
-    def conclusive(self) -> bool:
-        return self.verdict != "inconclusive"
+        return verdict_of(any(f.status == Status.FAIL for f in self.findings),
+                          any(f.status == Status.INCONCLUSIVE for f in self.findings))
 
     @property
     def failures(self) -> list[Finding]:

@@ -270,18 +270,23 @@ _DDP = textwrap.dedent("""
 """)
 
 
-def test_ddp_two_gloo_ranks(tmp_path):
+def _two_gloo_ranks(script: str, run_dir) -> None:
+    """Run ``script`` as ranks 0 and 1 of a gloo process group (argv: rank, run_dir, port, this folder)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _DDP, str(r), str(tmp_path), port, str(Path(__file__).parent)],
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(run_dir), port, str(Path(__file__).parent)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=180)
         assert p.returncode == 0, err.decode()[-3000:]
+
+
+def test_ddp_two_gloo_ranks(tmp_path):
+    _two_gloo_ranks(_DDP, tmp_path)
     headers, steps, ends = read_run(tmp_path)
     assert len(headers) == 1 and headers[0]["world_size"] == 2 and len(ends) == 1  # rank 0 alone writes
     assert [s["step"] for s in steps] == [0, 1, 2]
@@ -347,22 +352,12 @@ _FSDP2 = textwrap.dedent("""
 def test_fsdp2_two_gloo_ranks(tmp_path):
     """Under FSDP2 (``fully_shard``, parameters and gradients sharded as DTensors) each rank summarises its shards
     and rank 0 writes their sums: the whole gradient's and the whole update's, exactly."""
-    import socket
-
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 needs torch.distributed")
     from torch.distributed import fsdp
 
     if not hasattr(fsdp, "fully_shard"):
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard (FSDP2 came with torch 2.6)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _FSDP2, str(r), str(tmp_path), port, str(Path(__file__).parent)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err.decode()[-3000:]
+    _two_gloo_ranks(_FSDP2, tmp_path)
     full = json.loads((tmp_path / "full.json").read_text())
     assert full["errors"] == []
     headers, steps, ends = read_run(tmp_path)

@@ -36,7 +36,7 @@ from .fields.affine import affine, parameter_values
 from .fields.axes import axes_evidence, dependency
 from .fields.center import center
 from .fields.eps import eps
-from .fields.frozen import frozen_batchnorm
+from .fields.frozen import frozen_batchnorm, read_map
 from .fields.low_precision import with_random_parameters
 from .fields.modes import batch_stats, modes
 from .fields.probe import Probe, Progress, natural
@@ -156,10 +156,10 @@ def infer(
     if found_modes.differ:
         eval_spec = spec.replace(batch_stats="running")
         with t.mode(False):  # evaluation may use another ε (an export-time fold): measured there, as frozen
-            at_eval = frozen_batchnorm(probe, det, found_modes)
-        if at_eval is not None and _other_eps(at_eval.spec, spec):
-            eval_spec = eval_spec.replace(eps=at_eval.spec.eps, eps_placement=at_eval.spec.eps_placement)
-            e = at_eval.evidence["eps"]
+            at_eval = read_map(probe, det, found_modes)  # the map and its ε only: no rounding, no validation
+        if at_eval is not None and _other_eps(at_eval[0], spec):
+            eval_spec = eval_spec.replace(eps=at_eval[0].eps, eps_placement=at_eval[0].eps_placement)
+            e = at_eval[2]["eps"]
             ev["eps_evaluation"] = Evidence(e.experiment, {**e.measured, "training_eps": spec.eps,
                                                            "training_placement": spec.eps_placement},
                                             e.confidence, "evaluation mode uses another ε than training; the "

@@ -54,6 +54,23 @@ def running_buffers(probe: Probe) -> tuple[str, str, int] | None:
 def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Frozen | None:
     """The whole contract of a frozen BatchNorm; None when the target is not one (no such buffers, or an output
     that is not a per-channel affine map)."""
+    read = read_map(probe, det, found_modes)
+    if read is None:
+        return None
+    spec, params, ev = read
+    axis = ev["axes"].measured["channel_axis"]
+    g = Groups.build(probe.shape, tuple(a for a in range(probe.ndim) if a != axis))
+    rounding = low_precision(probe, spec, params, "from the map, running statistics from buffers")
+    ev.update(rounding.evidence)
+    probe.progress("validation on fresh inputs")
+    validation = validate(probe, rounding.spec, params, g, probe.dtype)
+    return Frozen(rounding.spec, params, validation, ev)
+
+
+def read_map(probe: Probe, det: Determinism, found_modes: Modes) -> tuple[NormSpec, NormParams, dict] | None:
+    """A frozen BatchNorm's contract (before its low-precision fields), parameters and evidence, read from its
+    per-channel affine map as the running buffers are set in a private copy; None when the target is not one.
+    Also what evaluation mode of a training BatchNorm computes (its own ε)."""
     found = running_buffers(probe)
     if found is None:
         return None
@@ -127,9 +144,4 @@ def frozen_batchnorm(probe: Probe, det: Determinism, found_modes: Modes) -> Froz
                        ("variance_algorithm", "the variance is a stored buffer: no reduction runs")):
         ev[field] = Evidence(why, {}, Confidence.NOT_PROBED)
     ev["gamma_offset"] = Evidence("not inferable from behaviour", {}, Confidence.NOT_PROBED)
-    g = Groups.build(probe.shape, tuple(a for a in range(ndim) if a != axis))
-    rounding = low_precision(probe, spec, params, "from the map, running statistics from buffers")
-    ev.update(rounding.evidence)
-    probe.progress("validation on fresh inputs")
-    validation = validate(probe, rounding.spec, params, g, probe.dtype)
-    return Frozen(rounding.spec, params, validation, ev)
+    return spec, params, ev

@@ -236,6 +236,36 @@ def test_diagnose_command(tmp_path, capsys):
     assert code == 2 and "no such folder" in err
 
 
+def test_a_run_too_short_to_judge_is_inconclusive_not_clean(tmp_path, capsys):
+    train(tmp_path, steps=5)
+    d = diagnose(tmp_path)
+    assert not d.incidents and d.verdict == "inconclusive" and not d.ok
+    assert len(d.undecided) == 1 and "only 5 recorded step(s)" in d.undecided[0] and "--min-history" in d.undecided[0]
+    assert diagnose(tmp_path, min_history=4, window=20).verdict == "pass"  # judged: clean
+    code, out, _ = _cli(["diagnose", str(tmp_path), "--strict"], capsys)
+    assert code == 6 and "inconclusive" in out and "no incident" in out
+    code, out, _ = _cli(["diagnose", str(tmp_path)], capsys)
+    assert code == 0 and "inconclusive" in out  # without --strict: reported, exit 0
+    code, out, _ = _cli(["diagnose", str(tmp_path), "--min-history", "4", "--strict"], capsys)
+    assert code == 0 and "no incident" in out and "inconclusive" not in out
+    code, out, _ = _cli(["diagnose", str(tmp_path), "--json"], capsys)
+    data = json.loads(out)
+    assert data["verdict"] == "inconclusive" and data["undecided"] == d.undecided
+
+
+def test_a_failed_probe_leaves_the_run_inconclusive(tmp_path, monkeypatch):
+    from normscope.tracing import gradients
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("probe broke")
+
+    monkeypatch.setattr(gradients.GradientCollector, "_summarise", broken, raising=True)
+    train(tmp_path, steps=12)
+    d = diagnose(tmp_path)
+    assert not d.incidents and d.verdict == "inconclusive", d.undecided
+    assert any("probe" in why and "probe broke" in why for why in d.undecided), d.undecided
+
+
 _DDP = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist, torch.nn.functional as F
     rank, world, run_dir, port = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
@@ -370,7 +400,7 @@ def test_fsdp2_two_gloo_ranks(tmp_path):
     assert grad["sumsq"] == pytest.approx(full["grad"], rel=1e-5)
     assert update["sumsq"] == pytest.approx(full["update"], rel=1e-4)
     assert update["max_lr"] == pytest.approx(1e-3)
-    assert diagnose(tmp_path).ok
+    assert not diagnose(tmp_path).incidents  # 3 steps: too few to judge trends (inconclusive), none non-finite
 
 
 def test_hugging_face_llama_left_padding(tmp_path):

@@ -197,7 +197,8 @@ def test_a_failing_sink_never_breaks_training(tmp_path, monkeypatch, caplog):
     assert tr.disabled == {"sink 0"} and tr.errors[0]["step"] == 0 and "afile" in tr.errors[0]["error"]
     assert "sink 0" in caplog.text
     d = diagnose(tmp_path / "run")
-    assert d.steps == [0, 1, 2, 3] and d.complete and d.ok and d.disabled == ["sink 0"]
+    assert d.steps == [0, 1, 2, 3] and d.complete and not d.incidents and d.disabled == ["sink 0"]
+    assert d.verdict == "inconclusive" and len(d.undecided) == 1 and "only 4 recorded" in d.undecided[0]
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)  # training went on exactly as without the sink
 

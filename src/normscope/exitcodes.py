@@ -11,7 +11,7 @@ EXIT_USAGE = 2  # usage or input error: one line on stderr names the problem and
 EXIT_NOT_NORM = 3  # infer: the target is not a normalization
 EXIT_TIMEOUT = 4  # the target hung: one call ran longer than --timeout
 EXIT_DIVERGED = 5  # diff: the candidate diverged
-EXIT_INCONCLUSIVE = 6  # diff/check: could not tell (a site not compared, a deciding finding undecided): never a pass
+EXIT_INCONCLUSIVE = 6  # diff/check/diagnose --strict: could not tell (a site not compared, a deciding finding undecided): never a pass
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the output pipe was closed early
 
@@ -28,7 +28,8 @@ EXIT_CODES = """exit codes:
   6    inconclusive: diff or check could not look or could not tell (diff:
        sites left uncompared, a comparison that raised, the reference not
        finite; check: a finding that decides the contract could not separate
-       it from another); the reason and what would decide it are printed;
-       never a pass
+       it from another; diagnose --strict: no incident, but too few recorded
+       steps, a failed probe or damaged lines); the reason and what would
+       decide it are printed; never a pass
   130  interrupted (Ctrl-C)
   141  the output pipe was closed early (e.g. normscope ... --json | head)"""

@@ -3,7 +3,8 @@
 Reads the ``trace.jsonl`` that ``normscope.trace`` writes (also while the run is still going) and prints the first
 incident, its first cause along the chain, the table of incidents and the drifts; ``--json`` prints the diagnosis
 (schema ``normscope.diagnosis/2``), ``--html FILE`` writes a self-contained page with plots. Exit codes: 0
-diagnosed, 1 an incident found with ``--strict``, 2 usage or input error.
+diagnosed, 1 an incident found with ``--strict``, 2 usage or input error, 6 with ``--strict``: no incident, but
+part of the run could not be judged (too few recorded steps, a probe that failed, damaged lines).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ if TYPE_CHECKING:  # the command line registers this parser without loading rich
 
 from ..errors import InputError
 from ..exitcodes import EXIT_FAIL as EXIT_FINDINGS
-from ..exitcodes import EXIT_OK
+from ..exitcodes import EXIT_INCONCLUSIVE, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
@@ -28,13 +29,14 @@ def add_parser(subparsers) -> Any:
                     "and, for each, the first link of the residual chain that left its range: data → layer input → "
                     "norm → attention logits → sublayer → residual sum → loss → gradients → updates; drifts that "
                     "have not hurt yet are listed apart. Exit 0 diagnosed, 1 an incident (with --strict), 2 usage "
-                    "or input error.",
+                    "or input error, 6 no incident but part of the run not judged (with --strict).",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir given to normscope.trace (or its trace.jsonl)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diagnosis/2)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots (default: none)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when there is an incident (default: exit 0 whatever it finds)")
+                   help="exit 1 when there is an incident, 6 when none was found but part of the run could not be "
+                        "judged (default: exit 0 whatever it finds)")
     p.add_argument("--window", type=int, default=20, help="recorded values a trend is fitted to (default 20)")
     p.add_argument("--min-history", type=int, default=8,
                    help="values a series needs before it is judged, at most --window (default 8)")
@@ -62,4 +64,6 @@ def run(args, console: Console) -> int:
         render_diagnosis(d, console)
         if args.html:
             console.print(f"[dim]HTML report: {args.html}[/]")
-    return EXIT_FINDINGS if args.strict and d.incidents else EXIT_OK
+    if not args.strict or d.ok:
+        return EXIT_OK
+    return EXIT_FINDINGS if d.incidents else EXIT_INCONCLUSIVE

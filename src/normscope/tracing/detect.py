@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..jsonable import jsonable
+from ..results.verdict import Verdict, verdict_of
 from .store import read_run
 from .trend import departures, fit, gaussian_tail_quantile, log_values
 
@@ -127,7 +128,7 @@ class Drift:
 
 
 @dataclasses.dataclass
-class Diagnosis:
+class Diagnosis(Verdict):
     run_dir: str
     incidents: list[Incident]
     drifts: list[Drift]
@@ -139,6 +140,13 @@ class Diagnosis:
     complete: bool  # the tracer closed the run (an end line); False while it is still written or after a crash
     damaged: list[str] = dataclasses.field(default_factory=list)  # lines of the file that could not be read
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
+    # why a run without incidents is not clean: what was not judged, each with what would decide it
+    undecided: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        """fail: an incident; inconclusive: none found, but part of the run could not be judged; pass: clean."""
+        return verdict_of(bool(self.incidents), bool(self.undecided))
 
     @property
     def first(self) -> Anomaly | None:
@@ -156,10 +164,6 @@ class Diagnosis:
                     seen.add(key)
                     out.append(a)
         return sorted(out, key=lambda a: a.order)
-
-    @property
-    def ok(self) -> bool:
-        return not self.incidents
 
     def series(self, stage: str, metric: str, layer: int | None = None, site: str | None = None,
                head: int | None = None) -> tuple[list[int], list[float]]:
@@ -184,6 +188,7 @@ class Diagnosis:
                          "model": self.header.get("model"), "every": self.header.get("every"),
                          "world_size": self.header.get("world_size"), "disabled": self.disabled,
                          "errors": self.errors, "damaged": self.damaged, "settings": self.settings,
+                         "verdict": self.verdict, "undecided": self.undecided,
                          "first": self.first.to_dict() if self.first else None,
                          "incidents": [i.to_dict() for i in self.incidents],
                          "drifts": [d.to_dict() for d in self.drifts]})
@@ -775,8 +780,35 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})
     errors = [x for e in run.ends for x in (e.get("errors") or []) if isinstance(x, dict)]
     complete = bool(run.ends) and len(run.ends) >= len(run.headers)
+    undecided = _undecided(run, errors, min_history)
     return Diagnosis(str(run.path.parent), incidents, drifts, [r["step"] for r in run.records], run.headers[-1],
-                     disabled, errors, settings, complete, run.damaged, run.records)
+                     disabled, errors, settings, complete, run.damaged, run.records, undecided)
+
+
+def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]:
+    """What keeps a run without incidents from being called clean, each with what would decide it."""
+    out = []
+    n = len(run.records)
+    if n == 0:
+        out.append("no step was recorded: call tr.step(...) once per optimizer step inside the trace, and diagnose "
+                   "after at least one recorded step")
+    elif n <= min_history:
+        out.append(f"only {n} recorded step(s): a series is judged against its trend after {min_history} values, so "
+                   f"only non-finite values were looked for; record more steps or lower --min-history")
+    blocks = run.headers[-1].get("blocks") if run.headers else None
+    if n and not blocks:
+        out.append("no repeated blocks were found, so no layer of the residual chain was recorded: pass the block "
+                   "modules to trace(..., layers=...)")
+    for e in errors:
+        probe = str(e.get("probe", "?"))
+        if probe.startswith("sink"):  # a sink's failure loses a copy, not a measurement
+            continue
+        out.append(f"probe {probe} failed at step {e.get('step')} and recorded nothing after it ({e.get('error')}): "
+                   f"steps from there on were judged without it; fix the error and trace again")
+    if run.damaged:
+        out.append(f"{len(run.damaged)} line(s) of the trace file could not be read, so their steps were not judged: "
+                   f"the file was cut or overwritten; trace again into a fresh run_dir")
+    return out
 
 
 def _one_head(cause: Anomaly, deps: list[Anomaly]) -> Anomaly:

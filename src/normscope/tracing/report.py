@@ -47,7 +47,12 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         console.print(f"[yellow]{len(d.damaged)} damaged line(s) of the trace file were skipped:[/]")
         for line in d.damaged[:10]:
             console.print(f"[yellow]  {line}[/]")
-    if not d.incidents:
+    if not d.incidents and d.undecided:
+        console.print(f"[bold yellow]inconclusive[/]: no incident in {len(d.steps)} recorded steps, but not all of "
+                      f"the run could be judged:")
+        for why in d.undecided:
+            console.print(f"[yellow]  · {why}[/]")
+    elif not d.incidents:
         console.print(f"[green]no incident[/] in {len(d.steps)} recorded steps ({_settings_line(d)})")
     else:
         inc, a = d.incidents[0], d.first
@@ -207,7 +212,11 @@ def render_html(d: Diagnosis) -> str:
              ".warn{background:#fff6e0;border:1px solid #e8c46a;padding:10px;margin:12px 0}"
              ".grid{display:flex;flex-wrap:wrap;gap:12px}.grid img{border:1px solid #ddd}",
              "</style></head><body>", "<h1>normscope diagnose</h1>"]
-    if a is None:
+    if a is None and d.undecided:
+        parts.append(f"<div class='warn'><b>Inconclusive</b>: no incident in {len(d.steps)} recorded steps, but not "
+                     f"all of the run could be judged:<ul>"
+                     + "".join(f"<li>{esc(why)}</li>" for why in d.undecided) + "</ul></div>")
+    elif a is None:
         parts.append(f"<div class='ok'><b>No incident</b> in {len(d.steps)} recorded steps "
                      f"({esc(_settings_line(d))}).</div>")
     else:

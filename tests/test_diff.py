@@ -112,14 +112,14 @@ def test_teacher_forcing_reuses_leaf_outputs_with_identical_results(llama, monke
     patched."""
     import contextlib
 
-    from normscope.divergence import core
+    from normscope.divergence import execution
 
     torch.manual_seed(1)
     small = _InPlaceTop().eval()
     cases = [(llama, None, _hf_inputs()), (llama, _altered(llama, SITE, lambda m: None), _hf_inputs()),
              (small, None, torch.randn(2, 5, D))]
     with_memo = [diff(r, c, x, candidate_dtype="bfloat16", progress=False) for r, c, x in cases]
-    monkeypatch.setattr(core._Memo, "installed", lambda self, *m: contextlib.nullcontext(self))
+    monkeypatch.setattr(execution.Memo, "installed", lambda self, *m: contextlib.nullcontext(self))
     without = [diff(r, c, x, candidate_dtype="bfloat16", progress=False) for r, c, x in cases]
     for a, b in zip(with_memo, without, strict=True):
         assert a.stats["reused_leaf_outputs"] > 0 and b.stats["reused_leaf_outputs"] == 0

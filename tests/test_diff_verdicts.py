@@ -17,7 +17,7 @@ from rich.console import Console
 from torch import nn
 
 from normscope.divergence import Diff, command, diff
-from normscope.divergence import core as diff_core
+from normscope.divergence import metrics as diff_metrics
 
 W = 16
 X = torch.randn(2, 5, W, generator=torch.Generator().manual_seed(0))
@@ -116,7 +116,7 @@ def test_a_reused_leaf_output_is_never_shared():
 
 
 def test_a_comparison_that_raises_is_inconclusive(monkeypatch):
-    errors = diff_core.metrics.errors
+    errors = diff_metrics.errors
     calls = [0]
 
     def flaky(a, b):
@@ -125,7 +125,7 @@ def test_a_comparison_that_raises_is_inconclusive(monkeypatch):
             raise RuntimeError("comparison broke")
         return errors(a, b)
 
-    monkeypatch.setattr(diff_core.metrics, "errors", flaky)
+    monkeypatch.setattr(diff_metrics, "errors", flaky)
     ref = model()
     d = diff(ref, copy.deepcopy(ref), {"x": X}, progress=False)
     assert d.verdict == "inconclusive" and not d.ok and not d.conclusive and d.first_divergence is None

@@ -84,7 +84,8 @@ def run(args, console: Console) -> int:
     import torch
 
     from ..sources import load_model
-    from .core import _is_onnx, diff
+    from .core import diff
+    from .onnxsites import is_onnx
     from .render import plot_diff, render_diff
 
     if args.candidate is None and not args.candidate_dtype and not args.autocast:
@@ -93,7 +94,7 @@ def run(args, console: Console) -> int:
     reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
     candidate = None
     if args.candidate is not None:
-        if _is_onnx(args.candidate):
+        if is_onnx(args.candidate):
             candidate = args.candidate
         else:
             candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)

@@ -22,19 +22,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..sites.core import known_class
 from . import metrics
+from .execution import CallStack, Hooks, cast, input_at, input_of, primary, site_name, stateless
 from .result import SiteDiff
 
 
 def _loss(out, loss_fn) -> torch.Tensor:
-    from .core import _primary
-
     if loss_fn is not None:
         loss = loss_fn(out)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
         return loss.float().reshape(())
-    y = _primary(out)
+    y = primary(out)
     if y is None or not y.is_floating_point():
         raise TypeError("the model's output has no floating tensor to sum; pass loss_fn=")
     return y.float().sum()
@@ -45,17 +45,15 @@ def _vjp(module, args, kw, dy, dtype, ac=None):
     arguments only the floating keyword tensor of the output's shape) and the module's own parameter gradients,
     at ``dtype`` (None: as given), for output gradient ``dy``; and, under ``ac`` (autocast), the least precise
     dtype the forward's ops ran at (else None)."""
-    from .core import _cast, _input_at, _primary
-
-    xs, kws = list(_cast(args, dtype)), dict(_cast(kw, dtype, True))
-    where, key = _input_at(xs, kws, dy)
+    xs, kws = list(cast(args, dtype)), dict(cast(kw, dtype, True))
+    where, key = input_at(xs, kws, dy)
     box = xs if where == "arg" else kws
     box[key] = box[key].detach().requires_grad_(True)
     params = [(n, p) for n, p in module.named_parameters(recurse=True) if p.requires_grad]
     seen: list[str] = []
     with torch.enable_grad():
         with ac.observe() if ac else contextlib.nullcontext(seen) as seen:
-            y = _primary(module(*xs, **kws))
+            y = primary(module(*xs, **kws))
         g = dy if dtype is None else dy.to(dtype)
         grads = torch.autograd.grad(y, [box[key]] + [p for _, p in params], g.to(y.dtype), allow_unused=True)
     return (grads[0], {n: gp for (n, _), gp in zip(params, grads[1:], strict=True) if gp is not None},
@@ -113,22 +111,20 @@ def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dpar
 def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_dtype: str, cand_dtype: str,
         loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
     """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
-    from .core import _CallStack, _cast, _Hooks, _input, _primary, _site_name, _stateless
-
     notes: list[str] = []
     # ------------------------------------------------------------------ the candidate
     say("gradients: the candidate's forward and backward")
     cand_grads: dict[tuple[str, int], torch.Tensor] = {}
 
     def c_post(module, path, number, a, kw, output):
-        y = _primary(output)
+        y = primary(output)
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad:
             y.register_hook(lambda g, key=(path, number): cand_grads.__setitem__(key, g.detach()))
 
     cparams = [(n, p) for n, p in cand_model.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        with _Hooks(cand_model, lambda *x: None, c_post).active(), ac():
-            out = cand_model(*_cast(args, cand_torch_dtype), **_cast(kwargs, cand_torch_dtype, True))
+        with Hooks(cand_model, lambda *x: None, c_post).active(), ac():
+            out = cand_model(*cast(args, cand_torch_dtype), **cast(kwargs, cand_torch_dtype, True))
         loss = _loss(out, loss_fn)
         if not loss.requires_grad:
             return {"sites": [], "first": None, "divergence": None, "params": [],
@@ -142,19 +138,19 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
     # ------------------------------------------------------------------ the reference, streamed
     say("gradients: the reference's forward and backward, comparing site by site")
     sites: list[SiteDiff] = []
-    frames = _CallStack()
+    frames = CallStack()
 
     def r_pre(module, path, number, a):
         frames.enter(a)
 
     def r_post(module, path, number, a, kw, output):
         f, leaf = frames.leave()
-        y = _primary(output)
+        y = primary(output)
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return
-        x = _input(f["args"], kw, y)  # a module called with keyword arguments only has its input there
+        x = input_of(f["args"], kw, y)  # a module called with keyword arguments only has its input there
         own = own_site(module, leaf or f["leaf_children"]) and x is not None and y is not x \
-            and _stateless(f["args"]) and _stateless(kw)
+            and stateless(f["args"]) and stateless(kw)
         saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]),
                  {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}) if own else None
         y.register_hook(lambda g: _at_site(module, path, number, g, saved, leaf))
@@ -163,13 +159,11 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
         try:
             _compare_site(module, path, number, g, saved)
         except Exception as exc:  # a comparison that fails is a note, never a broken backward
-            notes.append(f"gradient comparison failed at {_site_name(path, number)}: {type(exc).__name__}: {exc}")
+            notes.append(f"gradient comparison failed at {site_name(path, number)}: {type(exc).__name__}: {exc}")
         return None
 
     def _compare_site(module, path, number, g, saved):
-        from .core import known_class
-
-        name = _site_name(path, number)
+        name = site_name(path, number)
         kind = "norm" if known_class(module) else "module"
         s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(sites), depth=0,
                      shape=list(g.shape), status="unmatched")
@@ -194,7 +188,7 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
             return
         site_dtype = s.dtype = seen or cand_dtype  # under autocast: the dtype its forward's ops ran at
         s.own = metrics.errors(dx_c, ref_dx)
-        x = _input(a, kw, g)
+        x = input_of(a, kw, g)
         if kind == "norm":
             v = _norm_judge(site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, ref_dtype, site_dtype)
             if "error" not in v:
@@ -229,7 +223,7 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
 
     rparams = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        with _Hooks(reference, r_pre, r_post).active():
+        with Hooks(reference, r_pre, r_post).active():
             out = reference(*args, **kwargs)
         loss = _loss(out, loss_fn)
         if not loss.requires_grad:

@@ -1,0 +1,291 @@
+"""What ``diff`` compares the reference with, one strategy per kind of candidate:
+
+- :class:`ModuleCandidate` — another torch module, run as it is (at its own dtype);
+- :class:`CopyCandidate` — a private copy (of the candidate, or of the reference itself) cast to a dtype;
+- :class:`AutocastCandidate` — a torch module (the reference itself when none is given) under ``torch.autocast``;
+- :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes.
+
+Each runs its own forward once (:meth:`Candidate.run`: the primary output of every call, where it raised), aligns
+those records with the reference's module paths (:meth:`Candidate.align`) and, during the reference's forward,
+runs one site on the reference's own inputs (:meth:`Candidate.own`: teacher forcing) and says what the
+reference's module makes of the same inputs at the candidate's dtype (:meth:`Candidate.twin_error`: the *twin*).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..dtypes import dtype_name
+from ..sites.core import private_copy, untouched
+from . import metrics, onnxsites
+from .execution import Autocast, Hooks, Memo, Record, cast, device_type, model_dtype, primary, site_name, stateless
+
+WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
+
+
+class NotMeasured(Exception):
+    """A site's own error cannot be measured; ``note`` says why. ``missing``: the site is still judged on its
+    propagated error (an ONNX site whose nodes cannot be extracted as a subgraph)."""
+
+    def __init__(self, note: str | None, missing: str | None = None):
+        super().__init__(note or missing)
+        self.note, self.missing = note, missing
+
+
+class Alignment:
+    """Which candidate record is the counterpart of a reference module call: by path and call number when the
+    names match (or the ONNX scopes say so), else by execution order and output shape within a window."""
+
+    def __init__(self, records: list[Record], mode: str):
+        self.records, self.mode = records, mode
+        self.by_key = {(r.path, r.number): r for r in records}
+        self.pointer = 0
+
+    def counterpart(self, path: str, number: int, shape: list[int]) -> Record | None:
+        if self.mode in ("name", "onnx scopes"):
+            r = self.by_key.get((path, number))
+            return r if r is not None and not r.used else None
+        for i in range(self.pointer, min(len(self.records), self.pointer + WINDOW)):
+            r = self.records[i]
+            if not r.used and r.shape == shape:
+                self.pointer = i + 1
+                return r
+        return None
+
+    def unmatched(self) -> list[str]:
+        """The candidate's calls no reference call took (ONNX values outside every scope are not counted)."""
+        if self.mode == "onnx scopes":
+            return []
+        return [site_name(r.path, r.number) for r in self.records if not r.used and r.output is not None]
+
+
+class Candidate:
+    """The common part of every strategy: its description, dtype, and what its forward left behind."""
+
+    onnx = False
+    model: torch.nn.Module | None = None
+    twin: torch.nn.Module | None = None  # the reference's modules at the candidate's dtype (None: not needed)
+    torch_dtype: torch.dtype | None = None  # what the reference's inputs are cast to before a candidate call
+    ac = Autocast(None, "cpu")
+    bound_suffix = ""
+
+    def __init__(self, desc: str, dtype: str):
+        self.desc, self.dtype = desc, dtype
+        self.records: list[Record] = []
+        self.error: str | None = None  # what its own forward raised
+        self.failed: tuple[str, int] | None = None  # the innermost module call that raised, (path, number)
+        self.cache_bytes = 0
+
+    @property
+    def self_copy(self) -> bool:
+        """The reference itself at a lower dtype: the candidate is its own twin."""
+        return self.twin is not None and self.twin is self.model and not self.ac
+
+    def private_models(self) -> list[torch.nn.Module]:
+        """The copies ``diff`` made itself, whose leaves may reuse their outputs (:class:`.execution.Memo`)."""
+        return []
+
+    def run(self, args, kwargs) -> None:
+        raise NotImplementedError
+
+    def align(self, ref_paths: list[str]) -> Alignment:
+        cand_paths = {r.path for r in self.records if r.path}
+        shared = cand_paths & set(ref_paths)
+        mode = "name" if cand_paths and len(shared) >= 0.5 * len(cand_paths) else "order"
+        return Alignment(self.records, mode)
+
+    def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
+        """None when ``r`` can stand for the reference's output ``y``, else why not."""
+        return None
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        """The site's output on the reference's inputs, the dtype it ran at, and the module that ran it."""
+        raise NotImplementedError
+
+    def twin_error(self, path: str, r: Record, site_dtype: str, ref_dtype: str, own_error: float, args, kw,
+                   y: torch.Tensor, memo: Memo) -> tuple[float | None, str | None]:
+        return None, None
+
+
+class TorchCandidate(Candidate):
+    """A torch module, run with forward hooks; its sites are its module calls."""
+
+    def __init__(self, model: torch.nn.Module, desc: str, dtype: str, reference: torch.nn.Module, ref_dtype: str):
+        super().__init__(desc, dtype)
+        self.model = model
+        self.torch_dtype = getattr(torch, dtype) if dtype != ref_dtype and not self.ac else None
+        self._twin_modules: dict[str, torch.nn.Module] | None = None
+
+    @property
+    def twin_modules(self) -> dict[str, torch.nn.Module]:
+        if self._twin_modules is None:
+            self._twin_modules = dict(self.twin.named_modules(remove_duplicate=False)) if self.twin is not None else {}
+        return self._twin_modules
+
+    def run(self, args, kwargs) -> None:
+        """One forward; the primary output of every module call, in completion order, and where it raised."""
+        peak, live, seen = 0, 0, set()
+
+        def post(module, path, number, a, kw, output):
+            nonlocal peak, live
+            t = primary(output)
+            kept = t if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+            if kept is not None and kept.data_ptr() not in seen:
+                seen.add(kept.data_ptr())
+                live += kept.numel() * kept.element_size()
+                peak = max(peak, live)
+            self.records.append(Record(path, number, module, kept))
+
+        hooks = Hooks(self.model, lambda *a: None, post)
+        with hooks.active(), torch.no_grad(), self.ac():
+            try:
+                self.model(*cast(args, self.torch_dtype), **cast(kwargs, self.torch_dtype, True))
+            except Exception as exc:
+                where = site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
+                self.error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
+                self.failed = hooks.failed_at
+        self.cache_bytes = peak
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        if not (stateless(args) and stateless(kw)):
+            raise NotMeasured("own error not measured: the call takes a stateful argument (a cache object)")
+        try:
+            with torch.no_grad(), self.ac.observe() as seen, memo.on():
+                yc = primary(r.module(*memo.cast(args, self.torch_dtype), **memo.cast(kw, self.torch_dtype, True)))
+        except Exception as exc:
+            # its own forward ran this module fine: on the reference's input it is another operation (or aligned
+            # wrongly), so nothing is compared here, and that is not a divergence
+            raise NotMeasured(f"own error not measured: the candidate's {type(r.module).__name__} raised on the "
+                              f"reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
+        if not isinstance(yc, torch.Tensor):
+            raise NotMeasured("the candidate's module returned no tensor on the reference's input")
+        # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
+        site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else self.dtype
+        return yc, site_dtype, r.module
+
+    def twin_error(self, path, r, site_dtype, ref_dtype, own_error, args, kw, y, memo):
+        """The reference's module at the candidate's dtype on the same inputs: the error precision alone makes."""
+        if self.twin is None or path not in self.twin_modules or site_dtype == ref_dtype:
+            return None, None
+        if self.twin is self.model and r.module is self.twin_modules[path]:
+            tw = own_error
+        else:
+            try:
+                with torch.no_grad(), self.ac(), memo.on():
+                    yt = primary(self.twin_modules[path](*memo.cast(args, self.torch_dtype),
+                                                         **memo.cast(kw, self.torch_dtype, True)))
+                tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+            except Exception:
+                tw = None
+        if tw is not None and not math.isfinite(tw):
+            return None, "the reference's module at the candidate's dtype is not finite here"
+        return tw, None
+
+
+class ModuleCandidate(TorchCandidate):
+    """Another torch module with the reference's architecture, run as it is."""
+
+    def __init__(self, candidate: torch.nn.Module, reference: torch.nn.Module, ref_dtype: str,
+                 stack: contextlib.ExitStack):
+        stack.enter_context(untouched(candidate))
+        dtype = model_dtype(candidate)
+        super().__init__(candidate.eval(), type(candidate).__name__, dtype, reference, ref_dtype)
+        if dtype != ref_dtype:
+            self.twin = private_copy(reference).to(getattr(torch, dtype))
+
+    def private_models(self):
+        return [self.twin] if self.twin is not None else []
+
+
+class CopyCandidate(TorchCandidate):
+    """A private copy cast to ``dtype``: of ``candidate``, or of the reference itself (then it is its own twin)."""
+
+    def __init__(self, candidate: torch.nn.Module | None, reference: torch.nn.Module, dtype: str, ref_dtype: str,
+                 stack: contextlib.ExitStack):
+        source = reference if candidate is None else candidate
+        if candidate is not None:
+            stack.enter_context(untouched(candidate))
+        model = private_copy(source).to(getattr(torch, dtype))
+        super().__init__(model, f"{type(source).__name__} at {dtype} (a private copy)", dtype, reference, ref_dtype)
+        if dtype != ref_dtype:
+            self.twin = model if candidate is None else private_copy(reference).to(getattr(torch, dtype))
+
+    def private_models(self):
+        return [m for m in (self.model, self.twin) if m is not None]
+
+
+class AutocastCandidate(TorchCandidate):
+    """A torch module (the reference itself when ``candidate`` is None) as it is under ``torch.autocast``; each
+    site is judged at the dtype its ops were observed to run at, against the reference's module under the same
+    autocast (the twin)."""
+
+    def __init__(self, candidate: torch.nn.Module | None, reference: torch.nn.Module, dtype: str, ref_dtype: str,
+                 stack: contextlib.ExitStack):
+        if candidate is not None:
+            stack.enter_context(untouched(candidate))
+        model = reference if candidate is None else candidate.eval()
+        self.ac = Autocast(dtype, device_type(model))
+        super().__init__(model, f"{type(model).__name__} under autocast({self.ac.device_type}, {dtype})", dtype,
+                         reference, ref_dtype)
+        self.twin = reference
+
+
+class OnnxCandidate(Candidate):
+    """An ONNX model on onnxruntime: every intermediate value, mapped to the torch sites by the exporter's
+    node-name scopes; a site's own output is its nodes extracted as a subgraph of their own."""
+
+    onnx = True
+    bound_suffix = " (ONNX: the site's subgraph on the reference's input)"
+
+    def __init__(self, proto):
+        super().__init__("", "float32")
+        self.proto = proto
+        self.values: dict[str, Any] = {}
+        self.scopes: dict[str, list[str]] = {}
+        self.subgraphs = None
+
+    def run(self, args, kwargs) -> None:
+        self.values, self.scopes, self.desc, self.subgraphs = onnxsites.run_candidate(self.proto, args, kwargs)
+
+    def align(self, ref_paths: list[str]) -> Alignment:
+        records = onnxsites.records(self.values, self.scopes, ref_paths, Record)
+        declared = self.subgraphs.proto.graph.output
+        final = self.values.get(declared[0].name) if len(declared) else None
+        if final is not None and np.asarray(final).dtype.kind == "f":  # the model's output: the graph's first
+            records.append(Record("", 0, None, torch.from_numpy(np.asarray(final).copy())))
+        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
+        self.values = {}
+        self.records = records
+        return Alignment(records, "onnx scopes")
+
+    def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
+        onnxsites.choose(r, y)
+        if not path and r.output is not None and list(r.output.shape) != list(y.shape):
+            return (f"the ONNX graph's first output {list(r.output.shape)} is not the model's primary output "
+                    f"{list(y.shape)}")
+        return None
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        try:
+            with torch.no_grad():
+                yc = torch.from_numpy(self.subgraphs.run(*r.module, args, kw))
+        except onnxsites.NotExtractable as exc:
+            raise NotMeasured(None, missing=str(exc)) from None
+        return yc, self.dtype, onnxsites.Site(self.subgraphs, *r.module)
+
+
+def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,
+                  ref_dtype: str, stack: contextlib.ExitStack) -> Candidate:
+    """The strategy for what the user gave (arguments already validated)."""
+    if candidate is not None and onnxsites.is_onnx(candidate):
+        return OnnxCandidate(candidate)
+    if autocast is not None:
+        return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
+    if candidate_dtype is not None:
+        return CopyCandidate(candidate, reference, candidate_dtype, ref_dtype, stack)
+    return ModuleCandidate(candidate, reference, ref_dtype, stack)

@@ -1,0 +1,365 @@
+"""How ``diff`` runs a model and sees its module calls: the primary output of a call, casts of its arguments,
+process-wide forward hooks filtered to one model, the stack of calls in flight, the autocast context with the
+dtype its ops ran at, and the memo that lets teacher-forced runs reuse a leaf's output. Shared by the forward
+comparison and the gradient comparison (:mod:`.gradients`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..dtypes import dtype_name
+from ..errors import InputError
+
+SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
+
+
+def primary(out) -> torch.Tensor | None:
+    """The first tensor of a module's output (a tensor, a tuple/list, a dict or HF ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, list | tuple):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                return o
+        return None
+    if isinstance(out, Mapping):
+        for o in out.values():
+            if isinstance(o, torch.Tensor):
+                return o
+    return None
+
+
+def cast(obj, dtype: torch.dtype | None, clamp: bool = False):
+    """Floating tensors to ``dtype``. ``clamp`` (keyword arguments: masks) keeps values within the dtype's finite
+    range, so a float32 mask of −3.4e38 stays finite; activations are cast as they are (an overflow at fp16 is
+    what the candidate would meet)."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dtype != dtype:
+            if clamp and torch.finfo(dtype).max < torch.finfo(obj.dtype).max:
+                fi = torch.finfo(dtype)
+                return obj.detach().clamp(fi.min, fi.max).to(dtype)
+            return obj.detach().to(dtype)
+        return obj
+    if isinstance(obj, tuple | list):
+        return type(obj)(cast(o, dtype, clamp) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast(v, dtype, clamp) for k, v in obj.items()}
+    return obj
+
+
+def stateless(obj, depth: int = 0) -> bool:
+    """Only tensors and plain values: an argument that can be handed to another module without sharing state
+    (a KV cache object would be written to)."""
+    if isinstance(obj, (torch.Tensor, *SAFE)):
+        return True
+    if depth < 3 and isinstance(obj, tuple | list):
+        return all(stateless(o, depth + 1) for o in obj)
+    if depth < 3 and isinstance(obj, dict):
+        return all(stateless(v, depth + 1) for v in obj.values())
+    return False
+
+
+def model_dtype(model: torch.nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_floating_point():
+            return dtype_name(str(t.dtype).replace("torch.", ""))
+    return "float32"
+
+
+def device_type(model: torch.nn.Module) -> str:
+    """The device type autocast runs on: the model's first parameter's or buffer's (cpu without any)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dev = t.device.type
+        if not torch.amp.is_autocast_available(dev):
+            raise InputError(f"autocast is not available on {dev}; use candidate_dtype= instead")
+        return dev
+    return "cpu"
+
+
+def input_at(args, kwargs, out: torch.Tensor | None = None) -> tuple[str, int | str] | None:
+    """Where a call's main input is: ``("arg", i)``, the first floating positional tensor, or for a module called
+    with keyword arguments only ``("kw", name)``, the floating keyword tensor of the output's shape (else the
+    first floating one); None without a floating tensor."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return "arg", i
+    floating = [k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if not floating:
+        return None
+    same = [k for k in floating if out is not None and tuple(kwargs[k].shape) == tuple(out.shape)]
+    return "kw", (same or floating)[0]
+
+
+def input_of(args, kwargs, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    at = input_at(args, kwargs, out)
+    return None if at is None else (args if at[0] == "arg" else kwargs)[at[1]]
+
+
+def versions(args) -> tuple:
+    """The version counters of the positional tensors: a module that writes its input in place changes them."""
+    return tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def lowest(dtypes, default: str) -> str:
+    """The least precise of ``dtypes`` (torch dtypes or names): the one with the largest unit roundoff."""
+    from ..dtypes import UNIT_ROUNDOFF
+
+    names = {str(d).replace("torch.", "") for d in dtypes} & set(UNIT_ROUNDOFF)
+    return max(names, key=lambda n: UNIT_ROUNDOFF[n]) if names else default
+
+
+def observer():
+    """A dispatch mode that records the floating dtypes the ops of a call produced. Under autocast it sits below
+    the autocast key: it sees each op after autocast cast its inputs, i.e. the dtype the op actually ran at."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observed(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    self.dtypes.add(t.dtype)
+            return out
+
+    return _Observed()
+
+
+class Autocast:
+    """The candidate's execution context: ``torch.autocast`` on the model's device type at one dtype, or nothing.
+    ``observe()`` wraps a call and says the least precise dtype its ops ran at (None without autocast)."""
+
+    def __init__(self, dtype: str | None, device_type: str):
+        self.dtype, self.device_type = dtype, device_type
+
+    def __bool__(self) -> bool:
+        return self.dtype is not None
+
+    def __call__(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=getattr(torch, self.dtype))
+
+    @contextlib.contextmanager
+    def observe(self):
+        """Yields a list that holds, after the block, the least precise floating dtype produced inside it."""
+        seen: list[str] = []
+        if self.dtype is None:
+            yield seen
+            return
+        obs = observer()
+        with self(), obs:
+            yield seen
+        seen.append(lowest(obs.dtypes, ""))
+
+
+class CallStack:
+    """The module calls in flight during a hooked forward: each call's positional arguments and their version
+    counters, and whether it is a leaf (called no module) or calls only leaves (attention and its projections)."""
+
+    def __init__(self) -> None:
+        self.frames: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def enter(self, args) -> None:
+        if self.frames:
+            self.frames[-1]["children"] += 1
+        self.frames.append({"args": args, "versions": versions(args), "children": 0, "leaf_children": True,
+                            "child_error": 0.0, "child_unmeasured": False})
+
+    def leave(self) -> tuple[dict[str, Any], bool]:
+        """(the call's frame, whether it is a leaf)."""
+        f = self.frames.pop()
+        leaf = f["children"] == 0
+        if self.frames and not leaf:
+            self.frames[-1]["leaf_children"] = False
+        return f, leaf
+
+
+class Memo:
+    """Teacher forcing reuses what it has just run. On a private copy (a candidate or twin that ``diff`` made
+    itself, never the user's modules) each leaf remembers its last output by the identity and version counter of
+    its input tensors; a parent's teacher-forced run that calls the leaf on the very same tensor (an attention
+    module's query/key/value projections, an MLP's first linear) gets that output back instead of running the
+    leaf again. Inputs are cast once per reference tensor (:meth:`cast`), so a leaf's and its parent's
+    teacher-forced runs hand the leaf the same tensor object. A few entries only (children complete just before
+    their parent); an output changed in place since is run again. Active only inside teacher-forced calls, and
+    the copies' ``forward`` is restored on exit."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self.entries: dict[int, tuple] = {}
+        self.casts: list[tuple] = []
+        self.active = False
+        self.hits = 0
+        self.patched: list[torch.nn.Module] = []
+
+    @contextlib.contextmanager
+    def installed(self, *models):
+        try:
+            for model in {id(m): m for m in models if m is not None}.values():
+                for m in model.modules():
+                    if next(m.children(), None) is None and "forward" not in vars(m):
+                        m.forward = self._wrap(m, m.forward)
+                        self.patched.append(m)
+            yield self
+        finally:
+            for m in self.patched:
+                vars(m).pop("forward", None)
+            self.patched.clear()
+            self.entries.clear()
+            self.casts.clear()
+
+    @contextlib.contextmanager
+    def on(self):
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    @staticmethod
+    def _key(args, kwargs):
+        key = []
+        for v in list(args) + [v for _, v in sorted(kwargs.items())]:
+            if isinstance(v, torch.Tensor):
+                key.append((id(v), v._version))
+            elif isinstance(v, SAFE):
+                key.append(v)
+            else:
+                return None
+        return tuple(key) + tuple(sorted(kwargs))
+
+    def _wrap(self, module, forward):
+        def memo_forward(*args, **kwargs):
+            key = self._key(args, kwargs) if self.active else None
+            if key is None:
+                return forward(*args, **kwargs)
+            hit = self.entries.get(id(module))
+            if hit is not None and hit[0] == key and hit[2]._version == hit[3]:
+                self.hits += 1
+                return hit[2].clone()  # each caller its own tensor: one may write it in place
+            out = forward(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self.entries.pop(id(module), None)
+                self.entries[id(module)] = (key, (args, kwargs), out, out._version)  # holds its inputs: ids stay
+                while len(self.entries) > self.SIZE:
+                    self.entries.pop(next(iter(self.entries)))
+            return out
+
+        return memo_forward
+
+    def cast(self, obj, dtype: torch.dtype | None, clamp: bool = False):
+        """The reference's tensors as a teacher-forced module gets them: :func:`cast` to ``dtype``, or a copy at
+        their own dtype — never the reference's live tensors, which a module that writes its input in place would
+        change under the reference's own forward. One copy per reference tensor (and version) among the last
+        few, reused only while nothing wrote it."""
+        if isinstance(obj, torch.Tensor):
+            if clamp and dtype is not None and obj.is_floating_point() and obj.numel() and \
+                    bool(obj.detach().abs().amax() <= torch.finfo(dtype).max):
+                clamp = False  # nothing to clamp: the same cast as a positional argument's
+            for src, version, cl, out, out_version in self.casts:
+                if src is obj and version == obj._version and cl == clamp and out._version == out_version:
+                    return out
+            out = cast(obj, dtype, clamp)
+            if out is obj:
+                out = obj.detach().clone()
+            self.casts.append((obj, obj._version, clamp, out, out._version))
+            del self.casts[:-self.SIZE]
+            return out
+        if isinstance(obj, tuple | list):
+            return type(obj)(self.cast(o, dtype, clamp) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.cast(v, dtype, clamp) for k, v in obj.items()}
+        return obj
+
+
+def reduce_len(args, out: torch.Tensor) -> int:
+    n = out.shape[-1] if out.dim() else 1
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim():
+            n = max(n, a.shape[-1])
+    return int(n)
+
+
+class Hooks:
+    """Process-wide forward hooks, filtered to one model's modules; ``pre(module, path, number, args)`` and
+    ``post(module, path, number, args, kwargs, output)`` receive the calls. Removed on exit, also on error."""
+
+    def __init__(self, model: torch.nn.Module, pre, post):
+        self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+        self.pre_cb, self.post_cb = pre, post
+        self.numbers: dict[int, int] = {}
+        self.stack: list[tuple[torch.nn.Module, int]] = []
+        self.paused = False
+        self.failed_at: tuple[str, int] | None = None
+        self.errors: list[str] = []
+
+    def _pre(self, module, args):
+        if self.paused or id(module) not in self.paths:
+            return None
+        n = self.numbers.get(id(module), 0)
+        self.numbers[id(module)] = n + 1
+        self.stack.append((module, n))
+        self.paused = True
+        try:
+            self.pre_cb(module, self.paths[id(module)], n, args)
+        finally:
+            self.paused = False
+        return None
+
+    def _post(self, module, args, kwargs, output=None):
+        if self.paused or id(module) not in self.paths or not self.stack or self.stack[-1][0] is not module:
+            return None
+        _, n = self.stack.pop()
+        if output is None and self.failed_at is None:
+            self.failed_at = (self.paths[id(module)], n)  # always_call: the innermost call that raised
+        self.paused = True
+        try:
+            self.post_cb(module, self.paths[id(module)], n, args, kwargs, output)
+        except Exception as exc:  # a comparison that fails is reported, it never breaks the user's forward
+            self.errors.append(f"{site_name(self.paths[id(module)], n)}: {type(exc).__name__}: {exc}")
+        finally:
+            self.paused = False
+        return None
+
+    @contextlib.contextmanager
+    def active(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        handles = [register_module_forward_pre_hook(self._pre),
+                   register_module_forward_hook(self._post, with_kwargs=True, always_call=True)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self.paused = False
+
+
+def site_name(path: str, number: int) -> str:
+    return (path or "(model)") + (f"#{number}" if number else "")
+
+
+class Record:
+    __slots__ = ("path", "number", "module", "shape", "output", "used", "version", "alternatives")
+
+    def __init__(self, path, number, module, output):
+        self.path, self.number, self.module = path, number, module
+        self.alternatives = None  # an ONNX scope's several outputs, (module key, tensor) each
+        self.output = output
+        self.version = output._version if output is not None else None
+        self.shape = list(output.shape) if output is not None else None
+        self.used = False

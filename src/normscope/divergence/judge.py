@@ -1,0 +1,70 @@
+"""The per-site judgement of ``diff``: given what was measured at one site, its status and the bound it was held
+to. Pure: each function reads its arguments and sets the fields of the one :class:`~.result.SiteDiff` it is given.
+
+- :func:`own_error` — a site with an own error (teacher forcing): within the dtype-derived bound
+  (:func:`.metrics.bound`, with the twin's error when one was measured) or diverged;
+- :func:`norm_contract` — a norm site: the element-wise bound of its inferred contract (:mod:`.contracts`);
+- :func:`composition` — a module without an own error (a block, the model) whose output errs far more than every
+  child's output and its input did: the divergence is in its own code between its children;
+- :func:`onnx_propagated` — an ONNX site without an own error, judged on its propagated error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import contracts, metrics
+from .result import SiteDiff
+
+COMPOSITION = 10.0  # a module whose output errs this many times more than all its children's: its own code diverged
+
+
+def norm_contract(s: SiteDiff, v: dict[str, Any], site_dtype: str) -> bool:
+    """Apply a contract verdict (:func:`.contracts.judge`); False when it could not be made (``v['error']``)."""
+    if "error" in v:
+        s.note = f"judged by the dtype-derived rule: {v['error']}"
+        return False
+    s.elementwise = v
+    s.bound, s.bound_rule = None, contracts.rule(v, site_dtype)
+    s.status = "within" if v["ok"] else "diverged"
+    return True
+
+
+def own_error(s: SiteDiff, *, site_dtype: str, ref_dtype: str, twin: float | None, twin_expected: bool, n: int,
+              suffix: str = "") -> None:
+    """Hold the site's own error to the bound of a faithful execution at ``site_dtype``. ``twin_expected``: the
+    reference's module at that dtype should have been measured; without it the bound says so."""
+    s.twin = twin
+    s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, twin, n)
+    if twin_expected and twin is None and site_dtype != ref_dtype:
+        s.bound_rule += " (no faithful twin measured)"
+    s.bound_rule += suffix
+    s.status = "diverged" if s.own["normalized"] > s.bound else "within"
+
+
+def composition(s: SiteDiff, *, err: float, child_error: float, incoming: float | None, n: int, cand_dtype: str,
+                ref_dtype: str) -> bool:
+    """True (and the site diverged) when its output errs by more than :data:`COMPOSITION` × the largest error of
+    its input and its children's outputs (at least that many times the dtype's own floor)."""
+    floor, floor_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+    limit = COMPOSITION * max(child_error, incoming or 0.0, floor)
+    if err <= limit:
+        return False
+    s.status, s.bound = "diverged", limit
+    s.bound_rule = (f"{COMPOSITION:g} × the largest error of its input ({incoming or 0.0:.3g}) and its children's "
+                    f"outputs ({child_error:.3g}), at least {COMPOSITION:g} × {floor_rule}")
+    s.note = (f"its output errs by {err:.3g} while its input and every child's output erred by at most "
+              f"{max(child_error, incoming or 0.0):.3g}: the divergence is in this module's own code between its "
+              "children")
+    return True
+
+
+def onnx_propagated(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str) -> None:
+    """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n); the model's
+    output is compared, not judged (it carries every layer's rounding)."""
+    if s.status == "propagated" and s.propagated is not None and s.depth > 0:
+        s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+        s.bound_rule += " (ONNX: on the propagated error" + (
+            f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
+        if s.propagated["normalized"] > s.bound:
+            s.status = "diverged"

@@ -1,0 +1,121 @@
+"""The verdict step of ``diff``: why a run without a divergence still cannot say "no divergence"
+(:func:`undecided`), how much error each site of a lower-precision copy adds (:func:`error_added`), and the
+explanation of the first divergent site, with both contracts inferred at a norm (:func:`explain`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import NormscopeError, NotANormalization
+from ..sites.core import _redrawn, private_copy
+from . import onnxsites
+from .result import SiteDiff
+
+MIN_OWN_SHARE = 0.5  # "no divergence" needs at least this share of the sites with an own error compared with one
+
+
+def error_added(sites: list[SiteDiff], input_errors: dict[str, float], ref_dtype: str, top: int = 5) -> list:
+    """The candidate is the reference at a lower dtype: a site other than a norm is the reference's own operation
+    at that dtype, faithful by construction, so its bound cannot fail. What is known instead is how much error
+    each site adds: its own error in units of the dtype's roundoff, and against the error its input already had
+    (amplification). The sites that add most, most first."""
+    from ..dtypes import UNIT_ROUNDOFF
+
+    out = []
+    for s in sites:
+        if s.own is None or s.dtype in (None, ref_dtype) or s.dtype not in UNIT_ROUNDOFF:
+            continue
+        own = s.own.get("normalized")
+        if not isinstance(own, float) or not math.isfinite(own):
+            continue
+        u = UNIT_ROUNDOFF[s.dtype]
+        x_err = input_errors.get(s.name)
+        out.append({"site": s.name, "cls": s.cls, "dtype": s.dtype, "own_error": own, "own_roundoffs": own / u,
+                    "input_error": x_err, "amplification": own / max(x_err or 0.0, u)})
+    return sorted(out, key=lambda e: -e["own_roundoffs"])[:top]
+
+
+def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinite: str | None, mode: str,
+               onnx: bool) -> list[str]:
+    """Why a run without a divergence still cannot say "no divergence", each with what would decide it."""
+    why = []
+    align = {"name": "module names", "order": "execution order and output shapes",
+             "onnx scopes": "the exporter's node-name scopes"}.get(mode, mode)
+    if errors:
+        why.append(f"the comparison raised at {len(errors)} site(s), which were not judged (first: {errors[0]}); "
+                   "what would decide it: that site compared (report the error; inputs it can take)")
+    if nonfinite:
+        why.append(f"the reference itself is not finite from {nonfinite} on, so nothing after it was compared; what "
+                   "would decide it: inputs on which the reference stays finite")
+    judged = [s for s in sites if s.status in ("within", "diverged")]
+    compared = sum(1 for s in judged if s.own is not None or s.bound is not None)
+    if own_sites and compared < MIN_OWN_SHARE * own_sites:
+        why.append(f"only {compared} of the {own_sites} sites with an error of their own were compared ({align}: "
+                   f"{sum(s.status == 'unmatched' for s in sites)} reference sites found no counterpart); at least "
+                   f"{MIN_OWN_SHARE:.0%} are needed; what would decide it: a candidate whose "
+                   f"{'scopes' if onnx else 'module names or execution order'} match the reference's")
+    norms = [s for s in sites if s.kind == "norm" and s.status not in ("within", "diverged")]
+    if norms:
+        why.append(f"{len(norms)} norm site(s) were not judged (first: {norms[0].name}: "
+                   f"{norms[0].note or norms[0].status}); what would decide it: that norm aligned with the candidate's "
+                   "and run on the reference's input")
+    root = next((s for s in sites if s.depth == 0), None)
+    if root is None or root.propagated is None or root.status in ("unmatched", "shape"):
+        why.append("the final output was not compared (" + (root.note or root.status if root else "no output") +
+                   "); what would decide it: a candidate that returns the reference's output")
+    return why
+
+def infer_contract(module, shape):
+    from ..probe.infer import infer
+
+    if isinstance(module, onnxsites.Site):  # an ONNX site: its subgraph, as onnxruntime runs it
+        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0).spec
+    m = private_copy(module).float()
+    try:
+        return infer(m, shape=shape, dtypes=("float32",), seed=0).spec
+    except NotANormalization:
+        other = _redrawn(m)
+        if other is None:
+            raise
+        return infer(other, shape=shape, dtypes=("float32",), seed=0).spec
+
+
+def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
+    if s.status == "raised":
+        reason = s.note
+    elif s.status == "shape":
+        reason = s.note
+    elif s.elementwise is not None:
+        v = s.elementwise
+        faithful = "" if v.get("worst_faithful") is None else f", a faithful one errs by {v['worst_faithful']:.3g}"
+        reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
+                  f"{v['worst_bound']:.3g}{faithful} ({v['outside']} of {v['total']} elements outside; "
+                  f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
+    else:
+        which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
+        reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
+                  f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]"
+                  + (f"; {s.note}" if which == "propagated" and s.note else ""))
+    out: dict[str, Any] = {"site": s.name, "class": s.cls, "kind": s.kind, "reason": reason}
+    if s.kind != "norm" or info is None or info.get("shape") is None or info.get("cand") is None:
+        return out
+    say(f"inferring both contracts at {s.name}")
+    from ..spec import differences
+
+    try:
+        from ..spec import NormSpec
+
+        ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else \
+            infer_contract(info["ref"], info["shape"])
+        cand_spec = infer_contract(info["cand"], info["shape"])
+    except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
+        out["contracts_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    ndim = len(info["shape"])
+    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
+    out["differences"] = differences(cand_spec, ref_spec, ndim, shape=info["shape"])
+    if not out["differences"]:
+        out["differences_note"] = ("the two contracts are equivalent: the error comes from how the candidate "
+                                   "computes it (precision, order), not from what it computes")
+    return out

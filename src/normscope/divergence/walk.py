@@ -1,0 +1,208 @@
+"""The reference's forward, streamed: at the end of each module call (children before parents) its output is
+compared with the candidate's counterpart (the *propagated* error; then the candidate's copy is dropped), the
+counterpart is run on the reference's own inputs (the *own* error, :meth:`.candidate.Candidate.own`) and the site
+judged (:mod:`.judge`). Never two full activation caches: only a few recent outputs are held, for the input errors
+of the calls that take them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..sites.core import known_class
+from . import contracts, judge, metrics
+from .candidate import Alignment, Candidate, NotMeasured
+from .execution import CallStack, Memo, Record, input_of, primary, reduce_len, site_name, versions
+from .result import SiteDiff
+
+
+class Walk:
+    """The comparison's state while the reference runs: the sites so far, the recent outputs with their errors,
+    the calls in flight, and the first divergent site's modules and tensors (for its explanation)."""
+
+    def __init__(self, cand: Candidate, alignment: Alignment, *, ref_dtype: str, block_or_above: set[int],
+                 keep: bool, memo: Memo):
+        self.cand, self.alignment, self.ref_dtype = cand, alignment, ref_dtype
+        self.block_or_above, self.keep, self.memo = block_or_above, keep, memo
+        self.sites: list[SiteDiff] = []
+        self.own_sites = 0  # sites that have an own error to measure (leaves and their parents)
+        self.outputs: list[tuple[torch.Tensor, float]] = []  # recent reference outputs and their propagated errors
+        self.input_errors: dict[str, float] = {}  # site → the propagated error of its input
+        self.frames = CallStack()
+        self.first: dict[str, Any] = {}
+        self.nonfinite: str | None = None  # the first site where the reference itself is not finite
+        self.recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
+        self.site_contracts = contracts.Contracts()
+        self.model_inputs: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ hook callbacks
+    def pre(self, module, path, number, a) -> None:
+        self.frames.enter(a)
+
+    def post(self, module, path, number, a, kw, output) -> None:
+        f, leaf = self.frames.leave()
+        count = len(self.sites)
+        try:
+            self.compare(module, path, number, kw, output, f, leaf)
+        finally:
+            self._account(f, self.sites[count] if len(self.sites) > count else None)
+
+    def _account(self, f, s: SiteDiff | None) -> None:
+        """Tell the parent call what this one erred by (for :func:`.judge.composition`): the site's propagated
+        error, else its own (an output the candidate overwrote later), else that it could not be measured."""
+        parent = self.frames.frames[-1] if len(self.frames) else None
+        if parent is None:
+            return
+        parent["child_error"] = max(parent["child_error"], f["child_error"])
+        parent["child_unmeasured"] |= f["child_unmeasured"]
+        if s is None:
+            return
+        err = next((m["normalized"] for m in (s.propagated, s.own) if m and isinstance(m.get("normalized"), float)
+                    and math.isfinite(m["normalized"])), None)
+        if err is None or s.status in ("raised", "shape", "unmatched"):
+            parent["child_unmeasured"] = True
+        else:
+            parent["child_error"] = max(parent["child_error"], err)
+
+    # ------------------------------------------------------------------ one site
+    def compare(self, module, path, number, kw, output, f, leaf) -> None:
+        y = primary(output)
+        if not isinstance(y, torch.Tensor) or not y.is_floating_point():
+            return
+        name = site_name(path, number)
+        kind = "norm" if known_class(module) else ("leaf" if leaf else "module")
+        s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(self.sites), depth=len(self.frames),
+                     shape=list(y.shape), status="unmatched")
+        self.sites.append(s)
+        r = self.alignment.counterpart(path, number, list(y.shape))
+        if r is None:
+            s.note = "no counterpart in the candidate"
+            return
+        why_not = self.cand.matched(r, y, path)
+        if why_not:
+            s.note = why_not
+            return
+        r.used = True
+        s.counterpart = site_name(r.path, r.number)
+        if self.cand.failed is not None and (r.path, r.number) == self.cand.failed:
+            s.status, s.note = "raised", self.cand.error  # where the candidate's own forward stopped
+            self._remember(s, module, r.module, f["args"], y, None)
+            return
+        err = self._propagated(s, r, y)
+        if s.status == "reference_not_finite":
+            return
+        n = reduce_len(f["args"], y)
+        own_site = (leaf or f["leaf_children"]) and id(module) not in self.block_or_above
+        if own_site:
+            self.own_sites += 1
+        if not own_site or r.module is None:
+            self._without_own(s, f, err, n, leaf, module, r.module, y)
+            return
+        x_in = input_of(f["args"], kw, y)
+        if x_in is not None and y is x_in:
+            s.note = "returns its input (an identity in evaluation mode): nothing of its own to compare"
+            self.own_sites -= 1
+            return
+        if versions(f["args"]) != f["versions"]:
+            s.note = "own error not measured: the module wrote its input in place"
+            return
+        try:
+            yc, site_dtype, cand_ref = self.cand.own(r, f["args"], kw, self.memo)
+        except NotMeasured as exc:
+            if exc.missing is not None:
+                s.own_missing = exc.missing
+                judge.onnx_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+            else:
+                s.note = exc.note
+            return
+        self._judge_own(s, module, path, r, cand_ref, f["args"], kw, x_in, y, yc, site_dtype, n)
+
+    def _propagated(self, s: SiteDiff, r: Record, y: torch.Tensor) -> float | None:
+        """The candidate's output against the reference's: sets the site's propagated error and status."""
+        if r.output is None:
+            s.note = "the candidate's forward gave no floating tensor here"
+            s.propagated = None
+        elif r.output._version != r.version:
+            s.note = "propagated error not measured: the candidate overwrote this output in place later"
+            r.output = None
+            s.propagated = None
+        else:
+            # a module returning its last child's output (or its input) compares the same pair of tensors
+            same = next((m for yy, cc, m in self.recent if yy is y and cc is r.output), None)
+            s.propagated = dict(same) if same is not None else metrics.errors(r.output, y)
+            self.recent.append((y, r.output, s.propagated))
+            del self.recent[:-4]
+        r.output = None  # streaming: the candidate's copy is no longer needed
+        err = (s.propagated or {}).get("normalized")
+        if isinstance(err, float) and math.isfinite(err):
+            self.outputs.append((y, err))
+            del self.outputs[:-64]
+        if s.propagated is None:
+            s.status = "propagated"
+        elif "error" in s.propagated:
+            s.status, s.note = "shape", s.propagated["error"]
+        elif not s.propagated["reference_finite"]:
+            s.status = "reference_not_finite"
+            self.nonfinite = self.nonfinite or s.name
+        else:
+            s.status = "propagated"
+        return err
+
+    def _without_own(self, s: SiteDiff, f, err, n: int, leaf: bool, module, cand_module, y) -> None:
+        """A site without an own error: an ONNX site on its propagated error; a torch module by composition."""
+        if self.cand.onnx:
+            judge.onnx_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+            return
+        if leaf or f["child_unmeasured"] or s.status != "propagated" or err is None:
+            return
+        x = input_of(f["args"], {}, None)
+        incoming = self._error_of(x)
+        if x is not None and incoming is None and not any(x is a for a in self.model_inputs):
+            return  # its input's error is unknown: nothing to tell its own part from
+        if judge.composition(s, err=err, child_error=f["child_error"], incoming=incoming, n=n,
+                             cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype):
+            self._remember(s, module, cand_module, f["args"], y, None)
+
+    def _judge_own(self, s, module, path, r, cand_ref, args, kw, x_in, y, yc, site_dtype, n) -> None:
+        s.dtype = site_dtype
+        s.own = metrics.errors(yc, y)
+        x_err = self._error_of(x_in)
+        if x_err is not None:
+            self.input_errors[s.name] = x_err
+        if "error" in s.own:
+            s.status, s.note = "shape", "teacher-forced: " + s.own["error"]
+            self._remember(s, module, cand_ref, args, y, yc)
+            return
+        if s.kind == "norm":
+            v = contracts.judge(self.site_contracts, module, None if self.cand.onnx else r.module, x_in, y, yc,
+                                self.ref_dtype, site_dtype) if x_in is not None else {"error": "no floating tensor input"}
+            if judge.norm_contract(s, v, site_dtype):
+                if s.status == "diverged":
+                    self._remember(s, module, cand_ref, args, y, yc)
+                return
+        tw, note = self.cand.twin_error(path, r, site_dtype, self.ref_dtype, s.own["normalized"], args, kw, y,
+                                        self.memo)
+        if note:
+            s.note = note
+        judge.own_error(s, site_dtype=site_dtype, ref_dtype=self.ref_dtype, twin=tw,
+                        twin_expected=self.cand.twin is not None, n=n, suffix=self.cand.bound_suffix)
+        if s.status == "diverged":
+            self._remember(s, module, cand_ref, args, y, yc)
+
+    def _error_of(self, x: torch.Tensor | None) -> float | None:
+        """The propagated error of a recent reference output (None: not one of them)."""
+        if x is None:
+            return None
+        return next((e for t, e in reversed(self.outputs) if t is x), None)
+
+    def _remember(self, s: SiteDiff, ref_module, cand_module, args, y, yc) -> None:
+        """The first divergent site's modules (and, with ``keep``, its tensors), for its explanation."""
+        if self.first:
+            return
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        self.first[s.name] = {"ref": ref_module, "cand": cand_module, "shape": tuple(x.shape) if x is not None else None,
+                              "tensors": {"input": x, "reference": y.detach().clone(),
+                                          "candidate_own": None if yc is None else yc.detach().clone()}
+                              if self.keep else None}

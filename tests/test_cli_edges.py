@@ -21,7 +21,8 @@ import pytest
 import normscope
 from normscope import InputError, NormSpec, SpecError, TargetTimeout
 from normscope.cli import EXIT_CODES, build_parser, main
-from normscope.loading import load_target, parse_shape
+from normscope.loading import parse_shape
+from normscope.sources import load_target
 
 
 @pytest.fixture

@@ -17,9 +17,8 @@ import torch.nn.functional as F
 from command_runner import run_command
 from rich.console import Console
 
-from normscope import gradient_flow_command as command
 from normscope.errors import InputError
-from normscope.gradient_flow import SCHEMA, GradFlow, blocks_of, gradflow
+from normscope.gradient_flow import SCHEMA, GradFlow, blocks_of, command, gradflow
 from normscope.nn import Block, Norm, TinyLM, deepnorm_constants
 from normscope.sites import scan
 from normscope.spec import NormSpec
@@ -343,7 +342,7 @@ def test_command_at_80_columns_and_from_a_config(capsys, tmp_path):
 
 def test_loss_named_as_taken():
     transformers = pytest.importorskip("transformers")
-    from normscope.gradient_flow_command import loss_for
+    from normscope.gradient_flow.command import loss_for
 
     torch.manual_seed(0)
     bert = transformers.BertModel(transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
@@ -361,9 +360,9 @@ def test_loss_named_as_taken():
 
 
 def _hf_ids(model):
-    from normscope.sites.core import _hf_inputs
+    from normscope.model import default_inputs
 
-    return _hf_inputs(model)
+    return default_inputs(model)
 
 
 def test_unwritable_plot_path_is_refused_before_measuring(capsys, tmp_path):

@@ -488,9 +488,9 @@ def test_per_head_layernorm_is_a_layernorm():
 # --------------------------------------------------------------------------------------------- precision experiment
 def test_precision_experiment_finds_the_emulated_candidate_and_formula():
     from normscope import reference
+    from normscope.groups import Groups
     from normscope.precision import Precision
     from normscope.probe import precision_experiment as pe
-    from normscope.probe.groups import Groups
     from normscope.results.params import NormParams
 
     rng = np.random.default_rng(3)

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from normscope import check, reference
 from normscope.errors import InputError
+from normscope.groups import Groups
 from normscope.layout import Layout, broadcast, param_shape, sizes, stats_shape, take, view_shape
 from normscope.nn import Norm
-from normscope.probe.groups import Groups
 from normscope.spec import NormSpec
 
 
@@ -63,7 +63,7 @@ def test_layout_resolves_axes_and_counts(case):
 
 @given(spec_and_shape())
 def test_grouped_reshape_agrees_with_group_labels(case):
-    """Reducing the grouped shape over reduce_axes visits exactly the positions probe/groups.py labels as one group."""
+    """Reducing the grouped shape over reduce_axes visits exactly the positions groups.py labels as one group."""
     spec, shape = case
     lay = Layout.of(spec, shape)
     g = Groups.of(spec, shape)

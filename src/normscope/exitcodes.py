@@ -11,7 +11,7 @@ EXIT_USAGE = 2  # usage or input error: one line on stderr names the problem and
 EXIT_NOT_NORM = 3  # infer: the target is not a normalization
 EXIT_TIMEOUT = 4  # the target hung: one call ran longer than --timeout
 EXIT_DIVERGED = 5  # diff: the candidate diverged
-EXIT_INCONCLUSIVE = 6  # diff/check/diagnose --strict: could not tell (a site not compared, a deciding finding undecided): never a pass
+EXIT_INCONCLUSIVE = 6  # diff, check, diagnose --strict: could not tell (a site not compared, an undecided finding)
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the output pipe was closed early
 

@@ -29,6 +29,7 @@ def lazy_exports(package: str, names: Mapping[str, str], submodules: Iterable[st
         return value
 
     def __dir__() -> list[str]:
-        return sorted(set(vars(sys.modules[package])) | set(names) | subs)
+        """The public API only: the package's ``__all__`` and the lazy names (not its imports or helpers)."""
+        return sorted(set(getattr(sys.modules[package], "__all__", ())) | set(names) | subs)
 
     return __getattr__, __dir__

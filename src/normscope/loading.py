@@ -108,10 +108,3 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise InputError(f"--shape must be comma-separated sizes like 2,8,64; {shorten(text, 40)} has {what}")
     return probe_shape(tuple(int(p) for p in parts), "--shape")
 
-
-def __getattr__(name: str):
-    if name in ("load_target", "is_onnx_path"):  # their home is normscope.sources
-        from . import sources
-
-        return getattr(sources, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,8 @@
-"""When and how numba's parallel kernels run: on as many threads as torch uses, leaving torch's thread count as it
-was, and only where a parallel launch is safe.
+"""numba in one place: how its kernels are loaded (:func:`load`: compiled once per process, or None with the
+reason kept, :func:`why_not`) and when and how its parallel kernels run: on as many threads as torch uses,
+leaving torch's thread count as it was, and only where a parallel launch is safe. Every numba user of the
+package (the fused norm kernels, the tracer's statistics, diff's error metrics) loads through :func:`load`;
+an explicit request for a numba backend raises with that reason, the others fall back to torch.
 
 numba's OpenMP threading layer can share torch's OpenMP runtime, where a parallel launch sets the runtime's
 thread count (a user's ``torch.set_num_threads(1)`` became 2 after a launch on numba's default count); and numba
@@ -12,10 +15,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import torch
 
 _STATE = {"forked": False, "layer_ok": None}
+_LOADED: dict[str, tuple[object | None, Exception | None]] = {}  # key → (the built kernels or None, why not)
+
+
+def load(key: str, build: Callable[[], object], required: bool = False) -> object | None:
+    """``build()`` once per process (importing and compiling numba code): its result, or None where numba is
+    missing or cannot compile here (the reason kept for :func:`why_not`). ``required``: raise that reason
+    instead (a numba backend the user asked for by name)."""
+    if key not in _LOADED:
+        try:
+            _LOADED[key] = (build(), None)
+        except Exception as exc:
+            _LOADED[key] = (None, exc)
+    value, exc = _LOADED[key]
+    if exc is not None and required:
+        raise exc
+    return value
+
+
+def why_not(key: str) -> str | None:
+    """Why :func:`load` gave None for ``key`` (None: it loaded, or was never asked)."""
+    exc = _LOADED.get(key, (None, None))[1]
+    return None if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def _forked() -> None:

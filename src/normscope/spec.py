@@ -360,7 +360,7 @@ class NormSpec:
         a stated one to the last bit); ``shape`` lets degenerate groupings compare equal.
         """
         a, b = self.canonical(ndim, shape), other.canonical(ndim, shape)
-        if eps_rtol and _eps_close(a.eps, b.eps, eps_rtol):
+        if eps_rtol and eps_close(a.eps, b.eps, eps_rtol):
             a = a.replace(eps=b.eps)
         return a == b
 
@@ -376,7 +376,7 @@ def _resolve(name: str, axes: Iterable[int], ndim: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _eps_close(a: float, b: float, rtol: float) -> bool:
+def eps_close(a: float, b: float, rtol: float) -> bool:
     return a == b or (b != 0 and abs(a / b - 1) <= rtol)
 
 
@@ -411,7 +411,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
     }
     if a.eps_placement != b.eps_placement:
         out.append(f"expected {formulas[b.eps_placement]}; found {formulas[a.eps_placement]}")
-    if not _eps_close(a.eps, b.eps, eps_rtol) and a.eps_placement == b.eps_placement:
+    if not eps_close(a.eps, b.eps, eps_rtol) and a.eps_placement == b.eps_placement:
         out.append(f"expected ε={b.eps:g}; found ε={a.eps:g}")
     if a.variance != b.variance:
         out.append(f"expected {b.variance} variance (÷{'d' if b.variance == 'biased' else 'd−1'}); found {a.variance}")

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from ..jsonable import jsonable
-from ..spec import _eps_close  # one ε tolerance for the whole project
+from ..spec import eps_close  # one ε tolerance for the whole project
 from .model import ContractSite, ModelContract
 
 SCHEMA = "normscope.contract-diff/1"
@@ -125,7 +125,7 @@ def _compare_site(sa: ContractSite, sb: ContractSite, add) -> int:
                 f"{_PLACEMENT[sa.eps_placement]} in A, {_PLACEMENT[sb.eps_placement]} in B")
     if _both(sa, sb, "eps"):
         n += 1
-        if not _eps_close(sa.eps, sb.eps, EPS_RTOL):
+        if not eps_close(sa.eps, sb.eps, EPS_RTOL):
             add(name, "eps", sa.eps, sb.eps, "mismatch", f"ε={sa.eps:g} in A, ε={sb.eps:g} in B")
     if _both(sa, sb, "axes"):
         n += 1

@@ -25,11 +25,11 @@ import numpy as np
 
 from .. import reference
 from ..errors import InputError, NormscopeError, TargetError
+from ..groups import Groups
 from ..layout import Layout
 from ..numerics import constants as C
 from ..numerics import tolerance
 from ..precision import Precision
-from ..probe.groups import Groups
 from ..results.check import Finding, Status
 from ..results.params import NormParams
 from ..spec import NormSpec

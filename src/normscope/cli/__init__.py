@@ -15,7 +15,6 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from .. import gradient_flow_command as _gradflow
 from ..artifacts import command as _contract
 from ..divergence import command as _diff
 from ..errors import NormscopeError, TargetTimeout
@@ -29,6 +28,7 @@ from ..exitcodes import (
     EXIT_TIMEOUT,
     EXIT_USAGE,
 )
+from ..gradient_flow import command as _gradflow
 from ..sites import command as _scan
 from ..tracing import command as _diagnose
 from . import check, explain, infer, presets

@@ -13,10 +13,6 @@ from collections.abc import Callable
 
 from ..exitcodes import EXIT_USAGE
 
-#: the help of a TARGET that names a whole model (scan, gradflow; diff's REFERENCE)
-MODEL_TARGET_HELP = ("package.module:factory, a local Hugging Face model directory, or a config.json "
-                     "(random weights)")
-
 TYPICAL_CALLS = {"infer": 40, "check --quick": 45, "check": 70}  # measured on torch LayerNorm/RMSNorm
 SLOW_CALL_S = 0.25  # slower calls than this get an up-front time estimate on stderr
 
@@ -79,17 +75,6 @@ def add_target_args(p) -> None:
                         "(default: 60; 0 waits forever)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random probe inputs (default: 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-
-
-def add_model_args(p, what: str = "the factory") -> None:
-    """The options of a TARGET that names a whole model (scan, diff, gradflow): factory arguments and the size cap
-    of a config.json built with random weights."""
-    p.add_argument("--args", help=f"JSON list of positional arguments for {what}, e.g. '[64]' (default: none)")
-    p.add_argument("--kwargs", help=f"JSON object of keyword arguments for {what} (default: none)")
-    p.add_argument("--layers", type=int, default=2,
-                   help="config.json only: number of layers built (default 2; 0 keeps the config's)")
-    p.add_argument("--vocab", type=int, default=512,
-                   help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
 
 
 def target_from_args(args):

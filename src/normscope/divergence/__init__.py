@@ -1,7 +1,10 @@
 """``normscope.diff``: two executions of one model compared layer by layer, to the first site that is itself
 wrong (see docs/diff.md).
 
-``diff`` is :func:`normscope.divergence.core.diff`; ``metrics`` holds the per-site error numbers and the bound,
+``diff`` is :func:`normscope.divergence.core.diff`, a pipeline: ``candidate`` (one strategy per kind of
+candidate, and the alignment), ``walk`` (the reference's forward, site by site), ``judge`` (a site's status and
+bound), ``verdict`` (inconclusive reasons, the first divergence explained); ``execution`` is how a model is run
+and its calls seen. ``metrics`` holds the per-site error numbers and the bound,
 ``result`` the ``Diff``/``SiteDiff`` data (JSON ``normscope.diff/1``), ``render`` the table and the plot,
 ``contracts`` the norm sites' error model, ``gradients`` the ``grad=True`` pass, ``onnxsites`` an ONNX candidate
 (its values mapped to sites, its sites' subgraphs run on the reference's inputs), ``command`` the CLI glue.

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..dtypes import dtype_name
-from ..sites.core import private_copy, untouched
+from ..model import private_copy, untouched
 from . import metrics, onnxsites
 from .execution import Autocast, Hooks, Memo, Record, cast, device_type, model_dtype, primary, site_name, stateless
 

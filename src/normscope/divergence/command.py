@@ -19,7 +19,7 @@ from ..exitcodes import EXIT_DIVERGED, EXIT_INCONCLUSIVE, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from ..cli.common import MODEL_TARGET_HELP, add_model_args
+    from ..model_options import MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "diff",

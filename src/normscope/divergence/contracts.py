@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import NormscopeError, NotANormalization
-from ..sites.core import _real_params, _redrawn, private_copy
+from ..model import private_copy, redrawn, stored_params
 
 _PLAIN = (bool, int, float, str)
 #: a candidate at a lower dtype than the reference: the contract must reproduce the reference module's output
@@ -63,7 +63,7 @@ class Contracts:
                 try:
                     hit = infer(m, shape=probe, dtypes=("float32",), seed=0)
                 except NotANormalization:
-                    other = _redrawn(m)
+                    other = redrawn(m)
                     if other is None:
                         raise
                     hit = infer(other, shape=probe, dtypes=("float32",), seed=0)
@@ -71,7 +71,7 @@ class Contracts:
                 self._cache[key] = exc
                 raise
             self._cache[key] = hit
-        params, sources = _real_params(module, hit)
+        params, sources = stored_params(module, hit)
         if any(v == "recovered by probing" for v in sources.values()) and hit is not None:
             # γ/β recovered from another module of the same configuration are not this module's
             self._cache.pop(key, None)

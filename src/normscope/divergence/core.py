@@ -33,7 +33,8 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, TargetError
-from ..sites.core import _arguments, _describe, _progress, untouched
+from ..model import arguments, describe, untouched
+from ..model import progress as progress_of
 from ..sites.dataflow import block_modules
 from . import verdict
 from .candidate import Candidate, candidate_for
@@ -108,7 +109,7 @@ def _walk_reference(reference, args, kwargs, walk: Walk, cand: Candidate, memo: 
     except NormscopeError:
         raise
     except Exception as exc:
-        raise TargetError(f"the reference's forward failed on the inputs ({_describe(args, kwargs)}): "
+        raise TargetError(f"the reference's forward failed on the inputs ({describe(args, kwargs)}): "
                           f"{type(exc).__name__}: {exc}") from exc
     return hooks
 
@@ -130,10 +131,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
     """
     started = time.perf_counter()
     candidate_dtype, autocast = _checked(reference, candidate, candidate_dtype, autocast, grad, loss_fn)
-    args, kwargs = _arguments(reference, inputs)
+    args, kwargs = arguments(reference, inputs)
     ref_dtype = model_dtype(reference)
     notes: list[str] = []
-    with _progress(progress) as say, contextlib.ExitStack() as stack:
+    with progress_of(progress) as say, contextlib.ExitStack() as stack:
         stack.enter_context(untouched(reference))
         reference.eval()
         cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
@@ -154,7 +155,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             g = _gradients(reference, cand, alignment.mode, walk, args, kwargs, loss_fn, ref_dtype, notes, say)
     sites = walk.sites
     return Diff(reference=type(reference).__name__, candidate=cand.desc, reference_dtype=ref_dtype,
-                candidate_dtype=cand.dtype, autocast=autocast, inputs=_describe(args, kwargs), sites=sites,
+                candidate_dtype=cand.dtype, autocast=autocast, inputs=describe(args, kwargs), sites=sites,
                 notes=notes, grad=grad, grad_sites=g["sites"], grad_first_divergence=g["first"],
                 grad_divergence=g["divergence"], param_grads=g["params"], seconds=time.perf_counter() - started,
                 stats={"alignment": alignment.mode, "sites": len(sites),

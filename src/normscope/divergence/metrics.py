@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..dtypes import UNIT_ROUNDOFF
+from ..numba_threads import load
 
 # A faithful execution at a lower precision may err by up to MARGIN × what the reference's own module makes at
 # that precision on the same input (the "twin"), plus SLACK units of rounding of the candidate's dtype.
@@ -27,44 +28,41 @@ FLOOR = 16.0
 REL_FLOOR = 1e-3  # max rel divides by max(|r|, REL_FLOOR · rms(r))
 
 
-_KERNELS: list = []
+def _build():
+    """(sums, max_rel): one pass each over both tensors with float64 accumulators (numba, compiled once per
+    machine and cached on disk)."""
+    import numba
+    import numpy as np
+
+    @numba.njit(cache=True, nogil=True)
+    def sums(c, r):  # pragma: no cover - compiled
+        rn2 = cn2 = dn2 = dot = mx = s1 = 0.0
+        for i in range(c.size):
+            a = np.float64(c[i])
+            b = np.float64(r[i])
+            d = a - b
+            rn2 += b * b
+            cn2 += a * a
+            dn2 += d * d
+            dot += a * b
+            s1 += abs(d)
+            mx = max(mx, abs(d))
+        return rn2, cn2, dn2, dot, mx, s1
+
+    @numba.njit(cache=True, nogil=True)
+    def max_rel(c, r, floor):  # pragma: no cover - compiled
+        m = 0.0
+        for i in range(c.size):
+            b = np.float64(r[i])
+            m = max(m, abs(np.float64(c[i]) - b) / max(abs(b), floor))
+        return m
+
+    return sums, max_rel
 
 
 def _kernels():
-    """(sums, max_rel): one pass each over both tensors with float64 accumulators (numba, compiled once per
-    machine and cached on disk), or None without numba."""
-    if not _KERNELS:
-        try:
-            import numba
-            import numpy as np
-
-            @numba.njit(cache=True, nogil=True)
-            def sums(c, r):  # pragma: no cover - compiled
-                rn2 = cn2 = dn2 = dot = mx = s1 = 0.0
-                for i in range(c.size):
-                    a = np.float64(c[i])
-                    b = np.float64(r[i])
-                    d = a - b
-                    rn2 += b * b
-                    cn2 += a * a
-                    dn2 += d * d
-                    dot += a * b
-                    s1 += abs(d)
-                    mx = max(mx, abs(d))
-                return rn2, cn2, dn2, dot, mx, s1
-
-            @numba.njit(cache=True, nogil=True)
-            def max_rel(c, r, floor):  # pragma: no cover - compiled
-                m = 0.0
-                for i in range(c.size):
-                    b = np.float64(r[i])
-                    m = max(m, abs(np.float64(c[i]) - b) / max(abs(b), floor))
-                return m
-
-            _KERNELS.append((sums, max_rel))
-        except Exception:  # numba missing or unable to compile here: the torch passes
-            _KERNELS.append(None)
-    return _KERNELS[0]
+    """The compiled (sums, max_rel), or None without numba: the torch passes."""
+    return load("diff metrics", _build)
 
 
 def _flat(t: torch.Tensor):

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from ..errors import NormscopeError, NotANormalization
-from ..sites.core import _redrawn, private_copy
+from ..model import private_copy, redrawn
 from . import onnxsites
 from .result import SiteDiff
 
@@ -75,7 +75,7 @@ def infer_contract(module, shape):
     try:
         return infer(m, shape=shape, dtypes=("float32",), seed=0).spec
     except NotANormalization:
-        other = _redrawn(m)
+        other = redrawn(m)
         if other is None:
             raise
         return infer(other, shape=shape, dtypes=("float32",), seed=0).spec

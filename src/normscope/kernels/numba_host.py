@@ -8,7 +8,13 @@ import torch
 from ..numba_threads import launch
 from . import numba_cpu as k
 from .contract import RowContract
-from .ops import _flat
+
+
+def _flat(t2: torch.Tensor, rs: int) -> torch.Tensor:
+    """The storage that (rows, hidden) rows with row stride ``rs`` span, as one 1-D tensor (a view)."""
+    rows, n = t2.shape
+    span = (rows - 1) * rs + n if rows else 0
+    return torch.as_strided(t2, (span,), (1,), t2.storage_offset())
 
 
 def _np(t: torch.Tensor, fmt: int) -> np.ndarray:

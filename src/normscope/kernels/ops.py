@@ -15,6 +15,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import InputError
+from ..numba_threads import load
 from ..spec import NormSpec
 from .contract import FORMATS, RowContract, row_contract
 
@@ -32,13 +33,6 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         t2 = t.reshape(-1, n)
     rs = t2.stride(0) if t2.shape[0] > 1 else n
     return t2, rs
-
-
-def _flat(t2: torch.Tensor, rs: int) -> torch.Tensor:
-    """The storage that (rows, hidden) rows with row stride ``rs`` span, as one 1-D tensor (a view)."""
-    rows, n = t2.shape
-    span = (rows - 1) * rs + n if rows else 0
-    return torch.as_strided(t2, (span,), (1,), t2.storage_offset())
 
 
 def _param(p, name: str, n: int, want: bool, x: torch.Tensor) -> torch.Tensor | None:
@@ -70,11 +64,18 @@ def pick_backend(x: torch.Tensor, backend: str) -> str:
     return backend
 
 
+def _numba_host():
+    from ..extras import require
+
+    require("numba", "kernels")
+    from . import numba_host
+
+    return numba_host
+
+
 def _impl(backend: str):
     if backend == "numba":
-        from . import numba_host
-
-        return numba_host
+        return load("fused norm kernels", _numba_host, required=True)
     from . import triton_gpu
 
     return triton_gpu

@@ -29,9 +29,9 @@ import numpy as np
 
 from .. import reference
 from ..dtypes import UNIT_ROUNDOFF, compute_dtype, dtype_name
+from ..groups import Groups
 from ..layout import Layout
 from ..precision import Precision
-from ..probe.groups import Groups
 from ..results.params import NormParams
 from ..spec import NormSpec
 from . import constants as C
@@ -193,7 +193,7 @@ def faithful_gradients(x, dy, spec: NormSpec, dtype: str, params=None) -> dict[s
     import torch
 
     from ..dtypes import torch_dtype
-    from ..nn import Norm
+    from ..nn.modules import Norm
 
     p = _params(params)
     d = dtype_name(dtype)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..dtypes import UNIT_ROUNDOFF
-from .groups import Groups
+from ..groups import Groups
 
 
 @dataclasses.dataclass(frozen=True)

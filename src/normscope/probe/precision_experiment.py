@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 
 from .. import reference
+from ..groups import Groups
 from ..numerics import constants as C
 from ..results.params import NormParams
 from ..spec import NormSpec
 from .experiments import ulps
-from .groups import Groups
 
 __all__ = ["STATS_DTYPES", "AFFINE_ORDERS", "CANDIDATES", "Distance", "distance", "score", "separates", "separation",
            "faithful_formulas", "offset_groups"]

@@ -20,7 +20,7 @@ LOADERS: dict[str, tuple[str, str]] = {
     "normscope.scan/1": ("normscope.sites.result", "ModelScan"),
     "normscope.contract/1": ("normscope.artifacts.model", "ModelContract"),
     "normscope.diff/1": ("normscope.divergence.result", "Diff"),
-    "normscope.gradflow/1": ("normscope.gradient_flow", "GradFlow"),
+    "normscope.gradflow/1": ("normscope.gradient_flow.core", "GradFlow"),
 }
 
 

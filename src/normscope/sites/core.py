@@ -9,13 +9,10 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import inspect
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,6 +20,8 @@ import torch
 
 from .. import reference
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
+from ..model import Progress, arguments, describe, private_copy, redrawn, stored_params, untouched
+from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
 from ..targets.base import check_dtype_list
@@ -37,12 +36,10 @@ _KNOWN_TORCH = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchno
 _KNOWN_NAME = re.compile(r"(RMS|Rms|Layer|Group|Batch|Instance)Norm(\dd)?$")
 # f(16x) vs f(64x): a normalization does not see the scale (ε is negligible at those scales)
 _SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
-_BIG_MODEL_BYTES = 1 << 30
 # float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
 # change their ε there (torch RMSNorm(eps=None)).
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
 
-Progress = Callable[[str], None]
 
 
 def known_class(module: torch.nn.Module) -> bool:
@@ -50,21 +47,6 @@ def known_class(module: torch.nn.Module) -> bool:
     if isinstance(module, _KNOWN_TORCH):
         return True
     return any(_KNOWN_NAME.search(k.__name__) for k in type(module).__mro__[:-1])
-
-
-def private_copy(module: torch.nn.Module, training: bool = False) -> torch.nn.Module:
-    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it)."""
-    try:
-        m = copy.deepcopy(module)
-    except Exception as exc:
-        raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
-    for sub in m.modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-            d = getattr(sub, attr, None)
-            if d is not None:
-                d.clear()
-    return m.cpu().train(training)
 
 
 class FunctionalNorm(torch.nn.Module):
@@ -102,104 +84,6 @@ class FunctionalNorm(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- the model
-@contextlib.contextmanager
-def untouched(model: torch.nn.Module) -> Iterator[None]:
-    """Restore modes, ``requires_grad`` flags, parameters and buffers (values and objects) on exit."""
-    modules = list(model.modules())
-    modes = [m.training for m in modules]
-    slots = [(dict(m._parameters), dict(m._buffers)) for m in modules]
-    grads = [(p, p.requires_grad) for p in model.parameters()]
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    params = [(p, p.detach().clone()) for p in model.parameters()] if size <= _BIG_MODEL_BYTES else []
-    versions = [(n, p, p._version) for n, p in model.named_parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, (ps, bs) in zip(modules, slots, strict=True):
-                if m._parameters != ps:
-                    m._parameters.clear()
-                    m._parameters.update(ps)
-                if m._buffers != bs:
-                    m._buffers.clear()
-                    m._buffers.update(bs)
-            for m, was in zip(modules, modes, strict=True):
-                m.training = was
-            for p, req in grads:
-                p.requires_grad_(req)
-            for p, saved in params:
-                if not torch.equal(p, saved):
-                    p.copy_(saved)
-            for b, saved in buffers:
-                if b.shape == saved.shape and not torch.equal(b, saved):
-                    b.copy_(saved)
-        if not params:
-            changed = [n for n, p, v in versions if p._version != v]
-            if changed:
-                raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
-                                  "too large to have been copied, so the scan could not undo it")
-
-
-def _hf_inputs(model: torch.nn.Module) -> dict[str, Any]:
-    config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is None and config is not None and hasattr(config, "get_text_config"):
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
-    main = getattr(model, "main_input_name", "input_ids")
-    if config is None or not isinstance(vocab, int) or vocab < 2 or main != "input_ids":
-        raise InputError(
-            f"{type(model).__name__} needs inputs: pass scan(model, inputs) with a tensor (positional), a tuple "
-            "(positional) or a dict (keyword arguments); only Hugging Face text models get input_ids by default")
-    g = torch.Generator().manual_seed(0)
-    lo = min(4, vocab - 1)
-    ids = torch.randint(lo, min(vocab, 1000), (2, 8), generator=g)
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
-    kwargs: dict[str, Any] = {"input_ids": ids.to(device)}
-    params = inspect.signature(model.forward).parameters
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        kwargs["decoder_input_ids"] = ids[:, :4].to(device)
-    if "use_cache" in params:
-        kwargs["use_cache"] = False
-    return kwargs
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, tuple | list):
-        return type(obj)(_clone(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    return obj
-
-
-def _arguments(model, inputs) -> tuple[tuple, dict[str, Any]]:
-    if inputs is None:
-        return (), _hf_inputs(model)
-    if isinstance(inputs, torch.Tensor):
-        return (inputs.detach().clone(),), {}
-    if isinstance(inputs, tuple):
-        return _clone(inputs), {}
-    if isinstance(inputs, dict):
-        if not all(isinstance(k, str) for k in inputs):
-            raise InputError("inputs as a dict are keyword arguments: its keys must be strings")
-        return (), _clone(inputs)
-    raise InputError(f"inputs must be a tensor (passed positionally), a tuple (positional arguments) or a dict "
-                     f"(keyword arguments); got a {type(inputs).__name__}")
-
-
-def _describe(args, kwargs) -> dict[str, Any]:
-    def one(v):
-        if isinstance(v, torch.Tensor):
-            return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
-        return repr(v)[:40]
-    return {"args": [one(a) for a in args], "kwargs": {k: one(v) for k, v in kwargs.items()}}
-
-
 def config_eps(config) -> dict[str, float]:
     """The ε values an HF config states (also in nested sub-configs such as ``text_config``)."""
     if config is None:
@@ -356,39 +240,6 @@ def _gamma_stats(spec, params) -> dict[str, float] | None:
     return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
 
 
-def _redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
-    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept)."""
-    m = copy.deepcopy(module)
-    rng = np.random.default_rng(0)
-    vectors = [p for p in m.parameters() if p.is_floating_point() and p.numel() >= 2]
-    if not vectors:
-        return None
-    with torch.no_grad():
-        for p in vectors:
-            v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
-            p.copy_(torch.from_numpy(v))
-    return m
-
-
-def _real_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
-    params = result.params.to_dict()
-    named = dict(module.named_parameters())
-    sources = {}
-    for field in ("gamma", "beta"):
-        ev = result.evidence.get(field)
-        name = ev.measured.get("parameter") if ev is not None else None
-        if field not in params:
-            continue
-        sources[field] = "recovered by probing"
-        if isinstance(name, str) and name in named:
-            w = named[name].detach().double().cpu().numpy()
-            if w.size == np.asarray(params[field]).size:
-                params[field] = w.reshape(np.asarray(params[field]).shape)
-                sources[field] = f"the module's parameter {name!r}"
-    return params, sources
-
-
 def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | None, dict[str, Any] | None]:
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
@@ -407,7 +258,7 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | No
             # Trained weights can hide the structure (γ ≈ 0 on some channels moves no output there): the
             # contract does not depend on γ/β's values, so probe a copy with re-drawn vector parameters and
             # hold the contract to the real ones on the real activation below.
-            other = _redrawn(module)
+            other = redrawn(module)
             if other is None:
                 raise
             try:
@@ -420,7 +271,7 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | No
         return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}
     except NormscopeError as exc:
         return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None
-    params, sources = _real_params(module, result)
+    params, sources = stored_params(module, result)
     activation = _activation_check(result.spec, params, cand.x, cand.y)
     activation["parameters"] = sources
     evidence = {k: v.to_dict() for k, v in result.evidence.items()}
@@ -463,8 +314,8 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -
         raise InputError(f"scan takes a torch.nn.Module; got a {type(model).__name__}")
     started = time.perf_counter()
     dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
-    args, kwargs = _arguments(model, inputs)
-    with _progress(progress) as say:
+    args, kwargs = arguments(model, inputs)
+    with progress_of(progress) as say:
         with untouched(model):
             model.eval()
             say("recording one forward")
@@ -475,7 +326,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -
                 raise
             except Exception as exc:
                 raise TargetError(f"the forward of {type(model).__name__} failed on the scan inputs "
-                                  f"({_describe(args, kwargs)}): {type(exc).__name__}: {exc}") from exc
+                                  f"({describe(args, kwargs)}): {type(exc).__name__}: {exc}") from exc
             trace.release()
             blocks = block_modules(model)
         flow = Dataflow(trace, blocks)
@@ -514,25 +365,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -
                                         f"{r['reason']}"})
     stats.update({"ops": len(trace.ops), "module_calls": len(trace.calls), "residual_adds": len(flow.residuals),
                   "infer_calls": calls})
-    return ModelScan(model=type(model).__name__, inputs=_describe(args, kwargs), sites=sites, placement=placement,
+    return ModelScan(model=type(model).__name__, inputs=describe(args, kwargs), sites=sites, placement=placement,
                      blocks=block_records, config_eps=stated, findings=findings, rejected=rejected,
                      dtypes=dtypes,
                      seconds=time.perf_counter() - started, stats=stats)
-
-
-@contextlib.contextmanager
-def _progress(progress) -> Iterator[Progress]:
-    if callable(progress):
-        yield progress
-        return
-    if not progress:
-        yield lambda _msg: None
-        return
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if not console.is_terminal:
-        yield lambda _msg: None
-        return
-    with console.status("scanning…") as status:
-        yield lambda msg: status.update(f"scanning: {msg}")

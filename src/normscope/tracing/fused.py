@@ -21,12 +21,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..numba_threads import launch, matched, parallel_allowed
+from ..numba_threads import launch, load, matched, parallel_allowed
 
 INF_BITS = 0x7F800000
-_KERNELS: list = []
-
-
 class _Kernels:
     """The compiled kernels, each run through :func:`normscope.numba_threads.launch` (its parallel or serial build,
     on torch's thread count)."""
@@ -52,12 +49,8 @@ class _Kernels:
 
 
 def _kernels() -> _Kernels | None:
-    if not _KERNELS:
-        try:
-            _KERNELS.append(_Kernels())
-        except Exception:  # numba missing or unable to compile here: torch's reductions
-            _KERNELS.append(None)
-    return _KERNELS[0]
+    """The kernels, or None (numba missing or unable to compile here): torch's reductions."""
+    return load("tracing statistics", _Kernels)
 
 
 def available() -> bool:

@@ -17,12 +17,12 @@ import numpy as np
 from ... import layout, reference
 from ...dtypes import UNIT_ROUNDOFF
 from ...errors import NotANormalization
+from ...groups import Groups
 from ...layout import Layout
 from ...results.inference import Confidence, Evidence
 from ...results.params import NormParams
 from ...spec import NormSpec
 from ..experiments import plus_minus, varying_axes
-from ..groups import Groups
 from . import variance as variance_field
 from .probe import Probe
 from .target import Determinism

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import NotANormalization
+from ...groups import Groups
 from ...results.inference import Confidence, Evidence
-from ..groups import Groups
 from .probe import Probe, channel_affine, natural, rel
 from .target import Determinism
 

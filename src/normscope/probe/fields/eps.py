@@ -19,8 +19,8 @@ import numpy as np
 
 from ...dtypes import UNIT_ROUNDOFF
 from ...errors import NotANormalization
+from ...groups import Groups
 from ...results.inference import Confidence, Evidence
-from ..groups import Groups
 from .affine import Affine
 from .probe import Probe
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from ...groups import Groups
 from ...results.inference import Confidence, Evidence
 from ...results.params import NormParams
 from ...spec import NormSpec
-from ..groups import Groups
 from . import eps as eps_field
 from .affine import BIG
 from .low_precision import low_precision

@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from ...groups import Groups
 from ...layout import Layout
 from ...precision import Precision
 from ...results.inference import Confidence, Evidence
@@ -24,7 +25,6 @@ from ...results.params import NormParams
 from ...spec import NormSpec
 from .. import precision_experiment as pe
 from ..experiments import ulps
-from ..groups import Groups
 from .affine import Affine
 from .probe import Probe
 

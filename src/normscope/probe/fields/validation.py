@@ -8,10 +8,10 @@ import numpy as np
 
 from ... import reference
 from ...errors import NotANormalization
+from ...groups import Groups
 from ...precision import Precision
 from ...results.params import NormParams
 from ...spec import NormSpec
-from ..groups import Groups
 from .probe import Probe, rel
 
 # A "real" normalization reproduces its inferred contract to this relative error on fresh inputs.

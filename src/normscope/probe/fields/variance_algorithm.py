@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from ...dtypes import UNIT_ROUNDOFF
+from ...groups import Groups
 from ...precision import Precision
 from ...results.inference import Confidence, Evidence
-from ..groups import Groups
 from .probe import Probe, rel
 
 

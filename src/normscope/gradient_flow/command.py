@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the command line registers this parser without loading rich
     from rich.console import Console
 
-from .errors import InputError
-from .exitcodes import EXIT_OK
+from ..errors import InputError
+from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from .cli.common import MODEL_TARGET_HELP, add_model_args
+    from ..model_options import MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "gradflow",
@@ -75,8 +75,8 @@ def loss_for(model, tokens: str | None, shape: str | None):
     import torch
     import torch.nn.functional as F
 
-    from .loading import parse_shape
-    from .sites.core import _hf_inputs
+    from ..loading import parse_shape
+    from ..model import default_inputs
 
     if tokens and shape:
         raise InputError("pass --tokens or --shape, not both")
@@ -102,7 +102,7 @@ def loss_for(model, tokens: str | None, shape: str | None):
                            f"{vocab}-token vocabulary) on random ids {tuple(ids[:, :-1].shape)} below {vocab}"]
             return out.float().pow(2).mean()
         return token_loss, lambda: fallback[0] if fallback else what
-    kwargs = _hf_inputs(model)
+    kwargs = default_inputs(model)
     kwargs["labels"] = kwargs["input_ids"]
     what = f"the model's loss on input_ids {tuple(kwargs['input_ids'].shape)} (labels = input_ids)"
 
@@ -157,9 +157,9 @@ def _rows(layers: list[dict]) -> list[str]:
 def run(args, console: Console) -> int:
     import torch
 
-    from .gradient_flow import gradflow
-    from .report.console import indented
-    from .sources import load_model
+    from ..report.console import indented
+    from ..sources import load_model
+    from .core import gradflow
 
     if args.steps < 0:
         raise InputError(f"--steps must be ≥ 0; got {args.steps}")

@@ -26,14 +26,13 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, TargetError
-from .jsonable import document, jsonable, parse
+from ..errors import InputError, TargetError
+from ..jsonable import document, jsonable, parse
 
 SCHEMA = "normscope.gradflow/1"
 COLUMNS = ("attention", "mlp", "norm")
 _ATTENTION = re.compile(r"attn|attention", re.I)
 _MLP = re.compile(r"mlp|ffn|feed_?forward|intermediate|experts?$|moe", re.I)
-_BIG_MODEL_BYTES = 1 << 30
 
 
 # ---------------------------------------------------------------------------------------------- result
@@ -162,7 +161,7 @@ def plot_flows(flows: Mapping[str, GradFlow], path: str | Path,
 def blocks_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(path, module) of the model's blocks: repeated, parameterised elements of ModuleLists/Sequentials, the
     outermost ones only (a block's own lists of heads or experts are not blocks), in model order."""
-    from .sites.dataflow import block_modules
+    from ..sites.dataflow import block_modules
 
     ids = block_modules(model)
     named = [(n, m) for n, m in model.named_modules() if id(m) in ids and any(True for _ in m.parameters())]
@@ -174,8 +173,8 @@ def blocks_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _kind(name: str, module: torch.nn.Module) -> str:
-    from .nn.modules import Norm
-    from .sites.core import known_class
+    from ..nn.modules import Norm
+    from ..sites.core import known_class
 
     if isinstance(module, Norm) or known_class(module):
         return "norm"
@@ -281,7 +280,8 @@ def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.
     ``params → Optimizer``. ``train``: measure in training mode (default) or evaluation mode. The model is left
     exactly as it was (see the module docstring).
     """
-    from .sites.core import untouched
+    from ..model import untouched
+    from ..model.copies import BIG_MODEL_BYTES
 
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"gradflow takes a torch.nn.Module; got a {type(model).__name__}")
@@ -292,7 +292,7 @@ def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.
     if not any(p.requires_grad for p in model.parameters()):
         raise InputError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to measure")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    if steps and size > _BIG_MODEL_BYTES:
+    if steps and size > BIG_MODEL_BYTES:
         raise InputError(f"steps={steps} on a model of {size / 2**30:.1f} GiB: its parameters are too large to be "
                          "copied and restored; measure with steps=0, or train a copy yourself")
     blocks = blocks_of(model)

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from ..layout import Layout
+from .layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)

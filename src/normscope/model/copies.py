@@ -1,0 +1,106 @@
+"""Private copies of a user's model and the promise to leave the model as it was.
+
+``private_copy`` — a deep copy on the CPU without the user's hooks; ``untouched`` — modes, ``requires_grad``
+flags, parameters and buffers restored on exit; ``redrawn`` — a copy whose vector parameters are drawn away from
+zero (a γ of ones hides the order of γ and the cast); ``stored_params`` — γ/β as a module stores them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..errors import TargetError
+
+BIG_MODEL_BYTES = 1 << 30  # larger models' parameters are not copied by untouched(); writes to them are detected
+
+
+def private_copy(module: torch.nn.Module, training: bool = False) -> torch.nn.Module:
+    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it)."""
+    try:
+        m = copy.deepcopy(module)
+    except Exception as exc:
+        raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
+    for sub in m.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
+            d = getattr(sub, attr, None)
+            if d is not None:
+                d.clear()
+    return m.cpu().train(training)
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module) -> Iterator[None]:
+    """Restore modes, ``requires_grad`` flags, parameters and buffers (values and objects) on exit."""
+    modules = list(model.modules())
+    modes = [m.training for m in modules]
+    slots = [(dict(m._parameters), dict(m._buffers)) for m in modules]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    params = [(p, p.detach().clone()) for p in model.parameters()] if size <= BIG_MODEL_BYTES else []
+    versions = [(n, p, p._version) for n, p in model.named_parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (ps, bs) in zip(modules, slots, strict=True):
+                if m._parameters != ps:
+                    m._parameters.clear()
+                    m._parameters.update(ps)
+                if m._buffers != bs:
+                    m._buffers.clear()
+                    m._buffers.update(bs)
+            for m, was in zip(modules, modes, strict=True):
+                m.training = was
+            for p, req in grads:
+                p.requires_grad_(req)
+            for p, saved in params:
+                if not torch.equal(p, saved):
+                    p.copy_(saved)
+            for b, saved in buffers:
+                if b.shape == saved.shape and not torch.equal(b, saved):
+                    b.copy_(saved)
+        if not params:
+            changed = [n for n, p, v in versions if p._version != v]
+            if changed:
+                raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
+                                  "too large to have been copied, so the scan could not undo it")
+
+
+def redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept)."""
+    m = copy.deepcopy(module)
+    rng = np.random.default_rng(0)
+    vectors = [p for p in m.parameters() if p.is_floating_point() and p.numel() >= 2]
+    if not vectors:
+        return None
+    with torch.no_grad():
+        for p in vectors:
+            v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
+            p.copy_(torch.from_numpy(v))
+    return m
+
+
+def stored_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
+    params = result.params.to_dict()
+    named = dict(module.named_parameters())
+    sources = {}
+    for field in ("gamma", "beta"):
+        ev = result.evidence.get(field)
+        name = ev.measured.get("parameter") if ev is not None else None
+        if field not in params:
+            continue
+        sources[field] = "recovered by probing"
+        if isinstance(name, str) and name in named:
+            w = named[name].detach().double().cpu().numpy()
+            if w.size == np.asarray(params[field]).size:
+                params[field] = w.reshape(np.asarray(params[field]).shape)
+                sources[field] = f"the module's parameter {name!r}"
+    return params, sources

@@ -1,0 +1,70 @@
+"""The inputs a model is run on: the user's (copied, so nothing they passed is changed) or, for a Hugging Face
+text model, a small default batch of token ids; and their description for a result."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+
+
+def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None and config is not None and hasattr(config, "get_text_config"):
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
+    main = getattr(model, "main_input_name", "input_ids")
+    if config is None or not isinstance(vocab, int) or vocab < 2 or main != "input_ids":
+        raise InputError(
+            f"{type(model).__name__} needs inputs: pass scan(model, inputs) with a tensor (positional), a tuple "
+            "(positional) or a dict (keyword arguments); only Hugging Face text models get input_ids by default")
+    g = torch.Generator().manual_seed(0)
+    lo = min(4, vocab - 1)
+    ids = torch.randint(lo, min(vocab, 1000), (2, 8), generator=g)
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    kwargs: dict[str, Any] = {"input_ids": ids.to(device)}
+    params = inspect.signature(model.forward).parameters
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        kwargs["decoder_input_ids"] = ids[:, :4].to(device)
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, tuple | list):
+        return type(obj)(_clone(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    return obj
+
+
+def arguments(model, inputs) -> tuple[tuple, dict[str, Any]]:
+    if inputs is None:
+        return (), default_inputs(model)
+    if isinstance(inputs, torch.Tensor):
+        return (inputs.detach().clone(),), {}
+    if isinstance(inputs, tuple):
+        return _clone(inputs), {}
+    if isinstance(inputs, dict):
+        if not all(isinstance(k, str) for k in inputs):
+            raise InputError("inputs as a dict are keyword arguments: its keys must be strings")
+        return (), _clone(inputs)
+    raise InputError(f"inputs must be a tensor (passed positionally), a tuple (positional arguments) or a dict "
+                     f"(keyword arguments); got a {type(inputs).__name__}")
+
+
+def describe(args, kwargs) -> dict[str, Any]:
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+        return repr(v)[:40]
+    return {"args": [one(a) for a in args], "kwargs": {k: one(v) for k, v in kwargs.items()}}

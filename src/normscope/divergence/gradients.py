@@ -108,89 +108,106 @@ def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dpar
             "total": c.total, "nonfinite": c.nonfinite}
 
 
-def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_dtype: str, cand_dtype: str,
-        loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
-    """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
-    notes: list[str] = []
-    # ------------------------------------------------------------------ the candidate
-    say("gradients: the candidate's forward and backward")
+def _candidate_pass(cand_model, args, kwargs, cand_torch_dtype, ac, loss_fn):
+    """The candidate's forward and backward: the gradient at each site's output (by path and call number) and
+    each parameter's gradient; None when nothing in it requires grad."""
     cand_grads: dict[tuple[str, int], torch.Tensor] = {}
 
-    def c_post(module, path, number, a, kw, output):
+    def post(module, path, number, a, kw, output):
         y = primary(output)
         if isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad:
             y.register_hook(lambda g, key=(path, number): cand_grads.__setitem__(key, g.detach()))
 
     cparams = [(n, p) for n, p in cand_model.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        with Hooks(cand_model, lambda *x: None, c_post).active(), ac():
+        with Hooks(cand_model, lambda *x: None, post).active(), ac():
             out = cand_model(*cast(args, cand_torch_dtype), **cast(kwargs, cand_torch_dtype, True))
         loss = _loss(out, loss_fn)
         if not loss.requires_grad:
-            return {"sites": [], "first": None, "divergence": None, "params": [],
-                    "notes": ["gradients not compared: nothing in the candidate requires grad"]}
+            return None
         gs = torch.autograd.grad(loss, [p for _, p in cparams], allow_unused=True)
-    cand_param_grads = {n: g for (n, _), g in zip(cparams, gs, strict=True) if g is not None}
-    del out, loss, gs
-    twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
-    cand_modules = dict(cand_model.named_modules(remove_duplicate=False))
+    return cand_grads, {n: g for (n, _), g in zip(cparams, gs, strict=True) if g is not None}
 
-    # ------------------------------------------------------------------ the reference, streamed
-    say("gradients: the reference's forward and backward, comparing site by site")
-    sites: list[SiteDiff] = []
-    frames = CallStack()
 
-    def r_pre(module, path, number, a):
-        frames.enter(a)
+def _worst(dx_error: float | None, dp: dict, ref_dp: dict) -> float | None:
+    """The largest of dx's ‖Δ‖/‖r‖ (given) and each own parameter gradient's."""
+    worst = dx_error
+    for n, gp in dp.items():
+        if n in ref_dp and worst is not None:
+            worst = max(worst, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+    return worst
 
-    def r_post(module, path, number, a, kw, output):
-        f, leaf = frames.leave()
+
+class _GradientWalk:
+    """The reference's forward and backward: a tensor hook at each site's output compares the gradient arriving
+    there with the candidate's (propagated) and, at sites with an own error, runs both modules' backward on the
+    reference's input and output gradient (own)."""
+
+    def __init__(self, cand_model, twin, cand_grads, *, cand_torch_dtype, ac, ref_dtype, cand_dtype, own_site,
+                 site_contracts):
+        self.cand_model, self.twin, self.cand_grads = cand_model, twin, cand_grads
+        self.cand_torch_dtype, self.ac, self.ref_dtype, self.cand_dtype = cand_torch_dtype, ac, ref_dtype, cand_dtype
+        self.own_site, self.site_contracts = own_site, site_contracts
+        self.twin_modules = dict(twin.named_modules(remove_duplicate=False)) if twin is not None else {}
+        self.cand_modules = dict(cand_model.named_modules(remove_duplicate=False))
+        self.sites: list[SiteDiff] = []
+        self.notes: list[str] = []
+        self.frames = CallStack()
+
+    def pre(self, module, path, number, a):
+        self.frames.enter(a)
+
+    def post(self, module, path, number, a, kw, output):
+        f, leaf = self.frames.leave()
         y = primary(output)
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return
         x = input_of(f["args"], kw, y)  # a module called with keyword arguments only has its input there
-        own = own_site(module, leaf or f["leaf_children"]) and x is not None and y is not x \
+        own = self.own_site(module, leaf or f["leaf_children"]) and x is not None and y is not x \
             and stateless(f["args"]) and stateless(kw)
         saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]),
                  {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}) if own else None
-        y.register_hook(lambda g: _at_site(module, path, number, g, saved, leaf))
+        y.register_hook(lambda g: self._at_site(module, path, number, g, saved))
 
-    def _at_site(module, path, number, g, saved, leaf):
+    def _at_site(self, module, path, number, g, saved):
         try:
-            _compare_site(module, path, number, g, saved)
+            self._compare(module, path, number, g, saved)
         except Exception as exc:  # a comparison that fails is a note, never a broken backward
-            notes.append(f"gradient comparison failed at {site_name(path, number)}: {type(exc).__name__}: {exc}")
+            self.notes.append(f"gradient comparison failed at {site_name(path, number)}: {type(exc).__name__}: "
+                              f"{exc}")
         return None
 
-    def _compare_site(module, path, number, g, saved):
+    def _compare(self, module, path, number, g, saved):
         name = site_name(path, number)
         kind = "norm" if known_class(module) else "module"
-        s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(sites), depth=0,
+        s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(self.sites), depth=0,
                      shape=list(g.shape), status="unmatched")
-        sites.append(s)
-        gc = cand_grads.pop((path, number), None)
+        self.sites.append(s)
+        gc = self.cand_grads.pop((path, number), None)
         if gc is None:
             s.note = "no gradient at the candidate's counterpart"
             return
         s.counterpart = name
         s.propagated = metrics.errors(gc, g)
         s.status = "propagated"
-        cm = cand_modules.get(path)
-        if saved is None or cm is None:
-            return
-        a, kw = saved
+        cm = self.cand_modules.get(path)
+        if saved is not None and cm is not None:
+            self._own(s, module, cm, path, g, *saved)
+
+    def _own(self, s: SiteDiff, module, cm, path, g, a, kw):
         ref_dx, ref_dp, _ = _vjp(module, a, kw, g, None)
         try:
-            dx_c, dp_c, seen = _vjp(cm, a, kw, g, cand_torch_dtype, ac)
+            dx_c, dp_c, seen = _vjp(cm, a, kw, g, self.cand_torch_dtype, self.ac)
         except Exception as exc:
             s.status, s.note = "raised", f"the candidate's backward raised on the reference's input: " \
                                          f"{type(exc).__name__}: {exc}"
             return
-        site_dtype = s.dtype = seen or cand_dtype  # under autocast: the dtype its forward's ops ran at
+        site_dtype = s.dtype = seen or self.cand_dtype  # under autocast: the dtype its forward's ops ran at
         s.own = metrics.errors(dx_c, ref_dx)
         x = input_of(a, kw, g)
-        if kind == "norm":
-            v = _norm_judge(site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, ref_dtype, site_dtype)
+        if s.kind == "norm":
+            v = _norm_judge(self.site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, self.ref_dtype,
+                            site_dtype)
             if "error" not in v:
                 s.elementwise = v
                 s.bound_rule = (f"backward error model of {v['spec']} at {site_dtype}: worst {v['gradient']} "
@@ -198,56 +215,61 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
                 s.status = "within" if v["ok"] else "diverged"
                 return
             s.note = f"judged by the dtype-derived rule: {v['error']}"
-        # ‖Δ‖/‖r‖ of dx and of each own parameter gradient, the worst against the dtype-derived bound
-        worst = s.own["normalized"]
-        for n, gp in dp_c.items():
-            if n in ref_dp:
-                worst = max(worst, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+        worst = _worst(s.own["normalized"], dp_c, ref_dp)  # ‖Δ‖/‖r‖ of dx and each own parameter gradient
+        lowered = self.twin is not None and site_dtype != self.ref_dtype
         tw = None
-        lowered = twin is not None and site_dtype != ref_dtype
-        if lowered and twin is cand_model:
+        if lowered and self.twin is self.cand_model:
             tw = worst  # the candidate is the reference's own copy at its dtype: it is its own twin
-        elif lowered and path in twin_modules:
-            t_dx, t_dp, _ = _vjp(twin_modules[path], a, kw, g, cand_torch_dtype, ac)
-            tw = metrics.errors(t_dx, ref_dx).get("normalized")
-            for n, gp in t_dp.items():
-                if n in ref_dp:
-                    tw = max(tw, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+        elif lowered and path in self.twin_modules:
+            t_dx, t_dp, _ = _vjp(self.twin_modules[path], a, kw, g, self.cand_torch_dtype, self.ac)
+            tw = _worst(metrics.errors(t_dx, ref_dx).get("normalized"), t_dp, ref_dp)
             tw = tw if tw is not None and math.isfinite(tw) else None
         s.twin = tw
         n = int(x.shape[-1]) if x.dim() else 1
-        s.bound, s.bound_rule = metrics.bound(site_dtype, ref_dtype, tw if lowered else None, n)
+        s.bound, s.bound_rule = metrics.bound(site_dtype, self.ref_dtype, tw if lowered else None, n)
         if lowered and tw is None:
             s.bound_rule += " (no faithful twin measured)"
         s.status = "diverged" if worst > s.bound else "within"
 
+
+def _divergence(first: SiteDiff) -> dict[str, Any]:
+    if first.elementwise is not None:
+        v = first.elementwise
+        reason = (f"own {v['gradient']} at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
+                  f"{v['worst_bound']:.3g} ({v['outside']} of {v['total']} outside) [{first.bound_rule}]")
+    elif first.status == "raised":
+        reason = first.note
+    else:
+        reason = (f"own gradient error ‖Δ‖/‖r‖ = {first.own['normalized']:.3g} > bound {first.bound:.3g} "
+                  f"[{first.bound_rule}]")
+    return {"site": first.name, "class": first.cls, "kind": first.kind, "reason": reason}
+
+
+def _nothing(why: str) -> dict[str, Any]:
+    return {"sites": [], "first": None, "divergence": None, "params": [], "notes": [f"gradients not compared: {why}"]}
+
+
+def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_dtype: str, cand_dtype: str,
+        loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
+    """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
+    say("gradients: the candidate's forward and backward")
+    found = _candidate_pass(cand_model, args, kwargs, cand_torch_dtype, ac, loss_fn)
+    if found is None:
+        return _nothing("nothing in the candidate requires grad")
+    cand_grads, cand_param_grads = found
+    say("gradients: the reference's forward and backward, comparing site by site")
+    walk = _GradientWalk(cand_model, twin, cand_grads, cand_torch_dtype=cand_torch_dtype, ac=ac, ref_dtype=ref_dtype,
+                         cand_dtype=cand_dtype, own_site=own_site, site_contracts=site_contracts)
     rparams = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
     with torch.enable_grad():
-        with Hooks(reference, r_pre, r_post).active():
+        with Hooks(reference, walk.pre, walk.post).active():
             out = reference(*args, **kwargs)
         loss = _loss(out, loss_fn)
         if not loss.requires_grad:
-            return {"sites": [], "first": None, "divergence": None, "params": [],
-                    "notes": ["gradients not compared: nothing in the reference requires grad"]}
+            return _nothing("nothing in the reference requires grad")
         gs = torch.autograd.grad(loss, [p for _, p in rparams], allow_unused=True)
-    params = []
-    for (n, _), g in zip(rparams, gs, strict=True):
-        c = cand_param_grads.get(n)
-        if g is None or c is None:
-            continue
-        params.append({"name": n, **metrics.errors(c, g)})
-    first = next((s for s in sites if s.status in ("diverged", "raised")), None)
-    divergence = None
-    if first is not None:
-        if first.elementwise is not None:
-            v = first.elementwise
-            reason = (f"own {v['gradient']} at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
-                      f"{v['worst_bound']:.3g} ({v['outside']} of {v['total']} outside) [{first.bound_rule}]")
-        elif first.status == "raised":
-            reason = first.note
-        else:
-            reason = (f"own gradient error ‖Δ‖/‖r‖ = {first.own['normalized']:.3g} > bound {first.bound:.3g} "
-                      f"[{first.bound_rule}]")
-        divergence = {"site": first.name, "class": first.cls, "kind": first.kind, "reason": reason}
-    return {"sites": sites, "first": first.name if first else None, "divergence": divergence, "params": params,
-            "notes": notes}
+    params = [{"name": n, **metrics.errors(cand_param_grads[n], g)} for (n, _), g in zip(rparams, gs, strict=True)
+              if g is not None and cand_param_grads.get(n) is not None]
+    first = next((s for s in walk.sites if s.status in ("diverged", "raised")), None)
+    return {"sites": walk.sites, "first": first.name if first else None,
+            "divergence": _divergence(first) if first is not None else None, "params": params, "notes": walk.notes}

@@ -68,6 +68,55 @@ def _other_eps(a: NormSpec, b: NormSpec) -> bool:
     return abs(a.eps - b.eps) > 1e-3 * max(abs(a.eps), abs(b.eps), 1e-30)
 
 
+def _spec_of(g, ndim: int, centred: bool, found_eps, aff, algorithm, batch) -> tuple[NormSpec, bool]:
+    """The contract the experiments found, in the axes' natural (channels-last or channels-first) form."""
+    channel_style = (0 in g.axes) or g.groups is not None or bool(
+        aff.param_axes and not set(aff.param_axes) <= set(g.axes))
+    spec = NormSpec(
+        center=centred,
+        axes=natural(g.axes, ndim, channel_style),
+        groups=g.groups,
+        group_axis=None if g.group_axis is None else natural((g.group_axis,), ndim, channel_style)[0],
+        eps=found_eps.eps,
+        eps_placement=found_eps.placement,
+        variance=aff.variance,
+        variance_algorithm=algorithm,
+        gamma=aff.gamma,
+        beta=aff.beta,
+        param_axes=natural(tuple(aff.param_axes), ndim, channel_style),
+        gamma_offset=aff.gamma_offset if aff.gamma else 0.0,
+        batch_stats=batch,
+    )
+    return spec, channel_style
+
+
+def _evaluation_mode(probe, det, found_modes, spec: NormSpec, params, aff, g, found_eps, ev, module_training):
+    """A module whose modes differ (BatchNorm): evaluation's own contract — its running statistics, its ε (an
+    export-time fold may change it) and, for a module in evaluation mode, the precision its statistics are
+    applied at — with its own validation. Returns (the evaluation contract, the parameters, its validation)."""
+    t = probe.target
+    eval_spec = spec.replace(batch_stats="running")
+    with t.mode(False):  # evaluation may use another ε (an export-time fold): measured there, as frozen
+        at_eval = read_map(probe, det, found_modes)  # the map and its ε only: no rounding, no validation
+    if at_eval is not None and _other_eps(at_eval[0], spec):
+        eval_spec = eval_spec.replace(eps=at_eval[0].eps, eps_placement=at_eval[0].eps_placement)
+        e = at_eval[2]["eps"]
+        ev["eps_evaluation"] = Evidence(e.experiment, {**e.measured, "training_eps": spec.eps,
+                                                       "training_placement": spec.eps_placement},
+                                        e.confidence, "evaluation mode uses another ε than training; the "
+                                        "contract reported is the module's mode's")
+    with t.mode(False):
+        params = params.merged(running_stats(probe, eval_spec, params))  # with evaluation's own ε
+        if not module_training:  # evaluation may apply its statistics at another precision than training
+            eval_rounding = with_random_parameters(probe, eval_spec, params, aff, ", evaluation mode")
+            eval_spec = eval_rounding.spec
+            for k, e in eval_rounding.evidence.items():
+                e.measured["training_mode"] = {"chosen": getattr(spec, k), "evidence": ev[k].measured}
+                ev[k] = e
+        validation = validate(probe, eval_spec, params, g, found_eps.measured_at)
+    return eval_spec, params, validation
+
+
 @quiet
 def infer(
     target,
@@ -123,24 +172,7 @@ def infer(
         algorithm, ev["variance_algorithm"] = variance_algorithm(probe, g, aff.noise, centred)
         batch, batch_evidence = batch_stats(probe, found_modes, module_training)
 
-        ndim = len(shape)
-        channel_style = (0 in g.axes) or g.groups is not None or bool(
-            aff.param_axes and not set(aff.param_axes) <= set(g.axes))
-        spec = NormSpec(
-            center=centred,
-            axes=natural(g.axes, ndim, channel_style),
-            groups=g.groups,
-            group_axis=None if g.group_axis is None else natural((g.group_axis,), ndim, channel_style)[0],
-            eps=found_eps.eps,
-            eps_placement=found_eps.placement,
-            variance=aff.variance,
-            variance_algorithm=algorithm,
-            gamma=aff.gamma,
-            beta=aff.beta,
-            param_axes=natural(tuple(aff.param_axes), ndim, channel_style),
-            gamma_offset=aff.gamma_offset if aff.gamma else 0.0,
-            batch_stats=batch,
-        )
+        spec, channel_style = _spec_of(g, len(shape), centred, found_eps, aff, algorithm, batch)
         ev["axes"] = axes_evidence(dep, shape, channel_style)
         params = parameter_values(probe, g, spec, aff)
         rounding = with_random_parameters(probe, spec, params, aff)
@@ -154,25 +186,8 @@ def infer(
 
     final = spec
     if found_modes.differ:
-        eval_spec = spec.replace(batch_stats="running")
-        with t.mode(False):  # evaluation may use another ε (an export-time fold): measured there, as frozen
-            at_eval = read_map(probe, det, found_modes)  # the map and its ε only: no rounding, no validation
-        if at_eval is not None and _other_eps(at_eval[0], spec):
-            eval_spec = eval_spec.replace(eps=at_eval[0].eps, eps_placement=at_eval[0].eps_placement)
-            e = at_eval[2]["eps"]
-            ev["eps_evaluation"] = Evidence(e.experiment, {**e.measured, "training_eps": spec.eps,
-                                                           "training_placement": spec.eps_placement},
-                                            e.confidence, "evaluation mode uses another ε than training; the "
-                                            "contract reported is the module's mode's")
-        with t.mode(False):
-            params = params.merged(running_stats(probe, eval_spec, params))  # with evaluation's own ε
-            if not module_training:  # evaluation may apply its statistics at another precision than training
-                eval_rounding = with_random_parameters(probe, eval_spec, params, aff, ", evaluation mode")
-                eval_spec = eval_rounding.spec
-                for k, e in eval_rounding.evidence.items():
-                    e.measured["training_mode"] = {"chosen": getattr(spec, k), "evidence": ev[k].measured}
-                    ev[k] = e
-            validation["eval"] = validate(probe, eval_spec, params, g, found_eps.measured_at)
+        eval_spec, params, validation["eval"] = _evaluation_mode(probe, det, found_modes, spec, params, aff, g,
+                                                                 found_eps, ev, module_training)
         if not module_training:
             final = eval_spec
     ev["batch_stats"] = batch_evidence

@@ -441,3 +441,16 @@ def test_variance_algorithm_rule_separates_beyond_noise(seed):
     assert "extreme.variance_algorithm[algorithm=one_pass; dtype=float32]" in failed(r)
     r = check(zoo.one_pass_layernorm, expect=one_pass.replace(variance_algorithm="two_pass"), framework="torch", **kw)
     assert "extreme.variance_algorithm[algorithm=two_pass; dtype=float32]" in failed(r)
+
+
+def test_an_undecided_rounding_names_only_the_conditions_that_failed():
+    """"ratio 1.2 < 1.5 or z = 5.74 < 4" read as if z had failed: only what failed is named."""
+    from normscope.numerics import constants as C
+    from normscope.probe.precision_experiment import not_separated_because
+
+    sep = {"ratio": 1.2, "near": 1.0, "far": 1.5, "floor": 0.1, "sign_z": 5.74}
+    assert not_separated_because(sep) == f"ratio 1.2 < {C.SEPARATION_RATIO:g}"
+    sep = {"ratio": 3.0, "near": 1.0, "far": 4.0, "floor": 0.1, "sign_z": 2.0}
+    assert not_separated_because(sep) == f"sign test z = 2 < {C.SEPARATION_Z:g}"
+    sep = {"ratio": 1.1, "near": 1.0, "far": 1.05, "floor": 0.1, "sign_z": 1.0}
+    assert not_separated_because(sep).count(" and ") == 2

@@ -126,6 +126,7 @@ def test_check_pass_exit_0_and_junit(tmp_path):
             "--junit", str(junit))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout and junit.is_file()
+    assert r.stdout.splitlines()[0].startswith("torch module RMSNorm")  # no blank line left by the progress bar
 
 
 def test_check_fail_exit_1_explains():

@@ -201,6 +201,11 @@ def test_norm_fault_visible_only_element_wise(llama):
     v = s.elementwise
     assert v["max_ratio"] > 1.5 and v["worst"][-1] == 5 and v["worst_error"] > v["worst_bound"]
     assert v["outside"] < v["total"] // 16  # a handful of elements, not the tensor
+    # the contracts are the same: the explanation names the parameter that differs, not precision
+    assert not d.divergence["differences"], d.divergence
+    (gamma,) = d.divergence["parameter_differences"]
+    assert "effective γ differs at 1 of 64 channels" in gamma and "channel 5" in gamma and "×1.1" in gamma, gamma
+    assert "parameters are not" in d.divergence["differences_note"]
     # the old rule, 4 × the reference's module at bf16 on the same input, would not have seen it
     twin = diff(llama, None, _hf_inputs(), candidate_dtype="bfloat16", progress=False).site(SITE).own_error
     assert s.own_error <= metrics.bound("bfloat16", "float32", twin, 64)[0], (s.own_error, twin)
@@ -467,6 +472,11 @@ def test_bad_inputs(llama):
         diff(ref, b"onnx bytes", IDS, grad=True, progress=False)
     with pytest.raises(InputError, match="loss_fn must be callable"):
         diff(ref, None, IDS, candidate_dtype="bfloat16", grad=True, loss_fn=3, progress=False)
+    # a more precise candidate is a reference, not a suspect: refused with the reason and the way round
+    with pytest.raises(InputError, match="more precise than the reference .float32.*make a float64 copy"):
+        diff(ref, None, IDS, candidate_dtype="float64", progress=False)
+    assert diff(ref.double(), None, IDS, candidate_dtype="float32", progress=False).ok  # lower: judged as usual
+    ref.float()
     # mismatched architectures: a candidate with one block fewer
     short = Stack(["pre"]).eval()
     d = diff(ref, short, IDS, progress=False)

@@ -110,8 +110,7 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
             # nearer another contract, but not beyond the noise of one draw: more draws before any verdict
             e = _escalate(ctx, d, closest, (mine, near), repeat)
             first = (f"one draw: mean distance (ulps) to the contract's rounding {mine_mean:.3g}, to {closest} "
-                     f"{nearest_mean:.3g}, not separated beyond noise (ratio {sep['ratio']:.3g} < "
-                     f"{C.SEPARATION_RATIO:g} or sign test z = {sep['sign_z']:.3g} < {C.SEPARATION_Z:g} over "
+                     f"{nearest_mean:.3g}, not separated beyond noise ({pe.not_separated_because(sep)}, over "
                      f"{near.elements.size} elements); escalated to {e['draws']} draws of inputs and γ/β "
                      f"({e['elements']} elements): mean distance {e['mine']:.3g} vs {e['near']:.3g}, nearer "
                      f"{closest} at {e['closer'][0]} elements and the contract at {e['closer'][1]} (sign test z = "

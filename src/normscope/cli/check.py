@@ -64,7 +64,7 @@ def run(args, console) -> int:
     note_size("check", shape)
     command = "check --quick" if args.quick else "check"
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True, disable=args.json) as bar:
+                  transient=True, disable=args.json or not console.is_terminal) as bar:
         task = bar.add_task("checking…", total=None)
         report = check(t, expect=expected, shape=shape, dtypes=args.dtypes, quick=args.quick, seed=args.seed,
                        progress=_progress(command, t, lambda msg: bar.update(task, description=msg)))

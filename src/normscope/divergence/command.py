@@ -37,8 +37,8 @@ def add_parser(subparsers) -> Any:
                    help="a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple "
                         "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
     p.add_argument("--candidate-dtype", dest="candidate_dtype",
-                   help="bfloat16, float16 or float32: the candidate (or REFERENCE itself) as a private copy cast to "
-                        "it (default: none, the candidate runs as given)")
+                   help="bfloat16, float16 or float32 (no more precise than REFERENCE): the candidate (or REFERENCE "
+                        "itself) as a private copy cast to it (default: none, the candidate runs as given)")
     p.add_argument("--autocast", metavar="DTYPE",
                    help="bfloat16 or float16: the candidate (or REFERENCE itself) runs under torch.autocast at that "
                         "dtype, each site judged at the dtype its ops ran at; excludes --candidate-dtype "

@@ -85,6 +85,17 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
         raise InputError(f"loss_fn must be callable (output -> scalar tensor); got a {type(loss_fn).__name__}")
     if onnx_cand and candidate_dtype not in (None, "float32"):
         raise InputError("an ONNX candidate runs as exported; candidate_dtype applies to torch candidates only")
+    if candidate_dtype is not None:
+        from ..dtypes import UNIT_ROUNDOFF
+
+        ref_dtype = model_dtype(reference)
+        if UNIT_ROUNDOFF.get(candidate_dtype, 0) < UNIT_ROUNDOFF.get(ref_dtype, 0):
+            raise InputError(f"candidate_dtype {candidate_dtype} is more precise than the reference ({ref_dtype}): "
+                             "diff finds where a candidate departs from its reference, and a more precise execution "
+                             "is a reference, not a suspect; to measure the model's own rounding, make a "
+                             f"{candidate_dtype} copy the reference and the model the candidate (Python: "
+                             f"diff(copy.deepcopy(model).to(torch.{candidate_dtype}), model, inputs) with inputs "
+                             "the copy accepts), or give a less precise candidate_dtype (bfloat16, float16)")
     return candidate_dtype, autocast
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from ..errors import NormscopeError, NotANormalization
 from ..model import private_copy, redrawn
 from . import onnxsites
@@ -66,19 +68,49 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
                    "); what would decide it: a candidate that returns the reference's output")
     return why
 
+
 def infer_contract(module, shape):
+    """The site's full inference (contract and recovered γ/β) at float32, on a private copy (an ONNX site: its
+    subgraph as onnxruntime runs it); a γ of ones that hides the contract is redrawn."""
     from ..probe.infer import infer
 
-    if isinstance(module, onnxsites.Site):  # an ONNX site: its subgraph, as onnxruntime runs it
-        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0).spec
+    if isinstance(module, onnxsites.Site):
+        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0)
     m = private_copy(module).float()
     try:
-        return infer(m, shape=shape, dtypes=("float32",), seed=0).spec
+        return infer(m, shape=shape, dtypes=("float32",), seed=0)
     except NotANormalization:
         other = redrawn(m)
         if other is None:
             raise
-        return infer(other, shape=shape, dtypes=("float32",), seed=0).spec
+        return infer(other, shape=shape, dtypes=("float32",), seed=0)
+
+
+def parameter_differences(ref, cand, cand_module) -> list[str]:
+    """Where the effective γ/β (as probed from outside) of two sites with one contract differ beyond the rounding
+    of the candidate's parameter dtype: a parameter difference, not precision."""
+    u = 2.0 ** -24
+    params = [p for p in getattr(cand_module, "parameters", lambda: [])() if p.is_floating_point()]
+    if params:
+        from ..dtypes import UNIT_ROUNDOFF
+
+        u = UNIT_ROUNDOFF.get(str(params[0].dtype).replace("torch.", ""), u)
+    tol = max(8 * u, 1e-5)
+    out = []
+    for field, symbol in (("gamma", "γ"), ("beta", "β")):
+        a, b = getattr(ref.params, field, None), getattr(cand.params, field, None)
+        if a is None or b is None or np.shape(a) != np.shape(b):
+            continue
+        a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+        scale = max(float(np.max(np.abs(a))), 1e-12)
+        off = np.flatnonzero(np.abs(b - a) > tol * np.maximum(np.abs(a), 1e-3 * scale))
+        if off.size:
+            i = int(off[np.argmax(np.abs(b - a)[off])])
+            factor = b[i] / a[i] if a[i] else math.inf
+            out.append(f"the effective {symbol} differs at {off.size} of {a.size} channels (largest at channel {i}: "
+                       f"{b[i]:.4g} in the candidate vs {a[i]:.4g} in the reference, ×{factor:.3g}), beyond the "
+                       f"rounding of its parameters ({tol:.2g} relative)")
+    return out
 
 
 def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
@@ -101,21 +133,27 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     if s.kind != "norm" or info is None or info.get("shape") is None or info.get("cand") is None:
         return out
     say(f"inferring both contracts at {s.name}")
-    from ..spec import differences
+    from ..spec import NormSpec, differences
 
     try:
-        from ..spec import NormSpec
-
-        ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else \
-            infer_contract(info["ref"], info["shape"])
-        cand_spec = infer_contract(info["cand"], info["shape"])
+        ref = infer_contract(info["ref"], info["shape"])
+        cand = infer_contract(info["cand"], info["shape"])
     except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
         out["contracts_error"] = f"{type(exc).__name__}: {exc}"
         return out
+    # the reference's contract as the error model judged it (inferred once per site), else as inferred here
+    ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else ref.spec
     ndim = len(info["shape"])
-    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
-    out["differences"] = differences(cand_spec, ref_spec, ndim, shape=info["shape"])
+    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand.spec.to_dict()}
+    out["differences"] = differences(cand.spec, ref_spec, ndim, shape=info["shape"])
     if not out["differences"]:
-        out["differences_note"] = ("the two contracts are equivalent: the error comes from how the candidate "
-                                   "computes it (precision, order), not from what it computes")
+        params = parameter_differences(ref, cand, info["cand"])
+        if params:
+            out["parameter_differences"] = params
+            out["differences_note"] = ("the two contracts are the same, but their parameters are not: "
+                                       + "; ".join(params))
+        else:
+            out["differences_note"] = ("the two contracts are equivalent and so are their parameters: the error "
+                                       "comes from how the candidate computes it (precision, order), not from what "
+                                       "it computes")
     return out

@@ -127,6 +127,18 @@ def separates(near: Distance, far: Distance, repeat: float) -> dict[str, Any]:
             "beyond_noise": bool(ratio >= C.SEPARATION_RATIO and hi - lo > floor and sign_z >= C.SEPARATION_Z)}
 
 
+def not_separated_because(sep: dict[str, Any]) -> str:
+    """The conditions of :func:`separates` that failed, in words (only those: a passing one is not listed)."""
+    why = []
+    if sep["ratio"] < C.SEPARATION_RATIO:
+        why.append(f"ratio {sep['ratio']:.3g} < {C.SEPARATION_RATIO:g}")
+    if not sep["far"] - sep["near"] > sep["floor"]:
+        why.append(f"difference {sep['far'] - sep['near']:.3g} ≤ the floor {sep['floor']:.3g} ulps")
+    if sep["sign_z"] < C.SEPARATION_Z:
+        why.append(f"sign test z = {sep['sign_z']:.3g} < {C.SEPARATION_Z:g}")
+    return " and ".join(why) or "separated"
+
+
 def separation(scores: Mapping[tuple[str, str], Distance], repeat: float) -> dict[str, Any]:
     """How far float32 and input-dtype statistics separate at one dtype, and whether beyond noise.
 

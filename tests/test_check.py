@@ -454,3 +454,30 @@ def test_an_undecided_rounding_names_only_the_conditions_that_failed():
     assert not_separated_because(sep) == f"sign test z = 2 < {C.SEPARATION_Z:g}"
     sep = {"ratio": 1.1, "near": 1.0, "far": 1.05, "floor": 0.1, "sign_z": 1.0}
     assert not_separated_because(sep).count(" and ") == 2
+
+
+def _sequential_layernorm(one_pass: bool = False):
+    """A LayerNorm whose sums are plain loops (numpy's cumsum: each partial sum rounded in float32), as some
+    frameworks' CPU reductions are: faithful, but ~40× numpy's pairwise error at a 4097-wide row."""
+
+    def norm(x, eps=1e-5):
+        x = np.asarray(x, np.float32)
+        n = np.float32(x.shape[-1])
+        mean = np.cumsum(x, -1, dtype=np.float32)[..., -1:] / n
+        if one_pass:
+            var = np.maximum(np.cumsum(x * x, -1, dtype=np.float32)[..., -1:] / n - mean * mean, 0)
+        else:
+            d = x - mean
+            var = np.cumsum(d * d, -1, dtype=np.float32)[..., -1:] / n
+        return ((x - mean) / np.sqrt(var + np.float32(eps))).astype(np.float32)
+
+    return norm
+
+
+def test_a_sequential_sum_is_faithful_and_the_bound_still_separates_the_algorithms():
+    spec = NormSpec.preset("torch_layernorm", gamma=False, beta=False)
+    report = check(_sequential_layernorm(), expect=spec, framework="numpy", shape=(2, 4, 4097), dtypes=("float32",))
+    assert report.verdict == "pass", [(f.name, f.why) for f in report.findings if f.status == "fail"]
+    report = check(_sequential_layernorm(one_pass=True), expect=spec, framework="numpy", shape=(2, 4, 4097),
+                   dtypes=("float32",))
+    assert "two-pass variance at offset" in {f.name for f in report.findings if f.status == "fail"}

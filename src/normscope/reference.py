@@ -135,6 +135,7 @@ def forward(
     dtype: str | None = None,
     param_dtype: str | None = None,
     formula: str = "divide",
+    summation: str = "exact",
 ) -> np.ndarray:
     """y = spec(x) in float64, or as an implementation faithful to ``spec`` computes it at ``dtype``.
 
@@ -147,6 +148,10 @@ def forward(
     differently: ``"divide"`` (x̂ = (x − μ) / denominator), ``"rsqrt"`` (x̂ = (x − μ) · (1 / denominator)) or
     ``"folded"`` (y = x·a + b with a = γ/denominator and b = β − μ·a in the compute dtype, then one cast; a
     folded kernel has no separate x̂, so it is a form of ``scale_then_cast`` only).
+
+    ``summation``: how the statistics' sums accumulate at a low-precision ``dtype`` — ``"exact"`` (rounded once,
+    as a pairwise or tree reduction approaches) or ``"sequential"`` (a plain loop, each partial sum rounded in
+    the accumulator: the largest error a faithful kernel's summation order may add).
     """
     if formula not in FORMULAS:
         raise InputError(f"formula must be one of {', '.join(FORMULAS)}; got {formula!r}")
@@ -156,7 +161,7 @@ def forward(
     lay = Layout.of(spec, x.shape)
     d = Precision(dtype_name(dtype))
     stored = Precision(dtype_name(param_dtype)) if param_dtype is not None else d
-    c = Precision(compute_dtype(spec, d.name))
+    c = Precision(compute_dtype(spec, d.name), summation)
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
     b = lay.expand(beta, lay.param_axes, "beta") if spec.beta else None
     if gamma is not None and not spec.gamma:

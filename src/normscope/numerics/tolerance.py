@@ -140,7 +140,10 @@ def forward_bound(x, spec: NormSpec, dtype: str, params=None, *, exact=None, emu
 
     ``x`` is rounded to ``dtype`` (the values the implementation sees). ``exact`` (the float64 reference) and
     ``emulated`` (the reference's faithful emulation at ``dtype``, γ/β stored at ``param_dtype``) are computed
-    when not given. The bound is 2·|emulated − exact| + :func:`accumulation_bound`.
+    when not given. The bound is 2·max(|emulated − exact|, |sequential − exact|) + :func:`accumulation_bound`,
+    where *sequential* is the same emulation with its statistics summed by a plain loop: a faithful kernel may
+    add its terms in any order, and a sequential sum of a long row (or of a constant one, or at a large offset)
+    errs far more than a pairwise one — measured on this very input, so the bound widens only where it does.
     """
     p = _params(params)
     d = dtype_name(dtype)
@@ -152,8 +155,17 @@ def forward_bound(x, spec: NormSpec, dtype: str, params=None, *, exact=None, emu
             emulated = exact if d == "float64" else reference.forward(x, spec, dtype=d, param_dtype=param_dtype,
                                                                       **p.kwargs())
         faithful = np.abs(emulated - exact)
+        if d != "float64" and _sums(spec):
+            sequential = reference.forward(x, spec, dtype=d, param_dtype=param_dtype, summation="sequential",
+                                           **p.kwargs())
+            faithful = np.fmax(faithful, np.abs(sequential - exact))
     return C.FAITHFUL_FACTOR * faithful + accumulation_bound(x, spec, d, p, exact=exact,
                                                              recovery_noise=recovery_noise)
+
+
+def _sums(spec: NormSpec) -> bool:
+    """Whether the contract's statistics are sums over the input (not running statistics read as stored)."""
+    return not spec.uses_running_statistics
 
 
 def backward_rounding(x, dy, spec: NormSpec, dtype: str, params=None) -> dict[str, np.ndarray]:

@@ -481,3 +481,19 @@ def test_a_sequential_sum_is_faithful_and_the_bound_still_separates_the_algorith
     report = check(_sequential_layernorm(one_pass=True), expect=spec, framework="numpy", shape=(2, 4, 4097),
                    dtypes=("float32",))
     assert "two-pass variance at offset" in {f.name for f in report.findings if f.status == "fail"}
+
+
+def test_a_target_that_keeps_gamma_in_fp32_fails_a_contract_that_stores_it_at_the_input_dtype():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.rand(64, generator=g) * 1.7 + 0.3, torch.randn(64, generator=g) * 0.5
+
+    def norm(x):
+        return (torch.nn.functional.layer_norm(x.float(), (64,), eps=1e-5) * w + b).to(x.dtype)
+
+    report = check(norm, framework="torch", expect="torch_layernorm", shape=SHAPE)
+    failed = {f.name: f for f in report.findings if f.status == "fail"}
+    assert "rounding at bfloat16" in failed and "γ/β stored in fp32" in failed["rounding at bfloat16"].why
+    assert check(norm, framework="torch", expect=NormSpec.preset("torch_layernorm", param_dtype="float32"),
+                 shape=SHAPE).verdict == "pass"

@@ -515,3 +515,55 @@ def test_precision_experiment_finds_the_emulated_candidate_and_formula():
     assert nearest[("float32", "scale_then_cast")].mean == 0.0
     assert nearest[("float32", "scale_then_cast")].formula == "folded"
     assert "folded" not in pe.faithful_formulas(spec.replace(affine_order="cast_then_scale"))
+
+
+class _ShiftThenScale(torch.nn.Module):
+    """(x̂ + b)·w: its applied shift is b·w, not its ``bias`` parameter."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.rand(d, generator=g) + 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(d, generator=g) * 0.3)
+
+    def forward(self, x):
+        return (torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5) + self.bias) * self.weight
+
+
+def test_parameters_that_do_not_explain_the_output_are_not_trusted():
+    """The names would say γ = weight and no β; under random parameters the output is shifted by b·w, which no
+    parameter equals, so γ and β come from behaviour (as for the same code written as a function)."""
+    m = _ShiftThenScale()
+    r = infer(m, shape=(2, 8, 64))
+    assert r.spec.gamma and r.spec.beta and r.spec.eps == pytest.approx(1e-5, rel=0.01)
+    assert "do not explain the output" in r.evidence["gamma"].note and "'weight'" in r.evidence["gamma"].note
+    with torch.no_grad():
+        expected_beta = (m.bias * m.weight).double().numpy()
+    assert np.allclose(r.params.beta, expected_beta, rtol=1e-4, atol=1e-6)
+    assert r.evidence["gamma"].confidence != "from parameters"
+
+
+def _fp32_parameters_layernorm():
+    """A mixed-precision LayerNorm: a bf16/fp16 input, γ/β kept in fp32 (× γ rounds once), cast back."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.rand(64, generator=g) * 1.7 + 0.3, torch.randn(64, generator=g) * 0.5
+
+    def norm(x):
+        return (torch.nn.functional.layer_norm(x.float(), (64,), eps=1e-5) * w + b).to(x.dtype)
+
+    return norm
+
+
+def test_where_gamma_is_stored_is_part_of_the_contract():
+    """γ kept in fp32 while the input is bf16 rounds once; a module cast whole rounds γ to bf16 first."""
+    r = infer(_fp32_parameters_layernorm(), framework="torch", shape=(2, 8, 64))
+    assert r.spec.param_dtype == "float32" and r.evidence["param_dtype"].confidence == "decisive", \
+        r.evidence["param_dtype"]
+    assert "fp32 γ/β" in r.spec.summary()
+    m = zoo.randomize(torch.nn.LayerNorm(64))
+    r = infer(m, shape=(2, 8, 64))
+    assert r.spec.param_dtype == "input" and r.evidence["param_dtype"].confidence == "decisive"
+    spec = NormSpec.preset("torch_layernorm", param_dtype="float32")
+    assert NormSpec.from_json(spec.to_json()) == spec
+    assert differences(NormSpec.preset("torch_layernorm"), spec, 3) == [
+        "expected γ/β kept in fp32; found γ/β stored at the input's dtype"]

@@ -100,14 +100,16 @@ def gpt2_layernorm(eps: float = 1e-5):
 
 def flax_layernorm(eps: float = 1e-6):
     """flax.linen.LayerNorm (default dtypes: fp32 parameters, ``dtype=None``): fp32 statistics with the fast
-    (one-pass) variance, × γ in fp32; the output stays fp32 (promoted with the parameters)."""
+    (one-pass) variance, × γ in fp32 with γ/β kept in fp32; the output stays fp32 (promoted with the parameters)."""
     return NormSpec(center=True, axes=[-1], eps=eps, variance_algorithm="one_pass", param_axes=[-1],
-                    stats_dtype="float32", affine_order="scale_then_cast", output_dtype="float32")
+                    stats_dtype="float32", affine_order="scale_then_cast", output_dtype="float32",
+                    param_dtype="float32")
 
 
 def flax_rmsnorm(eps: float = 1e-6):
-    """flax.linen.RMSNorm (default dtypes): mean of squares in fp32, × γ in fp32; the output stays fp32."""
-    return _rms_over_hidden(eps, "scale_then_cast").replace(output_dtype="float32")
+    """flax.linen.RMSNorm (default dtypes): mean of squares in fp32, × γ in fp32 with γ kept in fp32; the output
+    stays fp32."""
+    return _rms_over_hidden(eps, "scale_then_cast").replace(output_dtype="float32", param_dtype="float32")
 
 
 def keras_layernorm(eps: float = 1e-3):

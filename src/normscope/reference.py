@@ -139,8 +139,9 @@ def forward(
 ) -> np.ndarray:
     """y = spec(x) in float64, or as an implementation faithful to ``spec`` computes it at ``dtype``.
 
-    ``param_dtype`` is where γ/β (and running statistics) are stored (default: the input dtype, as a module
-    cast with ``.to(dtype)``; ``"float32"`` for frameworks that keep parameters in fp32, such as flax). For
+    ``param_dtype`` is where γ/β (and running statistics) are stored (default: the spec's ``param_dtype`` — the
+    input dtype, as a module cast with ``.to(dtype)``, or ``"float32"`` for frameworks that keep parameters in
+    fp32, such as flax). For
     γ/β it matters only for ``scale_then_cast``: with ``cast_then_scale`` the product is taken in the input
     dtype. Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
 
@@ -160,6 +161,8 @@ def forward(
     x = _check_input(x)
     lay = Layout.of(spec, x.shape)
     d = Precision(dtype_name(dtype))
+    if param_dtype is None and spec.param_dtype == "float32" and d.name in ("bfloat16", "float16"):
+        param_dtype = "float32"  # kept in fp32 while the input is 16-bit (the exact reference stays exact)
     stored = Precision(dtype_name(param_dtype)) if param_dtype is not None else d
     c = Precision(compute_dtype(spec, d.name), summation)
     g = lay.expand(gamma, lay.param_axes, "gamma") if spec.gamma else None
@@ -169,6 +172,8 @@ def forward(
     if beta is not None and not spec.beta:
         raise InputError("beta was given but the spec has beta=False")
 
+    # the output's dtype: the input's, or fp32 where the contract promotes it (fp32 parameters, flax)
+    out = Precision("float32") if spec.output_dtype == "float32" and d.name in ("bfloat16", "float16") else d
     x_in = c.round(d.round(x))
     mean, dev, _, denom, xhat = _stats(x_in, spec, lay, c, running_mean, running_var, stored)
     with np.errstate(all="ignore"):
@@ -182,7 +187,7 @@ def forward(
                 a = c.op(a * _scale(g, spec, c, stored))
             shift = c.op(lay.ungroup(np.broadcast_to(mean, full)) * a) if spec.center else np.zeros_like(a)
             b_c = c.round(stored.round(b)) if b is not None else c.scalar(0.0)
-            return np.asarray(d.round(c.op(c.op(x_in * a) + c.op(b_c - shift))), dtype=np.float64)
+            return np.asarray(out.round(c.op(c.op(x_in * a) + c.op(b_c - shift))), dtype=np.float64)
     xhat = lay.ungroup(xhat)
     with np.errstate(all="ignore"):
         if spec.affine_order == "cast_then_scale":
@@ -197,7 +202,7 @@ def forward(
                 y = c.op(y * _scale(g, spec, c, stored))
             if b is not None:
                 y = c.op(y + c.round(stored.round(b)))
-            y = d.round(y)
+            y = out.round(y)
     return np.asarray(y, dtype=np.float64)
 
 

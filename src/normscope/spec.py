@@ -24,6 +24,7 @@ VARIANCES = ("biased", "unbiased")
 VARIANCE_ALGORITHMS = ("two_pass", "one_pass")
 STATS_DTYPES = ("float32", "input")
 OUTPUT_DTYPES = ("input", "float32")  # the output at the input's dtype, or promoted to fp32
+PARAM_DTYPES = ("input", "float32")  # γ/β stored at the input's dtype (a module cast whole), or kept in fp32
 AFFINE_ORDERS = ("cast_then_scale", "scale_then_cast")
 BATCH_STATS = ("batch", "running", "frozen")  # frozen: the running statistics in both modes, never updated
 KINDS = ("layernorm", "rmsnorm", "groupnorm", "batchnorm", "instancenorm")
@@ -104,6 +105,7 @@ class NormSpec:
     affine_order: str = "scale_then_cast"
     batch_stats: str | None = None
     output_dtype: str = "input"
+    param_dtype: str = "input"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -186,6 +188,7 @@ class NormSpec:
         if self.batch_stats is not None:
             _choice("batch_stats", self.batch_stats, BATCH_STATS)
         _choice("output_dtype", self.output_dtype, OUTPUT_DTYPES)
+        _choice("param_dtype", self.param_dtype, PARAM_DTYPES)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -243,6 +246,8 @@ class NormSpec:
             parts.append(f"{self.batch_stats} statistics")
         if self.output_dtype == "float32":
             parts.append("fp32 output")
+        if self.param_dtype == "float32" and (self.gamma or self.beta):
+            parts.append("fp32 γ/β")
         return ", ".join(parts)
 
     def __str__(self) -> str:
@@ -441,4 +446,7 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
     if a.output_dtype != b.output_dtype:
         words = {"input": "the output at the input's dtype", "float32": "an fp32 output"}
         out.append(f"expected {words[b.output_dtype]}; found {words[a.output_dtype]}")
+    if a.param_dtype != b.param_dtype and (a.gamma or a.beta) and (b.gamma or b.beta):
+        words = {"input": "γ/β stored at the input's dtype", "float32": "γ/β kept in fp32"}
+        out.append(f"expected {words[b.param_dtype]}; found {words[a.param_dtype]}")
     return out

@@ -51,6 +51,10 @@ def _measure(ctx: Context, d: str) -> tuple[pe.Distance, dict[str, pe.Distance],
         if spec.stats_dtype == "float32" and (spec.gamma or spec.beta) and not (identity and no_beta):
             flip = "scale_then_cast" if spec.affine_order == "cast_then_scale" else "cast_then_scale"
             others[flip.replace("_", " ")] = nearest(spec.replace(affine_order=flip))
+            if spec.affine_order == "scale_then_cast" and d != "float32":  # × γ in fp32: where γ is stored shows
+                kept = "input" if spec.param_dtype == "float32" else "float32"
+                others[f"γ/β stored {'in fp32' if kept == 'float32' else 'at the input dtype'}"] = \
+                    nearest(spec.replace(param_dtype=kept))
     return mine, others, values
 
 

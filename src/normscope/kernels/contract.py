@@ -62,6 +62,12 @@ def unsupported(spec: NormSpec, ndim: int, dtype: str) -> str | None:
     if dtype not in KERNEL_DTYPES:
         return (f"input dtype {dtype}: the kernels take {', '.join(KERNEL_DTYPES)} with float32 accumulation; "
                 "use backend='reference' for float64")
+    if dtype != "float32" and spec.output_dtype == "float32":
+        return (f"output_dtype='float32' at {dtype}: the kernels write the output in the input dtype; use "
+                "backend='reference'")
+    if dtype != "float32" and spec.param_dtype == "float32" and (spec.gamma or spec.beta):
+        return (f"param_dtype='float32' at {dtype}: the kernels apply γ/β at the input dtype; use "
+                "backend='reference'")
     if spec.stats_dtype == "input" and dtype != "float32":
         return (f"stats_dtype='input' at {dtype}: the kernels accumulate statistics in float32; a contract "
                 f"with {dtype} statistics needs backend='reference'")

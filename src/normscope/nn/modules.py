@@ -131,6 +131,9 @@ class Norm(nn.Module):
         d = x.dtype
         c_name = compute_dtype(spec, dtype_name(d))
         c = torch_dtype(c_name)
+        half = d in (torch.bfloat16, torch.float16)
+        # where γ/β (and running statistics) are read from: the input dtype, or fp32 where the contract keeps them
+        stored = c if spec.param_dtype == "float32" and half else d
         xg = lay.group(x.to(c))
 
         c_max = MAX_FINITE[ACCUMULATOR[c_name]]
@@ -143,8 +146,8 @@ class Norm(nn.Module):
         if spec.uses_running_statistics:
             rm, rv = self._running_view(lay)
             # read as the input dtype sees them, as γ/β are (a module cast with .to(dtype) stores them there)
-            mu = rm.to(d).to(c) if spec.center else None
-            var = rv.to(d).to(c)
+            mu = rm.to(stored).to(c) if spec.center else None
+            var = rv.to(stored).to(c)
             dev = xg - mu if spec.center else xg
         elif not spec.center:
             dev, var = xg, mean(xg * xg, n_var)
@@ -181,14 +184,14 @@ class Norm(nn.Module):
                 y = y * (spec.gamma_offset + wd if spec.gamma_offset else wd)
             if b is not None:
                 y = y + b.to(d)
-            return y
+            return y.to(torch.float32) if spec.output_dtype == "float32" and half else y
         y = xhat
         if w is not None:
-            wc = w.to(d).to(c)
+            wc = w.to(stored).to(c)
             y = y * (spec.gamma_offset + wc if spec.gamma_offset else wc)
         if b is not None:
-            y = y + b.to(d).to(c)
-        return y.to(d)
+            y = y + b.to(stored).to(c)
+        return y.to(torch.float32 if spec.output_dtype == "float32" and half else d)
 
     # ---------------------------------------------------------------------------------------- helpers
     def _expand(self, p: torch.Tensor, lay: Layout, name: str) -> torch.Tensor:

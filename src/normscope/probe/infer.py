@@ -175,12 +175,12 @@ def infer(
         spec, channel_style = _spec_of(g, len(shape), centred, found_eps, aff, algorithm, batch)
         ev["axes"] = axes_evidence(dep, shape, channel_style)
         params = parameter_values(probe, g, spec, aff)
+        promoted, ev["output_dtype"] = output_dtype(probe)  # first: the precision experiment emulates the output
+        if promoted:
+            spec = spec.replace(output_dtype="float32")
         rounding = with_random_parameters(probe, spec, params, aff)
         spec = rounding.spec
         ev.update(rounding.evidence)
-        promoted, ev["output_dtype"] = output_dtype(probe)
-        if promoted:
-            spec = spec.replace(output_dtype="float32")
         probe.progress("validation on fresh inputs")
         validation = validate(probe, spec, params, g, found_eps.measured_at)
 

@@ -67,17 +67,19 @@ def offset_groups(g: Groups) -> np.ndarray:
 
 
 def distance(y: np.ndarray, x: np.ndarray, dtype: str, spec: NormSpec, params: NormParams | Mapping[str, Any],
-             *, formulas: Iterable[str] = ("divide",), param_dtypes: Iterable[str | None] = (None,)) -> Distance:
+             *, formulas: Iterable[str] = ("divide",), param_dtypes: Iterable[str | None] = (None,),
+             unit: str | None = None) -> Distance:
     """The distance (ulps of ``dtype``, floored near 0 by :func:`~normscope.probe.experiments.ulps`) from the
     outputs ``y`` on input ``x`` to ``spec`` emulated at ``dtype`` with ``params`` (γ, β, running statistics: a
     :class:`~normscope.results.params.NormParams` or a mapping of its fields).
 
     ``spec``'s nearest emulation is taken over ``formulas`` × ``param_dtypes`` (where γ/β are stored: ``None``
     for the input dtype, ``"float32"``); the first of equal ones wins, and an emulation whose mean is NaN (every
-    element non-finite) only where all are.
+    element non-finite) only where all are. ``unit``: the dtype whose ulps measure (default ``dtype``; fp32 for
+    an output the contract promotes, where differences below one ulp of ``dtype`` still count).
     """
     kwargs = (params if isinstance(params, NormParams) else NormParams.from_dict(params)).kwargs()
-    ulp = ulps(y, dtype)
+    ulp = ulps(y, unit or dtype)
     best = None
     for formula in formulas:
         for pdt in param_dtypes:

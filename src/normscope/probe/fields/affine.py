@@ -80,7 +80,7 @@ def affine(probe: Probe, g: Groups, det: Determinism) -> Affine:
     tol = max(1000 * noise, 1e-7) * max(float(np.max(np.abs(gamma_hat))), 1.0)
     g_axes = varying_axes(gamma_hat, tol)
     b_axes = varying_axes(beta_hat, tol)
-    fitted = _fit_parameters(probe, g, tol)
+    fitted, distrusted = _fit_parameters(probe, g, tol)
 
     if fitted is not None:
         gamma, beta = fitted["gamma"] is not None, fitted["beta"] is not None
@@ -118,7 +118,10 @@ def affine(probe: Probe, g: Groups, det: Determinism) -> Affine:
              "max": float(gamma_hat.max())},
             Confidence.DECISIVE if g_axes or not gamma else Confidence.WEAK)
         ev["gamma_offset"] = Evidence("not inferable from behaviour", {}, Confidence.NOT_PROBED,
-                                      "(1+w) and γ=1+w are the same function; known only from weights")
+                                      "(1+w) and γ=1+w are the same function; known only from weights"
+                                      + (f"; {distrusted}" if distrusted else ""))
+        if distrusted:
+            ev["gamma"] = dataclasses.replace(ev["gamma"], note=distrusted)
     if not (gamma or beta):
         param_axes = []
     ev.setdefault("beta", Evidence(
@@ -148,11 +151,16 @@ def _expand(values: np.ndarray, shape: tuple[int, ...], axes: list[int]) -> np.n
     return np.broadcast_to(layout.broadcast(v, shape, axes), shape)
 
 
-def _fit_parameters(probe: Probe, g: Groups, tol: float) -> dict[str, Fit | None] | None:
-    """In a private copy with random parameters, find the parameter acting as γ (y ∝ c₀ + c₁·w) and as β."""
+def _fit_parameters(probe: Probe, g: Groups, tol: float) -> tuple[dict[str, Fit | None] | None, str]:
+    """In a private copy with random parameters, find the parameter acting as γ (y ∝ c₀ + c₁·w) and as β.
+
+    The fit is trusted only when it explains the whole output under those random parameters: a shift that no
+    parameter equals (``(x̂ + b)·w`` applies b·w) or a scale that varies where no parameter does leaves the
+    parameters untrusted, and γ/β are recovered from behaviour alone. Returns the fit (None: not trusted or
+    none found) and, when parameters were fitted but not trusted, why."""
     with probe.target.perturbed_parameters(probe.rng) as values:
         if not values:
-            return None
+            return None, ""
         gp, bp, _ = measure(probe, g, BIG)
     pg_axes, pb_axes = varying_axes(gp, tol), varying_axes(bp, tol)
     fitted: dict[str, Fit | None] = {"gamma": None, "beta": None}
@@ -166,7 +174,18 @@ def _fit_parameters(probe: Probe, g: Groups, tol: float) -> dict[str, Fit | None
             b0, b1, res = fit_linear(bp, full)
             if res < 1e-4 and abs(b1 - 1) < 1e-3:
                 fitted["beta"] = Fit(name, b0, b1, res, pb_axes)
-    return fitted if (fitted["gamma"] or fitted["beta"]) else None
+    if not (fitted["gamma"] or fitted["beta"]):
+        return None, ""
+    shift = float(np.max(np.abs(bp)))
+    names = ", ".join(repr(f.name) for f in fitted.values() if f is not None)
+    if fitted["beta"] is None and shift > tol:
+        return None, (f"the parameters {names} do not explain the output: with random parameters it is shifted by "
+                      f"up to {shift:.3g}, which no parameter equals (e.g. (x̂ + b)·w applies b·w); γ and β are "
+                      "recovered from behaviour, not read from parameters")
+    if fitted["gamma"] is None and pg_axes:
+        return None, (f"the parameters {names} do not explain the output: with random parameters its scale varies "
+                      f"along axes {pg_axes}, which no parameter follows; γ and β are recovered from behaviour")
+    return fitted, ""
 
 
 def parameter_values(probe: Probe, g: Groups, spec: NormSpec, aff: Affine) -> NormParams:

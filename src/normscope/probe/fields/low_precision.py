@@ -62,11 +62,15 @@ def low_precision(probe: Probe, spec: NormSpec, params: NormParams, source: str)
         note = f"the target accepts only {', '.join(probe.accepted)}; fp32 statistics assumed"
         return LowPrecision(spec, {
             "stats_dtype": Evidence("needs bfloat16/float16 inputs", {}, Confidence.NOT_PROBED, note),
-            "affine_order": Evidence("needs bfloat16/float16 inputs", {}, Confidence.NOT_PROBED, note)})
+            "affine_order": Evidence("needs bfloat16/float16 inputs", {}, Confidence.NOT_PROBED, note),
+            "param_dtype": Evidence("needs bfloat16/float16 inputs", {}, Confidence.NOT_PROBED,
+                                    f"the target accepts only {', '.join(probe.accepted)}; γ/β at the input dtype "
+                                    "assumed")})
     probe.progress("precision: low-precision outputs against the reference's emulations")
     g = Groups.of(spec, probe.shape)
     per_dtype: dict[str, dict] = {}
     separation: dict[str, dict] = {}
+    runs: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
     for d in low:
         sigma = g.spread(10.0 ** probe.rng.uniform(-1, 2, size=g.count))
         if d == "float16":  # stay where every candidate is finite: a group's sum of squares below 2¹⁴
@@ -80,10 +84,42 @@ def low_precision(probe: Probe, spec: NormSpec, params: NormParams, source: str)
         scores = pe.score(y, x, d, spec, params, pe.CANDIDATES, param_dtypes=(None, "float32"))
         per_dtype[d] = {c: s.mean for c, s in scores.items()}
         separation[d] = pe.separation(scores, repeat)
+        runs[d] = (x, y, repeat)
     stats_dtype, stats_evidence = _stats_dtype(low, per_dtype, separation, source)
     order, order_evidence = _affine_order(spec, low, per_dtype, stats_dtype)
-    return LowPrecision(spec.replace(stats_dtype=stats_dtype, affine_order=order),
-                        {"stats_dtype": stats_evidence, "affine_order": order_evidence})
+    found = spec.replace(stats_dtype=stats_dtype, affine_order=order)
+    param_dtype, param_evidence = _param_dtype(found, params, runs)
+    return LowPrecision(found.replace(param_dtype=param_dtype),
+                        {"stats_dtype": stats_evidence, "affine_order": order_evidence,
+                         "param_dtype": param_evidence})
+
+
+def _param_dtype(spec: NormSpec, params: NormParams, runs: dict) -> tuple[str, Evidence]:
+    """Where γ/β are stored: at the input dtype (a module cast whole) or kept in fp32 (× γ rounds once). Seen only
+    where γ is applied in fp32 before the cast back, with γ/β that the input dtype cannot hold exactly; decided
+    where the two separate most, and only beyond noise."""
+    if not (spec.gamma or spec.beta) or spec.stats_dtype != "float32" or spec.affine_order != "scale_then_cast":
+        return "input", Evidence("not applicable (no affine, statistics in the input dtype, or × γ after the cast)",
+                                 {}, Confidence.DECISIVE)
+    best = None
+    unit = "float32" if spec.output_dtype == "float32" else None  # a promoted output is not rounded to d
+    for d, (x, y, repeat) in runs.items():
+        dist = {p: pe.distance(y, x, d, spec.replace(param_dtype=p), params, formulas=pe.faithful_formulas(spec),
+                               unit=unit) for p in ("input", "float32")}
+        near = min(dist, key=lambda p: dist[p].mean)
+        sep = pe.separates(dist[near], dist["float32" if near == "input" else "input"], repeat)
+        if best is None or sep["ratio"] > best[2]["ratio"]:
+            best = (d, near, sep, {p: v.mean for p, v in dist.items()})
+    d, near, sep, means = best
+    measured = {"mean_error_ulps": means, "decided_at": d, "chosen": near,
+                "separation": {k: v for k, v in sep.items() if k != "closer_elements"}}
+    experiment = (f"{d} outputs vs the emulation with γ/β stored at the input dtype and kept in fp32 (ulps of "
+                  f"{unit or d})")
+    if not sep["beyond_noise"]:
+        return "input", Evidence(experiment, measured, Confidence.AMBIGUOUS,
+                                 f"the two do not separate beyond noise ({pe.not_separated_because(sep)}): γ/β at "
+                                 "the input dtype (a module cast whole) is reported")
+    return near, Evidence(experiment, measured, Confidence.DECISIVE)
 
 
 def _stats_dtype(low: list[str], per_dtype: dict[str, dict], separation: dict[str, dict],

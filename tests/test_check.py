@@ -497,3 +497,18 @@ def test_a_target_that_keeps_gamma_in_fp32_fails_a_contract_that_stores_it_at_th
     assert "rounding at bfloat16" in failed and "γ/β stored in fp32" in failed["rounding at bfloat16"].why
     assert check(norm, framework="torch", expect=NormSpec.preset("torch_layernorm", param_dtype="float32"),
                  shape=SHAPE).verdict == "pass"
+
+
+def test_jax_half_precision_rms_rounds_its_reciprocal_root_once():
+    """jnp.mean of a float16 input accumulates wider and rounds the mean to float16; lax.rsqrt rounds its result
+    once: a faithful input-dtype-statistics RMSNorm, which check passes (x·(1/σ) with two roundings does not
+    describe it)."""
+    jax = pytest.importorskip("jax", reason="the jax extra installs jax")
+    jnp = jax.numpy
+
+    def rms(x, eps=1e-6):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps)
+
+    spec = NormSpec.preset("llama_rmsnorm", gamma=False, stats_dtype="input")
+    report = check(rms, framework="jax", expect=spec, shape=SHAPE)
+    assert report.verdict == "pass", [(f.name, f.why) for f in report.findings if f.status != "pass"]

@@ -31,7 +31,7 @@ from .spec import NormSpec
 __all__ = ["FORMULAS", "forward", "backward", "statistics", "Statistics", "param_shape", "stats_shape"]
 
 # The ways a faithful kernel may write one contract (see ``forward``'s ``formula``).
-FORMULAS = ("divide", "rsqrt", "folded")
+FORMULAS = ("divide", "rsqrt", "rsqrt_once", "folded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,9 @@ def forward(
     dtype. Returns float64 values (at a low-precision ``dtype``, values exactly representable in that dtype).
 
     ``formula`` picks one of the ways a faithful kernel may write the same contract, which round
-    differently: ``"divide"`` (x̂ = (x − μ) / denominator), ``"rsqrt"`` (x̂ = (x − μ) · (1 / denominator)) or
+    differently: ``"divide"`` (x̂ = (x − μ) / denominator), ``"rsqrt"`` (x̂ = (x − μ) · (1 / denominator), the
+    root and its reciprocal each rounded), ``"rsqrt_once"`` (x̂ = (x − μ) · rsqrt(σ² + ε) with the reciprocal root
+    rounded once, as JAX's ``lax.rsqrt`` does; the same as ``"rsqrt"`` for ε outside the root or a clamp) or
     ``"folded"`` (y = x·a + b with a = γ/denominator and b = β − μ·a in the compute dtype, then one cast; a
     folded kernel has no separate x̂, so it is a form of ``scale_then_cast`` only).
 
@@ -175,10 +177,14 @@ def forward(
     # the output's dtype: the input's, or fp32 where the contract promotes it (fp32 parameters, flax)
     out = Precision("float32") if spec.output_dtype == "float32" and d.name in ("bfloat16", "float16") else d
     x_in = c.round(d.round(x))
-    mean, dev, _, denom, xhat = _stats(x_in, spec, lay, c, running_mean, running_var, stored)
+    mean, dev, var, denom, xhat = _stats(x_in, spec, lay, c, running_mean, running_var, stored)
     with np.errstate(all="ignore"):
         if formula != "divide":
-            inv = c.op(c.scalar(1.0) / denom)
+            if formula == "rsqrt_once" and spec.eps_placement in ("inside_sqrt", "none"):
+                v = c.op(var + c.scalar(spec.eps)) if spec.eps_placement == "inside_sqrt" else var
+                inv = c.round(1.0 / np.sqrt(np.asarray(v, dtype=np.float64)))  # one rounding, as an rsqrt op
+            else:
+                inv = c.op(c.scalar(1.0) / denom)  # the root rounded, then its reciprocal
             xhat = c.op(dev * inv)
         if formula == "folded":  # a = γ·inv, b = β − μ·a, y = x·a + b, all in c, then one cast
             full = lay.grouped_shape

@@ -567,3 +567,15 @@ def test_where_gamma_is_stored_is_part_of_the_contract():
     assert NormSpec.from_json(spec.to_json()) == spec
     assert differences(NormSpec.preset("torch_layernorm"), spec, 3) == [
         "expected γ/β kept in fp32; found γ/β stored at the input's dtype"]
+
+
+def test_a_fixed_low_precision_target_is_refused_with_the_reason_not_called_no_normalization():
+    """A LayerNorm that computes in float16 whatever it is given (flax's dtype=jnp.float16) would make every
+    experiment read rounding as structure ("not a normalization"): infer says what it is and what to do."""
+
+    def half_layernorm(x):
+        h = torch.as_tensor(x).half()
+        return torch.nn.functional.layer_norm(h.float(), h.shape[-1:]).half()
+
+    with pytest.raises(TargetError, match="returns float16 for a float64 input: it computes at a fixed float16"):
+        infer(half_layernorm, framework="torch", shape=(2, 8, 64))

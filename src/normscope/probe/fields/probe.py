@@ -53,6 +53,7 @@ class Probe:
                 f"{target.description} ran only on {', '.join(accepted)}; inference probes the structure "
                 "in float32 or float64 (its experiments need their range and precision): allow one of them")
         dtype = "float64" if "float64" in accepted else "float32"
+        _full_precision(target, shape, dtype)
         return cls(target, shape, accepted, dtype, seed, np.random.default_rng(seed),
                    progress or (lambda _msg: None))
 
@@ -63,6 +64,20 @@ class Probe:
     def run(self, x: np.ndarray, dtype: str | None = None) -> np.ndarray:
         """The target's output on ``x`` at ``dtype`` (default: the probe dtype)."""
         return self.target(x, dtype or self.dtype)
+
+
+def _full_precision(target: Target, shape: tuple[int, ...], dtype: str) -> None:
+    """A target that answers a float32/float64 input in 16 bits computes at a fixed low precision (flax's
+    ``dtype=jnp.float16``, an autocast region inside the callable): its ε, variance estimator and cast order sit
+    below that resolution, and every experiment would read rounding as structure. Say so instead of guessing."""
+    target(np.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape), dtype)
+    out = target.output_dtype
+    if out in ("bfloat16", "float16"):
+        raise TargetError(
+            f"{target.description} returns {out} for a {dtype} input: it computes at a fixed {out} whatever it is "
+            f"given (e.g. flax's dtype=jnp.{out}, or an autocast inside it), so the experiments cannot resolve ε, "
+            f"the variance estimator or the cast order below {out}'s rounding; infer the same code with a float32 "
+            "compute dtype (flax: dtype=None, the parameters' dtype), then check this one against that contract")
 
 
 def rel(a: np.ndarray, b: np.ndarray, scale: float | None = None) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +19,9 @@ from normscope.errors import InputError
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import readme_files  # noqa: E402  (the README's file writer: its GGUF converter is the one used here)
 
 # torch's TorchScript ONNX exporter (dynamo=False, as the exports here need) warns that it is deprecated
 pytestmark = pytest.mark.filterwarnings("ignore:.*(TorchScript|will be removed).*:DeprecationWarning")
@@ -122,42 +126,9 @@ def test_hf_weights_give_gamma_statistics_and_the_cohere_per_head_shape(configs,
 
 # ---------------------------------------------------------------- GGUF
 
-_GGUF_BLOCK = {"input_layernorm": "attn_norm", "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm"}
-
-
 def to_gguf(model_dir: Path, path: Path, arch: str, eps: float, add_one: bool, drop: str | None = None) -> Path:
-    """Write a model's norm weights as a llama.cpp converter would (Gemma: γ stored as 1 + w)."""
-    from safetensors.numpy import load_file
-
-    weights = load_file(str(model_dir / "model.safetensors"))
-    cfg = json.loads((model_dir / "config.json").read_text())
-    sandwich = "pre_feedforward_layernorm" in " ".join(weights)
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_layer_norm_rms_eps(eps)
-    for key, value in sorted(weights.items()):
-        if "norm" not in key:
-            continue
-        mod = key.removesuffix(".weight")
-        if mod == "model.norm":
-            name = "output_norm"
-        else:
-            i, rest = mod.removeprefix("model.layers.").split(".", 1)
-            if rest == "post_attention_layernorm":
-                slot = "post_attention_norm" if sandwich else "ffn_norm"
-            else:
-                slot = _GGUF_BLOCK[rest]
-            name = f"blk.{i}.{slot}"
-        if name == drop:
-            continue
-        w.add_tensor(name + ".weight", (value + 1 if add_one else value).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    """A model's norm weights in a GGUF as llama.cpp's converter writes them: the README's example writer."""
+    return readme_files.to_gguf(model_dir, path, arch, eps, add_one=add_one, drop=drop)
 
 
 @pytest.fixture(scope="module")

@@ -194,6 +194,7 @@ class Context:
                                 **where)
         # measured and tolerance are the same element's pair (the worst ratio), so they agree with the verdict
         return self.finding(id, name, "pass" if c.ok else "fail", c.worst_error, 0.0, c.worst_bound,
-                            f"{why} ({dtype}; worst element {c.worst_error:.3g} vs 2 × faithful "
-                            f"{c.worst_faithful:.2g} + accumulation bound; largest error {c.max_error:.3g})",
+                            f"{why} ({dtype}; worst element {c.worst_error:.3g} vs its bound {c.worst_bound:.3g}: "
+                            f"2 × a faithful emulation's error there (pairwise sums {c.worst_faithful:.2g}, or "
+                            f"sequential) + the accumulation bound; largest error {c.max_error:.3g})",
                             **where)

@@ -1,0 +1,113 @@
+"""Every ``$ normscope …`` command of the README's tour runs as printed and prints what the README shows.
+
+The files the commands use (a Gemma 3 config, a Llama checkpoint and its GGUF, a traced run) are written by
+``examples/readme_files.py``, as a user would write them. Each command runs through the real entry point in a
+subprocess, from that folder. Each line of a README output block must appear in the output, in order (spacing and
+line wrapping aside); ``…`` or ``...`` elides, and a run time (``0.81 s``) may differ.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def tour() -> list[tuple[str, list[str]]]:
+    """(command, expected output lines) for each ``$ normscope`` command in the README's plain code blocks."""
+    out: list[tuple[str, list[str]]] = []
+    fence, plain = False, False  # inside a fenced block; a plain one (no language)
+    for line in README.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fence, plain = (False, False) if fence else (True, line == "```")
+            if not fence and out:
+                out.append(("", []))  # a block's end ends its last command's output
+            continue
+        if not (fence and plain):
+            continue
+        if line.startswith("$ "):
+            out.append((line[2:], []))
+        elif out and out[-1][0]:
+            out[-1][1].append(line)
+    return [(cmd, lines) for cmd, lines in out if "normscope" in cmd]
+
+
+ELIDED = re.compile(r"^(…|\.\.\.)$")
+SECONDS = re.compile(r"^\d+(\.\d+)?$")
+
+
+def line_pattern(line: str) -> re.Pattern | None:
+    """A README output line as a pattern over the output with its whitespace collapsed; None for an elision."""
+    tokens = line.split()
+    if not tokens or all(ELIDED.match(t) for t in tokens):
+        return None
+    parts = []
+    for i, tok in enumerate(tokens):
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if SECONDS.match(tok) and re.match(r"^s\b|^s[,;)]?$", nxt):
+            parts.append(r"[0-9.]+")  # a run time
+        else:
+            parts.append(r".*?".join(re.escape(piece) for piece in re.split(r"…|\.\.\.", tok)))
+    return re.compile(r"\s+".join(parts))
+
+
+def mismatches(output: str, expected: list[str]) -> list[str]:
+    """The expected lines not found in ``output`` in order (whitespace collapsed)."""
+    text = " ".join(output.split())
+    at, missing = 0, []
+    for line in expected:
+        pattern = line_pattern(line)
+        if pattern is None:
+            continue
+        m = pattern.search(text, at)
+        if m is None:
+            missing.append(line)
+        else:
+            at = m.end()
+    return missing
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> Path:
+    pytest.importorskip("gguf", reason="the dev extra installs gguf")
+    pytest.importorskip("transformers", reason="the hf extra installs transformers")
+    folder = tmp_path_factory.mktemp("readme")
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "readme_files.py"), str(folder)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return folder
+
+
+EXIT = {"normscope contract llama llama-eps.gguf": 1}  # the README says: a mismatch, exit 1
+COMMANDS = tour()
+
+
+def test_the_readme_has_its_tour():
+    assert len(COMMANDS) >= 8, [c for c, _ in COMMANDS]
+
+
+@pytest.mark.parametrize(("command", "expected"), COMMANDS, ids=[c.split(" --")[0][:60] for c, _ in COMMANDS])
+def test_each_readme_command_prints_what_the_readme_shows(files, command, expected):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": str(ROOT / "examples") if command.startswith("PYTHONPATH=examples") else "",
+           "COLUMNS": "120", "TERM": "dumb"}
+    command = command.removeprefix("PYTHONPATH=examples ")
+    r = subprocess.run(["bash", "-c", command], cwd=files, env=env, capture_output=True, text=True, timeout=600)
+    want = EXIT.get(command, 1 if " check " in command and "primer" in command else 0)
+    assert r.returncode == want, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    missing = mismatches(r.stdout, expected)
+    assert not missing, "README lines not in the output:\n" + "\n".join(missing) + "\n--- output ---\n" + r.stdout
+
+
+def test_the_matcher_can_fail():
+    assert mismatches("a b c 1.23 s, 4 calls", ["a b", "c 9.99 s, 4 calls"]) == []
+    assert mismatches("a b c", ["b", "a"]) == ["a"]  # order matters
+    assert mismatches("x = 1", ["x = 2"]) == ["x = 2"]
+    assert mismatches("weights from /long/path/model", ["weights from …/model"]) == []

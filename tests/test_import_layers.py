@@ -134,7 +134,7 @@ def test_every_upward_exception_is_still_used():
 # cycles between two units of one layer that stay, each with why
 CYCLES = {
     ("presets", "spec"): "NormSpec.preset(name) looks the preset up, lazily; the presets are NormSpecs",
-    ("report", "results"): "Report.text() and Report.write_junit() render through report/, lazily; report/ renders "
+    ("report", "results"): "Report.text() and Report.to_junit() render through report/, lazily; report/ renders "
                            "results",
 }
 

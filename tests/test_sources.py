@@ -190,3 +190,29 @@ def _spy(init, seen: list, level):
         init(self, *args, **kwargs)
 
     return wrapped
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": -3}, "num_hidden_layers must be a positive integer"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a finite number ≥ 0"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a finite number ≥ 0"),
+])
+def test_one_validation_of_a_config_for_scan_and_contract(tmp_path, change, words):
+    """scan (which builds the model from the config) and contract (which reads it) refuse the same configs
+    with the same words: a negative layer count once scanned to 'placement none'."""
+    from normscope.artifacts import contract
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**TINY_LLAMA, **change}))
+    with pytest.raises(InputError, match=re.escape(words)):
+        load_model(str(path))
+    with pytest.raises(InputError, match=re.escape(words)):
+        contract(str(path))
+
+
+def test_a_config_without_the_eps_its_architecture_reads_is_refused_by_scan_too(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in TINY_LLAMA.items() if k != "rms_norm_eps"}))
+    with pytest.raises(InputError, match="no rms_norm_eps.*silently use its default"):
+        load_model(str(path))

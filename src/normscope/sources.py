@@ -153,6 +153,55 @@ def read_config(path: str | Path, model_type: bool = True) -> dict[str, Any]:
     return data
 
 
+#: the config keys that carry a norm's ε in Hugging Face configs
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+MAX_LAYERS = 100_000  # beyond any real model: a larger count is a corrupt or hostile config
+MAX_WIDTH = 2**24
+#: the structural sizes a config may state, each a positive integer up to its limit
+CONFIG_SIZES = {"num_hidden_layers": MAX_LAYERS, "n_layer": MAX_LAYERS, "num_layers": MAX_LAYERS,
+                "hidden_size": MAX_WIDTH, "n_embd": MAX_WIDTH, "d_model": MAX_WIDTH,
+                "num_attention_heads": MAX_WIDTH, "n_head": MAX_WIDTH, "num_key_value_heads": MAX_WIDTH,
+                "intermediate_size": MAX_WIDTH, "head_dim": MAX_WIDTH, "vocab_size": 2**31 - 1}
+
+
+def config_int(config: dict[str, Any], keys: tuple[str, ...], where: str | Path, default: int | None = None) -> int:
+    """The first of ``keys`` the config states, checked as a positive integer within its limit."""
+    for key in keys:
+        if key in config:
+            value, limit = config[key], CONFIG_SIZES.get(key, MAX_WIDTH)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
+                raise InputError(f"{where}: {key} must be a positive integer ≤ {limit}; got {value!r}")
+            return value
+    if default is not None:
+        return default
+    raise InputError(f"{where}: the config has none of {', '.join(keys)}")
+
+
+def check_config(config: dict[str, Any], where: str | Path) -> None:
+    """The one validation of a config's numbers, for every command that reads one (scan builds the model from
+    it, contract reads it): each size it states is a positive integer within its limit, each ε a finite
+    number ≥ 0 (``head_dim`` may be null: derived)."""
+    for key in CONFIG_SIZES:
+        if key in config and not (key == "head_dim" and config[key] is None):
+            config_int(config, (key,), where)
+    for key in EPS_KEYS:
+        if key in config:
+            eps = config[key]
+            if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < float("inf"):
+                raise InputError(f"{where}: {key} must be a finite number ≥ 0; got {eps!r}")
+
+
+def unstated_eps(stated: dict[str, Any], built: dict[str, Any], where: str | Path) -> None:
+    """An InputError when the architecture reads a norm ε from its config (its defaults have one) and the file
+    states none: transformers would silently use its default, and every ε measured would be that default's."""
+    if any(k in stated for k in EPS_KEYS):
+        return
+    defaults = [k for k in EPS_KEYS if k in built]
+    if defaults:
+        raise InputError(f"{where}: no {defaults[0]}, the ε of its norms; transformers would silently use its "
+                         f"default ({built[defaults[0]]!r}) — add the value the model was trained with")
+
+
 # ---------------------------------------------------------------------------------------------- python
 def import_attr(text: str):
     """The object ``package.module:attr`` names (the module is imported: its top-level code runs)."""
@@ -293,6 +342,11 @@ def _from_config(source: Source, layers: int, vocab: int):
     import torch
 
     data = read_config(source.path)
+    check_config(data, source.text)
+    text_config = data.get("text_config") if isinstance(data.get("text_config"), dict) else None
+    if text_config is not None:
+        check_config(text_config, f"{source.text} (text_config)")
+    stated = dict(text_config or data)
     transformers = _transformers()
     notes = cap_config(data, max(layers, 0), max(vocab, 0))
     model_type = data.pop("model_type")
@@ -300,6 +354,8 @@ def _from_config(source: Source, layers: int, vocab: int):
         config = transformers.AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError, TypeError) as exc:
         raise TargetError(f"{source.text}: transformers cannot build a {model_type!r} config ({exc})") from None
+    built = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else config.to_dict()
+    unstated_eps(stated, built, source.text)
     cls = _model_class(transformers, config)
     with torch.random.fork_rng():
         torch.manual_seed(0)

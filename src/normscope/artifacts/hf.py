@@ -12,13 +12,9 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..extras import require
-from ..sources import read_config
+from ..sources import EPS_KEYS, MAX_WIDTH, check_config, config_int, read_config
 from .model import ContractSite, ModelContract, value_stats
 from .names import canonicalize, module_path, split_block
-
-EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
-MAX_LAYERS = 100_000
-MAX_WIDTH = 2**24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +56,6 @@ ARCHITECTURES: dict[str, Arch] = {
 }
 
 
-def _int(config: dict, keys: tuple[str, ...], path: Path, limit: int, default: int | None = None) -> int:
-    for key in keys:
-        if key in config:
-            value = config[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= limit:
-                raise InputError(f"{path}: {key} must be a positive integer ≤ {limit}; got {value!r}")
-            return value
-    if default is not None:
-        return default
-    raise InputError(f"{path}: the config has none of {', '.join(keys)}")
-
-
 def read_hf(path: str | Path) -> ModelContract:
     """The contract of an HF ``config.json`` or model directory (with γ statistics from safetensors)."""
     path = Path(path)
@@ -99,13 +83,14 @@ def read_hf(path: str | Path) -> ModelContract:
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0 or eps == float("inf"):
         raise InputError(f"{config_path}: {arch.eps_key} must be a finite number ≥ 0; got {eps!r}")
 
-    n_layers = _int(config, ("num_hidden_layers", "n_layer"), config_path, MAX_LAYERS)
-    hidden = _int(config, ("hidden_size", "n_embd"), config_path, MAX_WIDTH)
-    heads = _int(config, ("num_attention_heads", "n_head"), config_path, MAX_WIDTH)
+    check_config(config, config_path)
+    n_layers = config_int(config, ("num_hidden_layers", "n_layer"), config_path)
+    hidden = config_int(config, ("hidden_size", "n_embd"), config_path)
+    heads = config_int(config, ("num_attention_heads", "n_head"), config_path)
     head_dim = config.get("head_dim") or hidden // heads
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 0 < head_dim <= MAX_WIDTH:
         raise InputError(f"{config_path}: head_dim must be a positive integer; got {head_dim!r}")
-    kv_heads = _int(config, ("num_key_value_heads",), config_path, MAX_WIDTH, default=heads)
+    kv_heads = config_int(config, ("num_key_value_heads",), config_path, default=heads)
 
     paths: list[tuple[str, int, tuple[int, ...]]] = []  # module path, normalized size, γ shape
     for i in range(n_layers):

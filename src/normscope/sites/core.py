@@ -24,12 +24,12 @@ from ..model import Progress, arguments, describe, private_copy, redrawn, stored
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
+from ..sources import EPS_KEYS
 from ..targets.base import check_dtype_list
 from .dataflow import Dataflow, Role, block_modules
 from .result import ModelScan, Site
 from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
 
-EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 _KNOWN_TORCH = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm,
                 torch.nn.modules.instancenorm._InstanceNorm) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm")
                                                                else ())

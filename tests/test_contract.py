@@ -580,3 +580,42 @@ def test_live_model_against_a_static_file(run_cli, checkpoints):
     assert rc == 0, out + err
     rc, out, err = run_cli("--live", checkpoints["llama"])
     assert rc == 2 and "give FILE2" in err
+
+
+class _AnnotatedLayerNorm(torch.nn.Module):
+    """The Annotated Transformer's LayerNorm: γ before the division, the unbiased std, ε outside the root."""
+
+    def __init__(self, d, eps=1e-6, gamma_first=True):
+        super().__init__()
+        self.a_2, self.b_2 = torch.nn.Parameter(torch.rand(d) + 0.5), torch.nn.Parameter(torch.rand(d))
+        self.eps, self.gamma_first = eps, gamma_first
+
+    def forward(self, x):
+        mean, std = x.mean(-1, keepdim=True), x.std(-1, keepdim=True)
+        if self.gamma_first:
+            return self.a_2 * (x - mean) / (std + self.eps) + self.b_2
+        return (x - mean) / (std + self.eps) * self.a_2 + self.b_2
+
+
+class _LinearThen(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(16, 16), norm
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("gamma_first", [True, False])
+def test_onnx_norm_found_whatever_the_order_of_its_affine_factors(tmp_path, gamma_first):
+    c = contract(_export(_LinearThen(_AnnotatedLayerNorm(16, gamma_first=gamma_first)), tmp_path / "m.onnx"))
+    (site,) = c.sites
+    assert (site.family, site.eps_placement, site.gamma, site.beta, site.param_shape) == \
+        ("layernorm", "outside_sqrt", True, True, (16,))
+    assert site.eps == pytest.approx(1e-6, rel=1e-6)
+    assert any("unbiased estimator" in n for n in site.notes)
+
+
+def test_onnx_graph_with_matmuls_and_no_norm_says_so(tmp_path):
+    c = contract(_export(_LinearThen(torch.nn.GELU()), tmp_path / "m.onnx"))
+    assert not c.sites and any("MatMul/Gemm nodes but no norm site" in n for n in c.notes), c.notes

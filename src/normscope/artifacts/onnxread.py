@@ -42,6 +42,10 @@ def _onnx():
     return require("onnx", "onnx")
 
 
+_SHAPE_ARITHMETIC = ("Gather", "ReduceProd", "Cast", "Sub", "Add", "Mul", "Div", "Unsqueeze", "Squeeze", "Concat",
+                     "Reshape", "Identity")
+
+
 class _Graph:
     def __init__(self, graph, onnx):
         self.onnx = onnx
@@ -108,6 +112,20 @@ class _Graph:
             return None
         return tuple(int(a) for a in axes)
 
+    def shape_only(self, name: str, depth: int = 0) -> bool:
+        """Whether a value depends on the graph's data only through shapes (a constant, or Shape/Size and
+        arithmetic on them: the row length n an unbiased estimator divides by n − 1 with)."""
+        if self.const(name) is not None:
+            return True
+        node = self.producer.get(name)
+        if node is None or depth > 12:
+            return False
+        if node.op_type in ("Shape", "Size"):
+            return True
+        if node.op_type in _SHAPE_ARITHMETIC:
+            return all(self.shape_only(i, depth + 1) for i in node.input if i)
+        return False
+
     def other(self, node, name: str) -> str | None:
         """The input of a binary node that is not ``name``."""
         a, b = (list(node.input) + ["", ""])[:2]
@@ -149,6 +167,11 @@ def read_onnx(path: str | Path) -> ModelContract:
         site.layer, site.role = layer, role
         sites.append(site)
     notes = [] if sites else ["no normalization nodes or subgraphs found"]
+    matmuls = sum(node.op_type in ("MatMul", "Gemm") for node in model.graph.node)
+    if not sites and matmuls:
+        notes.append(f"the graph has {matmuls} MatMul/Gemm nodes but no norm site was recognised: a norm written in "
+                     "a form this reader does not know would be missed; scan the torch model (normscope scan), or "
+                     "infer a suspected subgraph (normscope infer FILE.onnx)")
     return ModelContract(source=str(path), kind="onnx", sites=sites, notes=notes,
                          n_layers=max((s.layer for s in sites if s.layer is not None), default=-1) + 1 or None)
 
@@ -263,6 +286,7 @@ def _decomposed(g: _Graph, sqrt) -> ContractSite | None:
                 break
         else:
             return None
+    inner, rescaled = _unscaled(g, inner)
     mean = g.op(inner, "ReduceMean")
     if mean is None:
         return None
@@ -287,27 +311,62 @@ def _decomposed(g: _Graph, sqrt) -> ContractSite | None:
     out = _normalized(g, denom, x, centred is not None, axes)
     if out is None:
         return None
-    y, numerator_ok = out
-    if not numerator_ok:
+    y, numerator = out
+    if numerator is None:
         return None
     rank = g.rank.get(x)
     neg = _negative(axes, rank)
     site = ContractSite(name="", source=sqrt.name or "Sqrt", family="layernorm" if centred else "rmsnorm",
                         eps=eps, eps_placement=placement, axes=neg, size=_size(g, x, neg))
-    _affine(g, y, site)
+    _affine(g, y, site, gamma_before=numerator or None)
     site.notes.append("decomposed subgraph")
+    if rescaled:
+        site.notes.append("the variance is rescaled by a factor from the input's shape (an unbiased estimator, "
+                          "÷(d−1), as x.std() exports)")
     return site
 
 
-def _is_numerator(g: _Graph, name: str, x: str, centre: bool, axes) -> bool:
-    if not centre:
-        return name == x
-    c = _centred(g, name)
-    return c is not None and c[0] == x and c[1] == axes
+def _unscaled(g: _Graph, name: str) -> tuple[str, bool]:
+    """``name`` without Mul/Div by shape-derived factors (x.std() exports ReduceMean·n/(n − 1)); and whether
+    any was taken off."""
+    rescaled = False
+    for _ in range(4):
+        node = g.op(name, "Mul", "Div")
+        if node is None:
+            break
+        a, b = node.input[0], node.input[1]
+        if g.shape_only(b):
+            name, rescaled = a, True
+        elif node.op_type == "Mul" and g.shape_only(a):
+            name, rescaled = b, True
+        else:
+            break
+    return name, rescaled
 
 
-def _normalized(g: _Graph, denom: str, x: str, centre: bool, axes) -> tuple[str, bool] | None:
-    """The output x̂ = numerator / denom (Div, or Mul by Reciprocal / 1 ÷ denom)."""
+def _is_numerator(g: _Graph, name: str, x: str, centre: bool, axes) -> str | None:
+    """"" when ``name`` is the numerator (x, or x − mean(x)); the name of γ when it is γ·numerator (the affine
+    factors in either order: ``a_2 * (x − mean) / (std + eps)``); else None."""
+    def plain(n: str) -> bool:
+        if not centre:
+            return n == x
+        c = _centred(g, n)
+        return c is not None and c[0] == x and c[1] == axes
+
+    if plain(name):
+        return ""
+    mul = g.op(name, "Mul")
+    if mul is not None:
+        for a, b in ((mul.input[0], mul.input[1]), (mul.input[1], mul.input[0])):
+            w = g.const(a)
+            if w is not None and w.size > 1 and plain(b):
+                return a
+    return None
+
+
+def _normalized(g: _Graph, denom: str, x: str, centre: bool, axes) -> tuple[str, str | None] | None:
+    """The output x̂ = numerator / denom (Div, or Mul by Reciprocal / 1 ÷ denom), and what :func:`_is_numerator`
+    says of its numerator."""
     for node in g.consumers.get(denom, []):
         inv = None
         if node.op_type == "Div" and node.input[1] == denom:
@@ -324,11 +383,16 @@ def _normalized(g: _Graph, denom: str, x: str, centre: bool, axes) -> tuple[str,
     return None
 
 
-def _affine(g: _Graph, y: str, site: ContractSite) -> None:
-    """γ (and an offset 1 + w) and β applied to x̂ by Mul/Add with constant operands."""
+def _affine(g: _Graph, y: str, site: ContractSite, gamma_before: str | None = None) -> None:
+    """γ (and an offset 1 + w) and β applied to x̂ by Mul/Add with constant operands; ``gamma_before``: γ already
+    applied to the numerator, before the division."""
     site.gamma, site.beta, site.gamma_offset = False, False, None
     nxt = g.consumers.get(y, [])
-    if len(nxt) == 1 and nxt[0].op_type == "Mul":
+    if gamma_before is not None:
+        w = g.const(gamma_before)
+        site.gamma, site.gamma_offset = True, 0.0
+        site.gamma_stats, site.param_shape = value_stats(w), tuple(w.shape)
+    elif len(nxt) == 1 and nxt[0].op_type == "Mul":
         mul = nxt[0]
         w_name = g.other(mul, y)
         w = g.const(w_name) if w_name else None

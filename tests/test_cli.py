@@ -176,3 +176,24 @@ def test_check_junit_path_is_validated_first(tmp_path):
     r = run("check", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "torch_layernorm",
             "--junit", str(tmp_path / "missing" / "out.xml"))
     assert r.returncode == 2 and "--junit" in r.stderr
+
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
+
+
+def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp_path):
+    """scan told users to raise --timeout but rejected it; diff with ids:2,99999 ran for minutes without output."""
+    import json
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(TINY_LLAMA))
+    r = run("scan", str(cfg), "--timeout", "0.3")
+    assert r.returncode == 4 and "did not finish within 0.3 s" in r.stderr, r.stdout + r.stderr
+    r = run("diff", str(cfg), "--candidate-dtype", "bfloat16", "--inputs", "ids:2,99999")
+    assert r.returncode == 2 and "one forward needs about" in r.stderr and "ids:2,512" in r.stderr, r.stderr
+    r = run("gradflow", str(cfg), "--tokens", "2,100000")
+    assert r.returncode == 2 and "--tokens 2,512" in r.stderr, r.stderr
+    r = run("scan", str(cfg), "--timeout", "-1")
+    assert r.returncode == 2 and "must be ≥ 0 seconds" in r.stderr

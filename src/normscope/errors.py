@@ -42,3 +42,9 @@ class TargetTimeout(NormscopeError, TimeoutError):
     Not a :class:`TargetError`: a target that hangs has not refused its input, and no probe may read a
     timeout as a refusal.
     """
+
+
+class DeadlinePassed(BaseException):
+    """A command's own ``--timeout`` passed while it was working (raised by its timer). Not an ``Exception``:
+    nothing inside the work (a site's failure handler, a target's error wrapper) may take it for a failure of
+    what was being probed; the command turns it into :class:`TargetTimeout` at its edge."""

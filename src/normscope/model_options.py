@@ -1,7 +1,21 @@
-"""The command-line options of the commands that take a whole model (scan, diff, gradflow). A leaf module: each
-command module registers its parser with these without importing the ``cli`` package (which imports them)."""
+"""The command-line options of the commands that take a whole model (scan, diff, gradflow), and the guards every
+one of them runs under: a ``--timeout`` for the whole command and an up-front estimate of the memory one forward
+needs. A leaf module: each command module registers its parser with these without importing the ``cli`` package
+(which imports them).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import DeadlinePassed, InputError, TargetTimeout
 
 #: the help of a TARGET that names a whole model (scan, gradflow; diff's REFERENCE)
 MODEL_TARGET_HELP = ("package.module:factory, a local Hugging Face model directory, or a config.json "
@@ -17,3 +31,83 @@ def add_model_args(p, what: str = "the factory") -> None:
                    help="config.json only: number of layers built (default 2; 0 keeps the config's)")
     p.add_argument("--vocab", type=int, default=512,
                    help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
+    p.add_argument("--timeout", type=_seconds, default=0.0,
+                   help="stop with exit 4 when the command runs longer than this many seconds (default 0: no "
+                        "limit); scan also gives each probe call of a site this limit")
+
+
+def _seconds(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: the timeout must be ≥ 0 seconds (0: no limit)")
+    return value
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str) -> Iterator[None]:
+    """Raise :class:`TargetTimeout` (exit 4) in the command's thread when ``what`` runs past ``seconds`` (0: no
+    limit). A POSIX interval timer: the signal interrupts Python between operations, so one long torch kernel
+    finishes first."""
+    usable = seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise DeadlinePassed  # not an Exception: no handler inside the work takes it for a site's own failure
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except DeadlinePassed:
+        raise TargetTimeout(f"normscope {what} did not finish within {seconds:g} s; raise --timeout (0: no limit) "
+                            "or give smaller inputs") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory (None where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def forward_bytes(model: Any, batch: int, length: int | None, elements: int) -> int:
+    """About what one forward of ``model`` holds: activations of every layer (a dozen tensors of the hidden size
+    per token) and, for a sequence, one layer's attention scores (batch × heads × length², float32)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    def size(keys: tuple[str, ...], default: int) -> int:
+        return next((getattr(text, k) for k in keys if isinstance(getattr(text, k, None), int)), default)
+
+    hidden = size(("hidden_size", "n_embd", "d_model"), 1024)
+    layers = size(("num_hidden_layers", "n_layer", "num_layers"), 12)
+    heads = size(("num_attention_heads", "n_head"), 16)
+    if length is None:  # a float input: its elements through every layer
+        return 4 * 12 * elements * max(layers, 1)
+    return 4 * (12 * batch * length * hidden * max(layers, 1) + 2 * batch * heads * length * length)
+
+
+def check_size(model: Any, what: str, batch: int, length: int | None, elements: int, smaller: str) -> None:
+    """Refuse inputs whose forward needs more memory than this machine has (with the estimate and a smaller
+    input to try); note on stderr those that need more than 2 GiB."""
+    from .inputs import human_bytes
+
+    need = forward_bytes(model, batch, length, elements)
+    have = memory_bytes()
+    if have is not None and need > 0.8 * have:
+        raise InputError(f"{what}: one forward needs about {human_bytes(need)} (activations of every layer and one "
+                         f"layer's attention scores), more than this machine's {human_bytes(have)}; give smaller "
+                         f"inputs, e.g. {smaller}")
+    if need > 2 * 2**30:
+        print(f"normscope: {what}: one forward needs about {human_bytes(need)} of memory and takes a while",
+              file=sys.stderr)

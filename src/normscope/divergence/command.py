@@ -81,8 +81,12 @@ def parse_inputs(text: str | None, vocab: int | None = None):
 
 
 def run(args, console: Console) -> int:
+    import math
+
     import torch
 
+    from ..loading import parse_shape
+    from ..model_options import check_size, deadline
     from ..sources import load_model
     from .core import diff
     from .onnxsites import is_onnx
@@ -101,6 +105,15 @@ def run(args, console: Console) -> int:
     vocab = getattr(getattr(reference, "config", None), "vocab_size", None)
     if not isinstance(vocab, int):  # token ids stay below the first embedding's size
         vocab = next((m.num_embeddings for m in reference.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if args.inputs and args.inputs.startswith("ids:"):
+        b_t = parse_shape(args.inputs[4:])
+        if len(b_t) == 2:
+            check_size(reference, f"diff --inputs {args.inputs}", b_t[0], b_t[1], b_t[0] * b_t[1],
+                       f"ids:{b_t[0]},{min(b_t[1], 512)}")
+    elif args.inputs and not args.inputs.endswith(".pt"):
+        shape = parse_shape(args.inputs)
+        check_size(reference, f"diff --inputs {args.inputs}", shape[0], None, math.prod(shape),
+                   ",".join(map(str, (2, *shape[1:]))))
     inputs = parse_inputs(args.inputs, vocab if isinstance(vocab, int) else None)
     if args.inputs and args.inputs.startswith("ids:") and getattr(reference, "config", None) is not None:
         import inspect
@@ -108,8 +121,9 @@ def run(args, console: Console) -> int:
         inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
         if "use_cache" in inspect.signature(reference.forward).parameters:
             inputs["use_cache"] = False
-    result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, autocast=args.autocast,
-                  grad=getattr(args, "grad", False), progress=not args.json)
+    with deadline(args.timeout, "diff"):
+        result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, autocast=args.autocast,
+                      grad=getattr(args, "grad", False), progress=not args.json)
     result.inputs["model"] = origin
     if args.plot:
         plot_diff(result, args.plot)

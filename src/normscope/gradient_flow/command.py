@@ -155,8 +155,12 @@ def _rows(layers: list[dict]) -> list[str]:
 
 
 def run(args, console: Console) -> int:
+    import math
+
     import torch
 
+    from ..loading import parse_shape
+    from ..model_options import check_size, deadline
     from ..report.console import indented
     from ..sources import load_model
     from .core import gradflow
@@ -168,11 +172,21 @@ def run(args, console: Console) -> int:
     if args.plot:
         _check_plot_path(args.plot)
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
+    if args.tokens:
+        b_t = parse_shape(args.tokens)
+        if len(b_t) == 2:  # a backward holds about as much again as the forward
+            check_size(model, f"gradflow --tokens {args.tokens}", 2 * b_t[0], b_t[1], b_t[0] * b_t[1],
+                       f"--tokens {b_t[0]},{min(b_t[1], 512)}")
+    elif args.shape:
+        shape = parse_shape(args.shape)
+        check_size(model, f"gradflow --shape {args.shape}", 2 * shape[0], None, 2 * math.prod(shape),
+                   "--shape " + ",".join(map(str, (2, *shape[1:]))))
     loss_fn, describe = loss_for(model, args.tokens, args.shape)
     cls = torch.optim.Adam if args.optimizer == "adam" else torch.optim.SGD
     torch.manual_seed(0)  # dropout in training mode: the same command prints the same numbers
-    result = gradflow(model, loss_fn, steps=args.steps, optimizer=lambda ps: cls(ps, lr=args.lr),
-                      train=not args.eval)
+    with deadline(args.timeout, "gradflow"):
+        result = gradflow(model, loss_fn, steps=args.steps, optimizer=lambda ps: cls(ps, lr=args.lr),
+                          train=not args.eval)
     loss_what = describe()
     result.notes.insert(0, f"model: {origin}; loss: {loss_what}")
     if args.plot:

@@ -41,9 +41,12 @@ def add_parser(subparsers) -> Any:
 
 def run(args, console: Console) -> int:
     """Scan the model TARGET names (resolved by normscope.sources)."""
+    import math
+
     import torch
 
     from ..loading import parse_shape
+    from ..model_options import check_size, deadline
     from ..sources import load_model
     from .core import scan
     from .render import render_scan
@@ -52,8 +55,12 @@ def run(args, console: Console) -> int:
     inputs = None
     if args.shape:
         shape = parse_shape(args.shape)
+        check_size(model, f"scan --shape {args.shape}", shape[0], None, math.prod(shape),
+                   "--shape " + ",".join(map(str, (2, *shape[1:]))))
         inputs = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    result = scan(model, inputs, dtypes=args.dtypes, progress=not args.json)
+    with deadline(args.timeout, "scan"):
+        result = scan(model, inputs, dtypes=args.dtypes, progress=not args.json,
+                      call_timeout=args.timeout if args.timeout else None)
     result.inputs["model"] = origin
     if args.json:
         print(result.to_json())

@@ -25,6 +25,7 @@ from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
 from ..sources import EPS_KEYS
+from ..targets import as_target
 from ..targets.base import check_dtype_list
 from .dataflow import Dataflow, Role, block_modules
 from .result import ModelScan, Site
@@ -240,14 +241,20 @@ def _gamma_stats(spec, params) -> dict[str, float] | None:
     return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
 
 
-def _infer_site(cand: _Candidate, dtypes, progress: Progress) -> tuple[Site | None, dict[str, Any] | None]:
+def _infer_site(cand: _Candidate, dtypes, progress: Progress,
+                call_timeout: float | None = None) -> tuple[Site | None, dict[str, Any] | None]:
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
                 shape=shape, dtype=str(cand.x.dtype).replace("torch.", ""), order=cand.order)
 
     def run(m):
-        return infer(m, shape=shape, dtypes=dtypes, seed=0, progress=lambda msg: progress(f"{cand.name}: {msg}"))
+        target = m
+        if call_timeout is not None:
+            target = as_target(m)
+            target.timeout = call_timeout or None  # 0: no limit
+        return infer(target, shape=shape, dtypes=dtypes, seed=0,
+                     progress=lambda msg: progress(f"{cand.name}: {msg}"))
 
     note = None
     try:
@@ -302,13 +309,15 @@ def _eps_findings(sites: list[Site], stated: dict[str, float]) -> list[dict[str,
     return out
 
 
-def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -> ModelScan:
+def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
+         call_timeout: float | None = None) -> ModelScan:
     """Every norm site of ``model`` with its contract, role and placement.
 
     ``inputs``: a tensor (passed positionally), a tuple (positional arguments) or a dict (keyword arguments);
     ``None`` builds a small ``input_ids`` batch for Hugging Face text models. ``dtypes`` restricts the dtypes
     ``infer`` tries at each site. ``progress``: True shows a status line on stderr, a callable receives the
-    messages, False is silent. The forward runs in evaluation mode under ``torch.no_grad()``.
+    messages, False is silent. ``call_timeout``: the longest one probe call of a site may run (seconds; 0: no
+    limit; default: ``infer``'s). The forward runs in evaluation mode under ``torch.no_grad()``.
     """
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"scan takes a torch.nn.Module; got a {type(model).__name__}")
@@ -337,7 +346,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True) -
         calls = 0
         for i, cand in enumerate(candidates):
             say(f"[{i + 1}/{len(candidates)}] {cand.name}")
-            site, rej = _infer_site(cand, dtypes, say)
+            site, rej = _infer_site(cand, dtypes, say, call_timeout)
             if rej is not None:
                 rejected.append(rej)
                 continue

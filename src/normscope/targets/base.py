@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dtypes import DTYPES, dtype_name
-from ..errors import InputError, TargetError, TargetTimeout
+from ..errors import DeadlinePassed, InputError, TargetError, TargetTimeout
 
 DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
 
@@ -182,7 +182,7 @@ class Target:
         """
         try:
             yield
-        except (TargetError, TargetTimeout, KeyboardInterrupt):
+        except (TargetError, TargetTimeout, KeyboardInterrupt, DeadlinePassed):
             raise
         except BaseException as exc:  # noqa: BLE001 - the implementation's own failure, whatever it raised
             words = (f"SystemExit({exc.code!r}): the target's code called sys.exit()" if isinstance(exc, SystemExit)

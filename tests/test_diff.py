@@ -697,8 +697,25 @@ def test_table_at_80_columns_never_cuts_a_site_name():
 
     d = diff(Long(), None, torch.randn(2, 3, 16), candidate_dtype="bfloat16", progress=False)
     buf = io.StringIO()
-    render_diff(d, Console(file=buf, width=80))
+    render_diff(d, Console(file=buf, width=80), all_sites=True)
     out = buf.getvalue()
     assert max(len(line) for line in out.splitlines()) <= 80
     cells = "".join(line.split("│")[2] for line in out.splitlines() if line.count("│") > 3)
     assert "encoder_layer_with_a_long_name.attention_output_layernorm_module" in cells.replace(" ", "")
+
+
+def test_default_output_is_the_verdict_first_in_a_screenful(llama):
+    """A 2-layer model's diff printed 119 lines with names cut into 8-character pieces: now the verdict and its
+    evidence first, the sites that tell it, names shortened by their common prefix, at most 25 lines at 80."""
+    for cand, dtype, verdict in ((None, "bfloat16", "PASS"),
+                                 (_altered(llama, SITE, lambda m: setattr(m, "variance_epsilon", 1e-1)), None,
+                                  "FAIL")):
+        d = diff(llama, cand, _hf_inputs(), candidate_dtype=dtype, progress=False)
+        buf = io.StringIO()
+        render_diff(d, Console(file=buf, width=80))
+        lines = buf.getvalue().splitlines()
+        assert len(lines) <= 25 and max(len(line) for line in lines) <= 80, "\n".join(lines)
+        assert lines[2].startswith(verdict) or lines[1].startswith(verdict), lines[:3]
+        assert any(line.startswith("sites under model.") for line in lines) and "of 32 sites shown" in buf.getvalue()
+        if verdict == "FAIL":
+            assert any("layers.1.post_attention_layernorm" in line and "first" in line for line in lines)

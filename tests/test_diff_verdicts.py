@@ -175,7 +175,7 @@ def test_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
     args = parser.parse_args([*base, "verdict_models:other", "--inputs", "2,5,16"])
     assert command.run(args, Console(width=200)) == 6
     out = capsys.readouterr().out
-    assert "inconclusive" in out and "what would decide it" in out
+    assert "INCONCLUSIVE" in out and "what would decide it" in out
     sys.modules.pop("verdict_models", None)
 
 

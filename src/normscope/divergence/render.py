@@ -62,55 +62,115 @@ def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
                       f"{escape((d.grad_divergence or {}).get('reason', ''))}")
 
 
+SHOWN = 8  # rows of the default table: the culprit and the sites before it, what was not compared, the closest
+
+
 def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
+    """The verdict and its evidence first; then the sites that tell it (the culprit and the two sites before it,
+    sites not compared, or the sites nearest their bound), names shortened by their common prefix; ``all_sites``:
+    every site, as before."""
     at = "" if d.autocast else f" ({d.candidate_dtype})"  # the candidate's description names its autocast
     console.print(f"[bold]{escape(d.reference)}[/] ({d.reference_dtype}) vs [bold]{escape(d.candidate)}[/]"
                   f"{at}: {len(d.sites)} sites, alignment by {d.stats.get('alignment', '?')}")
+    _verdict(d, console)
+    shown = _rows(d) if not all_sites else [s for s in d.sites if s.own is not None or s.status != "propagated"
+                                             or s.name == d.first_divergence or s.own_missing]
+    prefix = "" if all_sites else _common_prefix([s.name for s in shown])
     t = Table(show_lines=False, header_style="bold")
     # under autocast each site runs at its own dtype: the column says which one it was judged at
-    cols = ("#", "site", "class") + (("ran at",) if d.autocast else ()) + ("own err", "bound", "propagated",
-                                                                           "SQNR dB", "status")
+    cols = (("#", "site", "class") if all_sites else ("site",)) + (("ran at",) if d.autocast else ()) + (
+        "own err", "bound", "propagated") + (("SQNR dB",) if all_sites else ()) + ("status",)
     for col in cols:
         t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left",
                      overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
-    shown = [s for s in d.sites if all_sites or s.own is not None or s.status not in ("propagated",)
-             or s.name == d.first_divergence or s.own_missing]
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
         if s.own_missing:  # a site that would get an own error and could not: the row says why
             status += f" (own n/a — {escape(s.own_missing)})"
         bound = _e(s.bound) if s.elementwise is None else \
-            f"{s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
+            f"{s.elementwise['worst_error']:.3g}/{s.elementwise['worst_bound']:.3g}"
         ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
         own = "n/a" if s.own_missing else _e(s.own_error)
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), *ran, own, bound, _e(s.propagated_error),
-                  _db(s.propagated), f"[{style}]{status}[/]" if style else status)
+        head = (str(s.order), escape(s.name), escape(s.cls)) if all_sites else (escape(s.name[len(prefix):]),)
+        t.add_row(*head, *ran, own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
+                  f"[{style}]{status}[/]" if style else status)
+    if prefix:
+        console.print(f"[dim]sites under {escape(prefix)}[/]")
     console.print(t)
-    console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
-                  "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
-                  "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
-    for n in d.notes:
+    if not all_sites:
+        console.print(f"[dim]{len(shown)} of {len(d.sites)} sites shown (--all: every site; --json: everything). "
+                      "err = ‖c − r‖/‖r‖; own: the candidate's module on the reference's input; at norm sites the "
+                      "bound is the worst element's |Δ|/its bound[/]")
+    else:
+        console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
+                      "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
+                      "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
+    for n in d.notes[:5]:
         console.print(f"[yellow]note:[/] {escape(n)}")
+    if len(d.notes) > 5:
+        console.print(f"[dim]… {len(d.notes) - 5} more notes (--json lists all)[/]")
+
+
+def _verdict(d: Diff, console: Console) -> None:
     if d.first_divergence is None:
         if d.failed:
-            console.print(f"[bold red]{escape(d._forward_summary())}[/]")
+            console.print(f"[bold red]FAIL[/] — {escape(d._forward_summary())}")
         elif d.inconclusive:
-            console.print("[bold yellow]inconclusive[/]: the comparison could not tell, so this is not a pass:")
+            console.print("[bold yellow]INCONCLUSIVE[/] — the comparison could not tell, so this is not a pass:")
             for why in d.inconclusive:
                 console.print(f"  [yellow]•[/] {escape(why)}")
         else:
-            console.print(f"[green]{escape(d._forward_summary())}[/]")
+            console.print(f"[green]PASS[/] — {escape(d._forward_summary())}")
         return
     v = d.divergence or {}
-    console.print(f"[bold red]first divergence:[/] {escape(d.first_divergence)} ({escape(v.get('class', ''))}) — "
-                  f"{escape(v.get('reason', ''))}")
+    console.print(f"[bold red]FAIL — first divergence:[/] {escape(d.first_divergence)} ({escape(v.get('class', ''))}) "
+                  f"— {escape(v.get('reason', ''))}")
     for line in v.get("differences", []):
         console.print(f"  contract: {escape(line)}")
     if v.get("differences_note"):
         console.print(f"  contract: {escape(v['differences_note'])}")
     if v.get("contracts_error"):
         console.print(f"  [yellow]contracts not inferred:[/] {escape(v['contracts_error'])}")
+
+
+def _ratio(s) -> float:
+    """How near its bound a site's own error came (0 without one)."""
+    if s.elementwise is not None:
+        return float(s.elementwise.get("max_ratio") or 0.0)
+    if s.own_error is None or not s.bound:
+        return 0.0
+    return float(s.own_error) / float(s.bound)
+
+
+def _rows(d: Diff) -> list:
+    """The sites that tell the verdict, in execution order: the first divergence and the two compared sites before
+    it; every site not compared (up to a few); else the sites whose own error came nearest their bound."""
+    picked: dict[int, object] = {}
+    if d.first_divergence is not None:
+        culprit = d.site(d.first_divergence)
+        before = [s for s in d.sites if s.order < culprit.order and s.own is not None][-2:]
+        for s in [*before, culprit]:
+            picked[s.order] = s
+    for s in [s for s in d.sites if s.status in ("unmatched", "raised", "shape") or s.own_missing][:SHOWN // 2]:
+        picked[s.order] = s
+    if len(picked) < 3:
+        for s in sorted((s for s in d.sites if s.own is not None), key=_ratio, reverse=True)[:SHOWN - len(picked)]:
+            picked[s.order] = s
+    return [picked[k] for k in sorted(picked)]
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The dotted prefix every name shares (``model.layers.``), leaving each name at least one part."""
+    if len(names) < 2:
+        return ""
+    parts = [n.split(".") for n in names]
+    common = []
+    for group in zip(*(p[:-1] for p in parts), strict=False):
+        if len(set(group)) != 1:
+            break
+        common.append(group[0])
+    return ".".join(common) + "." if common else ""
 
 
 def plot_diff(d: Diff, path: str | Path) -> Path:

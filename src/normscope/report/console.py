@@ -117,13 +117,16 @@ def _verdict(change: float, unchanged: bool, nearly: bool = False) -> str:
     return f"[red]changed[/] ({fmt(change)})"
 
 
-def indented(console: Console, text: str, indent: int) -> None:
-    """Plain text wrapped at the console's width under an indent, with no trailing padding (CI logs)."""
+def indented(console: Console, text: str, indent: int, hang: int = 0) -> None:
+    """Plain text wrapped at the console's width under an indent (continuation lines ``hang`` further in), with
+    no trailing padding (CI logs)."""
     import textwrap
 
-    width = max(console.width - indent, 30)
-    for line in textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False) or [""]:
-        console.print(" " * indent + line, markup=False, highlight=False, soft_wrap=True)
+    width = max(console.width, indent + hang + 30)
+    lines = textwrap.wrap(text, width, initial_indent=" " * indent, subsequent_indent=" " * (indent + hang),
+                          break_long_words=False, break_on_hyphens=False) or [""]
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def render_presets(rows: list[tuple[str, Any, str, dict[str, Any]]], console: Console) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..report.console import indented
 from .detect import Diagnosis, rms
 
 MAX_ROWS = 25
@@ -59,10 +60,10 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         console.print(f"[bold red]incident[/] at step {inc.step}: {inc.kind} — {inc.evidence}")
         console.print(f"[bold red]first cause[/]: step {a.step} · {a.where()} · {a.metric} = {_fmt(a.value)}"
                       + (f" (baseline {_fmt(a.baseline)})" if a.baseline is not None else ""))
-        console.print(f"  evidence: {a.evidence}")
+        indented(console, f"evidence: {a.evidence}", 2, 4)
         if a.sample_ids:
-            console.print(f"  samples: {a.sample_ids}")
-        console.print(f"  next: {a.next_check}")
+            indented(console, f"samples: {a.sample_ids}", 2, 4)
+        indented(console, f"next: {a.next_check}", 2, 4)
         t = Table(title=f"{len(d.incidents)} incident(s), each with its first cause", title_justify="left")
         for col in ("step", "incident", "first cause", "value", "samples"):
             t.add_column(col, justify="right" if col in ("step", "value") else "left", overflow="fold")
@@ -78,11 +79,11 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
         if deps:
             console.print("[dim]also left their range before the first incident (farthest first):[/]")
             for x in deps:
-                console.print(f"[dim]  step {x.step} · {x.where()} · {x.evidence}[/]")
+                indented(console, f"step {x.step} · {x.where()} · {x.evidence}", 2, 4)
     if d.drifts:
         console.print(f"[yellow]{len(d.drifts)} drift(s)[/]: growing towards a dangerous level, not (yet) an incident")
         for x in d.drifts[:MAX_ROWS]:
-            console.print(f"  {x.status}: {x.where()} · {x.evidence}")
+            indented(console, f"{x.status}: {x.where()} · {x.evidence}", 2, 4)
         if len(d.drifts) > MAX_ROWS:
             console.print(f"[dim]… {len(d.drifts) - MAX_ROWS} more (--json lists all)[/]")
 

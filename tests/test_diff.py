@@ -719,3 +719,29 @@ def test_default_output_is_the_verdict_first_in_a_screenful(llama):
         assert any(line.startswith("sites under model.") for line in lines) and "of 32 sites shown" in buf.getvalue()
         if verdict == "FAIL":
             assert any("layers.1.post_attention_layernorm" in line and "first" in line for line in lines)
+
+
+def test_a_norm_site_contract_is_the_one_infer_reports():
+    """diff said "fp32 statistics" for a norm whose statistics stay in the input dtype while infer said input-dtype:
+    the site's contract is inferred as infer infers it (same shapes, same dtypes)."""
+    import zoo
+
+    from normscope import infer
+
+    class Net(torch.nn.Module):
+        def __init__(self, eps):
+            super().__init__()
+            self.lin, self.norm = torch.nn.Linear(64, 64), zoo.randomize(zoo.InputDtypeStatsRMSNorm(64, eps=eps))
+
+        def forward(self, x):
+            return self.norm(self.lin(x))
+
+    torch.manual_seed(0)
+    ref = Net(1e-6).eval()
+    cand = copy.deepcopy(ref)
+    cand.norm.eps = 1e-1
+    d = diff(ref, cand, torch.randn(2, 8, 64), progress=False)
+    assert d.first_divergence == "norm", d.summary()
+    found = infer(zoo.randomize(zoo.InputDtypeStatsRMSNorm(64, eps=1e-6)), shape=(2, 8, 64)).spec
+    assert found.stats_dtype == "input"
+    assert d.divergence["contracts"]["reference"]["stats_dtype"] == "input", d.divergence["contracts"]

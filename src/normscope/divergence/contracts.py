@@ -61,12 +61,12 @@ class Contracts:
             probe = _probe_shape(shape)
             try:
                 try:
-                    hit = infer(m, shape=probe, dtypes=("float32",), seed=0)
+                    hit = infer(m, shape=probe, seed=0)  # infer's own dtypes: the same contract infer reports
                 except NotANormalization:
                     other = redrawn(m)
                     if other is None:
                         raise
-                    hit = infer(other, shape=probe, dtypes=("float32",), seed=0)
+                    hit = infer(other, shape=probe, seed=0)
             except (NormscopeError, Exception) as exc:
                 self._cache[key] = exc
                 raise

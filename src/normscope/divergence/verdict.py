@@ -70,20 +70,20 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
 
 
 def infer_contract(module, shape):
-    """The site's full inference (contract and recovered γ/β) at float32, on a private copy (an ONNX site: its
+    """The site's full inference (contract and recovered γ/β) at infer's own dtypes, on a private copy (an ONNX site: its
     subgraph as onnxruntime runs it); a γ of ones that hides the contract is redrawn."""
     from ..probe.infer import infer
 
     if isinstance(module, onnxsites.Site):
-        return infer(module.proto(), shape=shape, dtypes=("float32",), seed=0)
+        return infer(module.proto(), shape=shape, seed=0)
     m = private_copy(module).float()
     try:
-        return infer(m, shape=shape, dtypes=("float32",), seed=0)
+        return infer(m, shape=shape, seed=0)
     except NotANormalization:
         other = redrawn(m)
         if other is None:
             raise
-        return infer(other, shape=shape, dtypes=("float32",), seed=0)
+        return infer(other, shape=shape, seed=0)
 
 
 def parameter_differences(ref, cand, cand_module) -> list[str]:

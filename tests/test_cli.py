@@ -183,7 +183,7 @@ TINY_LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "inter
               "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
 
 
-def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp_path):
+def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp_path, capsys):
     """scan told users to raise --timeout but rejected it; diff with ids:2,99999 ran for minutes without output."""
     import json
 
@@ -191,9 +191,12 @@ def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp
     cfg.write_text(json.dumps(TINY_LLAMA))
     r = run("scan", str(cfg), "--timeout", "0.01")  # a scan makes ~200 probe calls: far longer than 10 ms
     assert r.returncode == 4 and "did not finish within 0.01 s" in r.stderr, r.stdout + r.stderr
-    r = run("diff", str(cfg), "--candidate-dtype", "bfloat16", "--inputs", "ids:2,99999")
-    assert r.returncode == 2 and "one forward needs about" in r.stderr and "ids:2,512" in r.stderr, r.stderr
-    r = run("gradflow", str(cfg), "--tokens", "2,100000")
-    assert r.returncode == 2 and "--tokens 2,512" in r.stderr, r.stderr
-    r = run("scan", str(cfg), "--timeout", "-1")
-    assert r.returncode == 2 and "must be ≥ 0 seconds" in r.stderr
+    from normscope.cli import main  # the rest in-process: the same function the console script calls
+
+    assert main(["diff", str(cfg), "--candidate-dtype", "bfloat16", "--inputs", "ids:2,99999"]) == 2
+    err = capsys.readouterr().err
+    assert "one forward needs about" in err and "ids:2,512" in err, err
+    assert main(["gradflow", str(cfg), "--tokens", "2,100000"]) == 2
+    assert "--tokens 2,512" in capsys.readouterr().err
+    assert main(["scan", str(cfg), "--timeout", "-1"]) == 2
+    assert "must be ≥ 0 seconds" in capsys.readouterr().err

@@ -1,15 +1,16 @@
 """Every ``$ normscope …`` command of the README's tour runs as printed and prints what the README shows.
 
 The files the commands use (a Gemma 3 config, a Llama checkpoint and its GGUF, a traced run) are written by
-``examples/readme_files.py``, as a user would write them. Each command runs through the real entry point in a
-subprocess, from that folder. Each line of a README output block must appear in the output, in order (spacing and
-line wrapping aside); ``…`` or ``...`` elides, and a run time (``0.81 s``) may differ.
+``examples/readme_files.py``, as a user would write them (in a subprocess). Each command runs through
+``normscope.cli.main``, the console script's function, from that folder. Each line of a README output block
+must appear in the output, in order (spacing and line wrapping aside); ``…`` or ``...`` elides, and a run time
+(``0.81 s``) may differ.
 """
 
 from __future__ import annotations
 
-import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -93,17 +94,37 @@ def test_the_readme_has_its_tour():
     assert len(COMMANDS) >= 8, [c for c, _ in COMMANDS]
 
 
+def _argv(command: str) -> list[str]:
+    """The command's arguments as the shell would pass them (``$(python -c "…")`` run in a subprocess)."""
+    def substitute(m: re.Match) -> str:
+        return subprocess.run([sys.executable, "-c", m.group(1)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    command = re.sub(r'\$\(python -c "([^"]*)"\)', substitute, command)
+    argv = shlex.split(command)
+    assert argv[0] == "normscope", command
+    return argv[1:]
+
+
 @pytest.mark.parametrize(("command", "expected"), COMMANDS, ids=[c.split(" --")[0][:60] for c, _ in COMMANDS])
-def test_each_readme_command_prints_what_the_readme_shows(files, command, expected):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": str(ROOT / "examples") if command.startswith("PYTHONPATH=examples") else "",
-           "COLUMNS": "120", "TERM": "dumb"}
-    command = command.removeprefix("PYTHONPATH=examples ")
-    r = subprocess.run(["bash", "-c", command], cwd=files, env=env, capture_output=True, text=True, timeout=600)
+def test_each_readme_command_prints_what_the_readme_shows(files, command, expected, monkeypatch, capsys):
+    """Through ``normscope.cli.main`` (the console script's own function: same parser, same exit codes), in the
+    folder the example files were written to, at 120 columns."""
+    from normscope import cli
+
+    if command.startswith("PYTHONPATH=examples "):
+        command = command.removeprefix("PYTHONPATH=examples ")
+        monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.chdir(files)
+    monkeypatch.setenv("COLUMNS", "120")
+    monkeypatch.setenv("TERM", "dumb")
+    capsys.readouterr()
+    code = cli.main(_argv(command))
+    out = capsys.readouterr()
     want = EXIT.get(command, 1 if " check " in command and "primer" in command else 0)
-    assert r.returncode == want, f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    missing = mismatches(r.stdout, expected)
-    assert not missing, "README lines not in the output:\n" + "\n".join(missing) + "\n--- output ---\n" + r.stdout
+    assert code == want, f"exit {code}\n{out.out[-3000:]}\n{out.err[-3000:]}"
+    missing = mismatches(out.out, expected)
+    assert not missing, "README lines not in the output:\n" + "\n".join(missing) + "\n--- output ---\n" + out.out
 
 
 def test_the_matcher_can_fail():

@@ -521,3 +521,28 @@ def test_every_option_says_its_default_and_the_exit_codes_are_listed():
     for code in ("0 ", "1 ", "2 ", "3 ", "4 ", "5 ", "130", "141"):
         assert f"\n  {code}" in EXIT_CODES
     assert "a check failed" in EXIT_CODES or "finding failed" in EXIT_CODES
+
+
+def test_a_crash_is_its_own_exit_code_never_a_failed_check(monkeypatch, capsys):
+    """A bug raising out of a command was exit 1 (with a traceback), which CI reads as "the check failed"."""
+    from normscope import cli
+    from normscope.cli import presets
+
+    def boom(args, console):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(presets, "run", boom)
+    assert cli.main(["presets"]) == 70
+    err = capsys.readouterr().err
+    assert "RuntimeError: a bug" in err and "internal error" in err and "not a verdict" in err
+
+
+def test_diff_against_random_bytes_named_onnx_is_an_input_error(tmp_path):
+    """A corrupt .onnx candidate was a protobuf DecodeError traceback (exit 1)."""
+    bad = tmp_path / "random.onnx"
+    bad.write_bytes(bytes(range(256)) * 8)
+    r = subprocess.run([sys.executable, "-m", "normscope", "diff", "scan_models:pre_model", str(bad),
+                        "--inputs", "ids:2,6"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert r.returncode == 2 and "not an ONNX model" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -12,6 +12,7 @@ EXIT_NOT_NORM = 3  # infer: the target is not a normalization
 EXIT_TIMEOUT = 4  # the target hung: one call ran longer than --timeout
 EXIT_DIVERGED = 5  # diff: the candidate diverged
 EXIT_INCONCLUSIVE = 6  # diff, check, diagnose --strict: could not tell (a site not compared, an undecided finding)
+EXIT_CRASH = 70  # an internal error (a bug; the traceback is printed): never a verdict (sysexits' EX_SOFTWARE)
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the output pipe was closed early
 
@@ -31,5 +32,7 @@ EXIT_CODES = """exit codes:
        it from another; diagnose --strict: no incident, but too few recorded
        steps, a failed probe or damaged lines); the reason and what would
        decide it are printed; never a pass
+  70   internal error: a bug in normscope (the traceback is printed); never a
+       verdict on what was checked
   130  interrupted (Ctrl-C)
   141  the output pipe was closed early (e.g. normscope ... --json | head)"""

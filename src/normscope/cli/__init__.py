@@ -21,6 +21,7 @@ from ..errors import NormscopeError, TargetTimeout
 from ..exitcodes import (
     EXIT_BROKEN_PIPE,
     EXIT_CODES,
+    EXIT_CRASH,
     EXIT_FAIL,
     EXIT_INTERRUPTED,
     EXIT_NOT_NORM,
@@ -94,6 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+    except Exception:  # a bug in normscope: never read as a verdict (1) or a usage error (2)
+        import traceback
+
+        traceback.print_exc()
+        print(f"{name}: internal error — a bug in normscope, not a verdict on what was checked; please report it "
+              "with the traceback above", file=sys.stderr)
+        return EXIT_CRASH
 
 
 def _silence_stdout() -> None:

@@ -64,14 +64,27 @@ def _load(model_obj):
         if not path.is_file():
             raise InputError(f"no such ONNX file: {model_obj}")
         st = os.stat(path)
-        return onnx.load(str(path)), str(model_obj), ("path", str(path.resolve()), st.st_mtime_ns, st.st_size)
+        proto = _parsed(lambda: onnx.load(str(path)), str(model_obj))
+        return proto, str(model_obj), ("path", str(path.resolve()), st.st_mtime_ns, st.st_size)
     if isinstance(model_obj, bytes | bytearray):
         data = bytes(model_obj)
-        return onnx.load_from_string(data), "ONNX model (bytes)", ("sha1", hashlib.sha1(data).hexdigest())
+        proto = _parsed(lambda: onnx.load_from_string(data), "the ONNX bytes")
+        return proto, "ONNX model (bytes)", ("sha1", hashlib.sha1(data).hexdigest())
     proto = onnx.ModelProto()
     proto.CopyFrom(model_obj)
     return proto, f"ONNX model {proto.graph.name or ''}".strip(), \
         ("sha1", hashlib.sha1(proto.SerializeToString()).hexdigest())
+
+
+def _parsed(load, what: str):
+    """The ModelProto ``load()`` parses, or one InputError naming ``what`` (a corrupt or non-ONNX file)."""
+    try:
+        proto = load()
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise InputError(f"{what}: not an ONNX model ({type(exc).__name__}: {exc})") from None
+    if not proto.graph.node or not proto.ir_version:
+        raise InputError(f"{what}: not an ONNX model (no graph nodes; is it an ONNX file?)")
+    return proto
 
 
 def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:

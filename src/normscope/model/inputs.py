@@ -19,8 +19,9 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
     main = getattr(model, "main_input_name", "input_ids")
     if config is None or not isinstance(vocab, int) or vocab < 2 or main != "input_ids":
         raise InputError(
-            f"{type(model).__name__} needs inputs: pass scan(model, inputs) with a tensor (positional), a tuple "
-            "(positional) or a dict (keyword arguments); only Hugging Face text models get input_ids by default")
+            f"{type(model).__name__} needs inputs: in Python pass them (scan/diff(model, inputs): a tensor, a tuple "
+            "of positional arguments or a dict of keyword arguments), on the command line --shape or --inputs; "
+            "only Hugging Face text models get input_ids by default")
     g = torch.Generator().manual_seed(0)
     lo = min(4, vocab - 1)
     ids = torch.randint(lo, min(vocab, 1000), (2, 8), generator=g)

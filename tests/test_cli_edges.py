@@ -546,3 +546,22 @@ def test_diff_against_random_bytes_named_onnx_is_an_input_error(tmp_path):
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
     assert r.returncode == 2 and "not an ONNX model" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_every_model_level_command_takes_the_same_inputs_flag(tmp_path, capsys):
+    """scan had --shape, diff --inputs, gradflow --tokens/--shape: one --inputs for all (the old spellings stay)."""
+    from normscope import cli
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+                               "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                               "max_position_embeddings": 32, "rms_norm_eps": 1e-6}))
+    assert cli.main(["scan", str(cfg), "--inputs", "ids:2,12", "--json"]) == 0
+    scanned = json.loads(capsys.readouterr().out)
+    assert scanned["inputs"]["kwargs"]["input_ids"]["shape"] == [2, 12]
+    assert cli.main(["gradflow", str(cfg), "--inputs", "ids:2,12", "--json"]) == 0
+    assert "random ids (2, 12)" in capsys.readouterr().out
+    assert cli.main(["diff", str(cfg), "--candidate-dtype", "bfloat16", "--inputs", "ids:2,12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["kwargs"]["input_ids"]["shape"] == [2, 12]
+    assert cli.main(["scan", str(cfg), "--inputs", "ids:2,12", "--shape", "2,4,16"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -22,6 +22,11 @@ MODEL_TARGET_HELP = ("package.module:factory, a local Hugging Face model directo
                      "(random weights)")
 
 
+#: the help of ``--inputs``, the one input flag of every model-level command
+INPUTS_HELP = ("a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple or dict "
+               "saved with torch.save); default: a small input_ids batch for Hugging Face text models")
+
+
 def add_model_args(p, what: str = "the factory") -> None:
     """The options of a TARGET that names a whole model (scan, diff, gradflow): factory arguments and the size cap
     of a config.json built with random weights."""
@@ -111,3 +116,47 @@ def check_size(model: Any, what: str, batch: int, length: int | None, elements: 
     if need > 2 * 2**30:
         print(f"normscope: {what}: one forward needs about {human_bytes(need)} of memory and takes a while",
               file=sys.stderr)
+
+
+def model_inputs(text: str | None, model: Any, what: str) -> Any:
+    """``--inputs`` for ``model``: None (the model's default), a float tensor of a shape, token ids ``ids:B,T``
+    (below the model's vocabulary; a Hugging Face model gets them as ``input_ids=``), or what a ``.pt`` file
+    holds. Refused up front (with the estimate) when one forward would not fit in memory."""
+    import torch
+
+    from .loading import parse_shape
+
+    if text is None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    if text.endswith(".pt"):
+        try:
+            obj = torch.load(text, weights_only=True)
+        except Exception as exc:
+            raise InputError(f"--inputs {text}: could not load it with torch.load ({type(exc).__name__}: {exc})") \
+                from None
+        if not isinstance(obj, torch.Tensor | tuple | dict):
+            raise InputError(f"--inputs {text} holds a {type(obj).__name__}; save a tensor, tuple or dict")
+        return obj
+    if text.startswith("ids:"):
+        shape = parse_shape(text[4:])
+        if len(shape) == 2:
+            check_size(model, f"{what} --inputs {text}", shape[0], shape[1], shape[0] * shape[1],
+                       f"ids:{shape[0]},{min(shape[1], 512)}")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if not isinstance(vocab, int):  # token ids stay below the first embedding's size
+            vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+        hi = min(vocab or 1000, 1000)
+        ids = torch.randint(min(4, hi - 1), hi, shape, generator=g)
+        if getattr(model, "config", None) is None:
+            return ids
+        import inspect
+
+        inputs = {"input_ids": ids}  # Hugging Face models take their ids by keyword
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            inputs["use_cache"] = False
+        return inputs
+    shape = parse_shape(text)
+    check_size(model, f"{what} --inputs {text}", shape[0], None, math.prod(shape),
+               ",".join(map(str, (2, *shape[1:]))))
+    return torch.randn(shape, generator=g)

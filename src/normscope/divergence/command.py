@@ -19,7 +19,7 @@ from ..exitcodes import EXIT_DIVERGED, EXIT_INCONCLUSIVE, EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from ..model_options import MODEL_TARGET_HELP, add_model_args
+    from ..model_options import INPUTS_HELP, MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "diff",
@@ -33,9 +33,7 @@ def add_parser(subparsers) -> Any:
     p.add_argument("reference", metavar="REFERENCE", help=MODEL_TARGET_HELP)
     p.add_argument("candidate", metavar="CANDIDATE", nargs="?",
                    help="the same forms, or an .onnx file; omit with --candidate-dtype or --autocast")
-    p.add_argument("--inputs",
-                   help="a shape for one float input (2,8,64), ids:B,T for token ids, or a .pt file (a tensor, tuple "
-                        "or dict saved with torch.save); default: a small input_ids batch for Hugging Face models")
+    p.add_argument("--inputs", help=INPUTS_HELP)
     p.add_argument("--candidate-dtype", dest="candidate_dtype",
                    help="bfloat16, float16 or float32 (no more precise than REFERENCE): the candidate (or REFERENCE "
                         "itself) as a private copy cast to it (default: none, the candidate runs as given)")
@@ -54,39 +52,8 @@ def add_parser(subparsers) -> Any:
     return p
 
 
-def parse_inputs(text: str | None, vocab: int | None = None):
-    """``--inputs``: None, a shape (a float tensor), ``ids:B,T`` (an integer tensor of token ids below ``vocab``)
-    or a ``.pt`` file."""
-    import torch
-
-    from ..loading import parse_shape
-
-    if text is None:
-        return None
-    g = torch.Generator().manual_seed(0)
-    if text.endswith(".pt"):
-        try:
-            obj = torch.load(text, weights_only=True)
-        except Exception as exc:
-            raise InputError(f"--inputs {text}: could not load it with torch.load ({type(exc).__name__}: {exc})") \
-                from None
-        if not isinstance(obj, torch.Tensor | tuple | dict):
-            raise InputError(f"--inputs {text} holds a {type(obj).__name__}; save a tensor, tuple or dict")
-        return obj
-    if text.startswith("ids:"):
-        shape = parse_shape(text[4:])
-        hi = min(vocab or 1000, 1000)
-        return torch.randint(min(4, hi - 1), hi, shape, generator=g)
-    return torch.randn(parse_shape(text), generator=g)
-
-
 def run(args, console: Console) -> int:
-    import math
-
-    import torch
-
-    from ..loading import parse_shape
-    from ..model_options import check_size, deadline
+    from ..model_options import deadline, model_inputs
     from ..sources import load_model
     from .core import diff
     from .onnxsites import is_onnx
@@ -102,25 +69,7 @@ def run(args, console: Console) -> int:
             candidate = args.candidate
         else:
             candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)
-    vocab = getattr(getattr(reference, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int):  # token ids stay below the first embedding's size
-        vocab = next((m.num_embeddings for m in reference.modules() if isinstance(m, torch.nn.Embedding)), None)
-    if args.inputs and args.inputs.startswith("ids:"):
-        b_t = parse_shape(args.inputs[4:])
-        if len(b_t) == 2:
-            check_size(reference, f"diff --inputs {args.inputs}", b_t[0], b_t[1], b_t[0] * b_t[1],
-                       f"ids:{b_t[0]},{min(b_t[1], 512)}")
-    elif args.inputs and not args.inputs.endswith(".pt"):
-        shape = parse_shape(args.inputs)
-        check_size(reference, f"diff --inputs {args.inputs}", shape[0], None, math.prod(shape),
-                   ",".join(map(str, (2, *shape[1:]))))
-    inputs = parse_inputs(args.inputs, vocab if isinstance(vocab, int) else None)
-    if args.inputs and args.inputs.startswith("ids:") and getattr(reference, "config", None) is not None:
-        import inspect
-
-        inputs = {"input_ids": inputs}  # Hugging Face models take their ids by keyword
-        if "use_cache" in inspect.signature(reference.forward).parameters:
-            inputs["use_cache"] = False
+    inputs = model_inputs(args.inputs, reference, "diff")
     with deadline(args.timeout, "diff"):
         result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, autocast=args.autocast,
                       grad=getattr(args, "grad", False), progress=not args.json)

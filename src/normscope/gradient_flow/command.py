@@ -30,10 +30,11 @@ def add_parser(subparsers) -> Any:
                     "not changed. Exit 0 measured, 2 usage error.",
     )
     p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
-    p.add_argument("--tokens", help="token-id input of shape B,T below the model's vocab_size (next-token loss; default: "
-                        "a small batch for HF models)")
-    p.add_argument("--shape",
-                   help="standard-normal float input of this shape, e.g. 2,8,64 (mean-square loss; default: none)")
+    p.add_argument("--inputs", help="ids:B,T for token ids below the model's vocab_size (next-token loss) or a shape "
+                                    "for one standard-normal float input (mean-square loss); default: a small "
+                                    "input_ids batch for Hugging Face models, with the model's own loss")
+    p.add_argument("--tokens", help="the same as --inputs ids:B,T")
+    p.add_argument("--shape", help="the same as --inputs SHAPE")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps before measuring again (default 0)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer for --steps (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate for --steps (default 1e-3)")
@@ -171,6 +172,15 @@ def run(args, console: Console) -> int:
         raise InputError(f"--lr must be positive; got {args.lr}")
     if args.plot:
         _check_plot_path(args.plot)
+    if args.inputs:
+        if args.tokens or args.shape:
+            raise InputError("give --inputs, or its older spellings --tokens/--shape, not both")
+        if args.inputs.endswith(".pt"):
+            raise InputError("gradflow takes --inputs ids:B,T or a shape (it draws the inputs and the loss itself)")
+        if args.inputs.startswith("ids:"):
+            args.tokens = args.inputs[4:]
+        else:
+            args.shape = args.inputs
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
     if args.tokens:
         b_t = parse_shape(args.tokens)

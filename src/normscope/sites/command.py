@@ -18,7 +18,7 @@ from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> Any:
-    from ..model_options import MODEL_TARGET_HELP, add_model_args
+    from ..model_options import INPUTS_HELP, MODEL_TARGET_HELP, add_model_args
 
     p = subparsers.add_parser(
         "scan",
@@ -28,8 +28,8 @@ def add_parser(subparsers) -> Any:
                     "Exit 0 scanned, 1 findings (with --strict), 2 usage error.",
     )
     p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
-    p.add_argument("--shape", help="input shape for a model that takes one float tensor, e.g. 2,8,64 "
-                                   "(Hugging Face text models get a small input_ids batch by default)")
+    p.add_argument("--inputs", help=INPUTS_HELP)
+    p.add_argument("--shape", help="the same as --inputs SHAPE: one float input of this shape, e.g. 2,8,64")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
     add_model_args(p)
     p.add_argument("--strict", action="store_true",
@@ -41,23 +41,16 @@ def add_parser(subparsers) -> Any:
 
 def run(args, console: Console) -> int:
     """Scan the model TARGET names (resolved by normscope.sources)."""
-    import math
-
-    import torch
-
-    from ..loading import parse_shape
-    from ..model_options import check_size, deadline
+    from ..errors import InputError
+    from ..model_options import deadline, model_inputs
     from ..sources import load_model
     from .core import scan
     from .render import render_scan
 
+    if args.inputs and args.shape:
+        raise InputError("give --inputs or --shape (the same as --inputs SHAPE), not both")
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
-    inputs = None
-    if args.shape:
-        shape = parse_shape(args.shape)
-        check_size(model, f"scan --shape {args.shape}", shape[0], None, math.prod(shape),
-                   "--shape " + ",".join(map(str, (2, *shape[1:]))))
-        inputs = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    inputs = model_inputs(args.inputs or args.shape, model, "scan")
     with deadline(args.timeout, "scan"):
         result = scan(model, inputs, dtypes=args.dtypes, progress=not args.json,
                       call_timeout=args.timeout if args.timeout else None)

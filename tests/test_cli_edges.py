@@ -565,3 +565,7 @@ def test_every_model_level_command_takes_the_same_inputs_flag(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["inputs"]["kwargs"]["input_ids"]["shape"] == [2, 12]
     assert cli.main(["scan", str(cfg), "--inputs", "ids:2,12", "--shape", "2,4,16"]) == 2
     assert "not both" in capsys.readouterr().err
+    assert cli.main(["contract", "--live", str(cfg), str(cfg), "--inputs", "ids:2,12", "--json"]) == 0
+    assert "scanned" in json.loads(capsys.readouterr().out)["contracts"][0]["source"]
+    assert cli.main(["contract", str(cfg), "--inputs", "ids:2,12"]) == 2
+    assert "applies to --live" in capsys.readouterr().err

@@ -17,6 +17,8 @@ from ..exitcodes import EXIT_OK
 
 
 def add_parser(subparsers) -> None:
+    from ..model_options import INPUTS_HELP
+
     p = subparsers.add_parser(
         "contract",
         help="the static norm contract of a checkpoint (HF config/dir, GGUF, ONNX) or every mismatch between two",
@@ -29,6 +31,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--live", action="store_true",
                    help="run FILE (an HF model directory, a config.json or package.module:factory), scan it and "
                         "compare the measured contract with FILE2's static one (default: read FILE statically)")
+    p.add_argument("--inputs", help="with --live: " + INPUTS_HELP)
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema normscope.contract/1, or normscope.contract-diff/1 for two files)")
     p.set_defaults(run=run)
@@ -43,8 +46,12 @@ def run(args, console: Console) -> int:
             from ..errors import InputError
 
             raise InputError("--live compares a running model with a static artifact: give FILE2 (e.g. the .gguf)")
-        a = _scanned(args.file)
+        a = _scanned(args.file, args.inputs)
     else:
+        if args.inputs:
+            from ..errors import InputError
+
+            raise InputError("--inputs applies to --live (a model that runs); a static artifact is only read")
         a = contract(args.file)
     if args.file2 is None:
         if args.json:
@@ -65,11 +72,13 @@ def run(args, console: Console) -> int:
     return EXIT_OK if diff.ok else EXIT_MISMATCH
 
 
-def _scanned(target: str):
+def _scanned(target: str, inputs: str | None = None):
     """The contract a live scan of TARGET measures (its real weights; random ones for a config.json)."""
+    from ..model_options import model_inputs
     from ..sites.core import scan
     from ..sources import load_model
     from .model import ModelContract
 
     model, origin = load_model(target)
-    return ModelContract.from_scan(scan(model, None, progress=False), source=f"{target} (scanned: {origin})")
+    x = model_inputs(inputs, model, "contract --live")
+    return ModelContract.from_scan(scan(model, x, progress=False), source=f"{target} (scanned: {origin})")

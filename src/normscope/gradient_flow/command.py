@@ -196,7 +196,7 @@ def run(args, console: Console) -> int:
     torch.manual_seed(0)  # dropout in training mode: the same command prints the same numbers
     with deadline(args.timeout, "gradflow"):
         result = gradflow(model, loss_fn, steps=args.steps, optimizer=lambda ps: cls(ps, lr=args.lr),
-                          train=not args.eval)
+                          train=not args.eval, progress=not args.json)
     loss_what = describe()
     result.notes.insert(0, f"model: {origin}; loss: {loss_what}")
     if args.plot:

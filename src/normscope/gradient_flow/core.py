@@ -272,14 +272,16 @@ def _make_optimizer(optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.Tensor], *, steps: int = 0,
-             optimizer=None, train: bool = True) -> GradFlow:
+             optimizer=None, train: bool = True, progress=False) -> GradFlow:
     """Gradient norms of every parameter and per block, at the start and after ``steps`` optimizer steps.
 
     ``loss_fn(model)`` runs the forward and returns a scalar loss. ``optimizer``: None (Adam, lr 1e-3), a
     ``torch.optim.Optimizer`` over the model's parameters (its state is restored afterwards) or a factory
-    ``params → Optimizer``. ``train``: measure in training mode (default) or evaluation mode. The model is left
-    exactly as it was (see the module docstring).
+    ``params → Optimizer``. ``train``: measure in training mode (default) or evaluation mode. ``progress``: True
+    shows a status line on a terminal's stderr, a callable receives the messages. The model is left exactly as it
+    was (see the module docstring).
     """
+    from ..model import progress as progress_of
     from ..model import untouched
     from ..model.copies import BIG_MODEL_BYTES
 
@@ -302,11 +304,12 @@ def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.
     snaps: list[Snapshot] = []
     losses: list[float] = []
     opt_name = None
-    with untouched(model):
+    with untouched(model), progress_of(progress) as say:
         try:
             model.train(train)
             for p, _ in saved:
                 p.grad = None
+            say("gradients at the start")
             snaps.append(_measure(model, loss_fn, blocks, 0))
             if steps:
                 opt = _make_optimizer(optimizer, model)
@@ -315,7 +318,8 @@ def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.
                     opt_state = copy.deepcopy(opt.state_dict())
                 for p, _ in saved:
                     p.grad = None
-                for _ in range(steps):
+                for i in range(steps):
+                    say(f"training step {i + 1}/{steps}")
                     opt.zero_grad(set_to_none=True)
                     loss = _check_loss(loss_fn(model))
                     losses.append(float(loss.detach()))
@@ -326,6 +330,7 @@ def gradflow(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module], torch.
                     opt.step()
                 for p, _ in saved:
                     p.grad = None
+                say(f"gradients after {len(losses)} steps")
                 snaps.append(_measure(model, loss_fn, blocks, len(losses)))
         except InputError:
             raise

@@ -22,5 +22,5 @@ def progress(progress: bool | Progress) -> Iterator[Progress]:
     if not console.is_terminal:
         yield lambda _msg: None
         return
-    with console.status("scanning…") as status:
-        yield lambda msg: status.update(f"scanning: {msg}")
+    with console.status("working…") as status:
+        yield lambda msg: status.update(msg)

@@ -1,7 +1,11 @@
-"""The command line: output, JSON and exit codes, run as a user would (a subprocess)."""
+"""The command line: output, JSON and exit codes, through ``normscope.cli.main`` (the console script's own
+function: the same parser, output and exit codes), and through a real ``python -m normscope`` subprocess where
+what is tested is the process itself (an exit code as the shell sees it, a timer's signal)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -16,10 +20,29 @@ TESTS = Path(__file__).resolve().parent
 SRC = Path(normscope.__file__).resolve().parents[1]  # the normscope under test, not whichever is installed
 
 
-def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = {"COLUMNS": "200", "PYTHONPATH": os.pathsep.join((str(TESTS), str(SRC))), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "normscope", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+def run(*args: str, cwd: Path | None = None, process: bool = False) -> subprocess.CompletedProcess:
+    """The command's exit code, stdout and stderr: in-process through ``cli.main`` at 200 columns, or with
+    ``process=True`` as a ``python -m normscope`` subprocess."""
+    if process:
+        env = {"COLUMNS": "200", "PYTHONPATH": os.pathsep.join((str(TESTS), str(SRC))), "PATH": "/usr/bin:/bin"}
+        return subprocess.run([sys.executable, "-m", "normscope", *args], capture_output=True, text=True,
+                              env=env, cwd=cwd, timeout=300)
+    from normscope import cli
+
+    out, err, here, columns = io.StringIO(), io.StringIO(), os.getcwd(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "200"
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(list(args))
+    finally:
+        os.chdir(here)
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_explain_defaults_show_the_seed_numbers():
@@ -123,7 +146,7 @@ def test_infer_usage_errors_exit_2(args, words):
 def test_check_pass_exit_0_and_junit(tmp_path):
     junit = tmp_path / "out.xml"
     r = run("check", "torch.nn:RMSNorm", "--args", "[64]", "--shape", "2,8,64", "--expect", "torch_rmsnorm",
-            "--junit", str(junit))
+            "--junit", str(junit), process=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout and junit.is_file()
     assert r.stdout.splitlines()[0].startswith("torch module RMSNorm")  # no blank line left by the progress bar
@@ -189,7 +212,7 @@ def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY_LLAMA))
-    r = run("scan", str(cfg), "--timeout", "0.01")  # a scan makes ~200 probe calls: far longer than 10 ms
+    r = run("scan", str(cfg), "--timeout", "0.01", process=True)  # a scan makes ~200 probe calls: far longer than 10 ms
     assert r.returncode == 4 and "did not finish within 0.01 s" in r.stderr, r.stdout + r.stderr
     from normscope.cli import main  # the rest in-process: the same function the console script calls
 

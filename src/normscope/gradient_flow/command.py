@@ -33,8 +33,8 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--inputs", help="ids:B,T for token ids below the model's vocab_size (next-token loss) or a shape "
                                     "for one standard-normal float input (mean-square loss); default: a small "
                                     "input_ids batch for Hugging Face models, with the model's own loss")
-    p.add_argument("--tokens", help="the same as --inputs ids:B,T")
-    p.add_argument("--shape", help="the same as --inputs SHAPE")
+    p.add_argument("--tokens", help="the same as --inputs ids:B,T (default: none)")
+    p.add_argument("--shape", help="the same as --inputs SHAPE (default: none)")
     p.add_argument("--steps", type=int, default=0, help="optimizer steps before measuring again (default 0)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="optimizer for --steps (default adam)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate for --steps (default 1e-3)")

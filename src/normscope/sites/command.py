@@ -29,7 +29,8 @@ def add_parser(subparsers) -> Any:
     )
     p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
     p.add_argument("--inputs", help=INPUTS_HELP)
-    p.add_argument("--shape", help="the same as --inputs SHAPE: one float input of this shape, e.g. 2,8,64")
+    p.add_argument("--shape", help="the same as --inputs SHAPE: one float input of this shape, e.g. 2,8,64 "
+                                   "(default: none)")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
     add_model_args(p)
     p.add_argument("--strict", action="store_true",

@@ -569,3 +569,17 @@ def test_every_model_level_command_takes_the_same_inputs_flag(tmp_path, capsys):
     assert "scanned" in json.loads(capsys.readouterr().out)["contracts"][0]["source"]
     assert cli.main(["contract", str(cfg), "--inputs", "ids:2,12"]) == 2
     assert "applies to --live" in capsys.readouterr().err
+
+
+def test_token_inputs_for_an_encoder_decoder_include_the_decoders():
+    """--inputs ids:B,T handed a T5 only input_ids (its forward then refuses to run): one helper builds token
+    inputs for both the default batch and --inputs."""
+    transformers = pytest.importorskip("transformers")
+    from normscope.model_options import model_inputs
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0))
+    inputs = model_inputs("ids:2,6", t5, "scan")
+    assert set(inputs) == {"input_ids", "decoder_input_ids", "use_cache"} and inputs["use_cache"] is False
+    assert tuple(inputs["input_ids"].shape) == (2, 6) and tuple(inputs["decoder_input_ids"].shape) == (2, 4)
+    t5.eval()(**inputs)  # runs

@@ -36,20 +36,23 @@ def add_model_args(p, what: str = "the factory") -> None:
                    help="config.json only: number of layers built (default 2; 0 keeps the config's)")
     p.add_argument("--vocab", type=int, default=512,
                    help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
-    p.add_argument("--timeout", type=_seconds, default=0.0,
+    p.add_argument("--timeout", type=timeout, default=0.0,
                    help="stop with exit 4 when the command runs longer than this many seconds (default 0: no "
                         "limit); scan also gives each probe call of a site this limit")
 
 
-def _seconds(text: str) -> float:
+def timeout(text: str) -> float:
+    """The argument type of every command's ``--timeout``: a finite number of seconds ≥ 0 (0: no limit)."""
     import argparse
 
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: the timeout must be ≥ 0 seconds (0: no limit)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the timeout must be ≥ 0 seconds (0 waits forever)")
     return value
 
 
@@ -150,12 +153,9 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
         ids = torch.randint(min(4, hi - 1), hi, shape, generator=g)
         if getattr(model, "config", None) is None:
             return ids
-        import inspect
+        from .model import token_inputs
 
-        inputs = {"input_ids": ids}  # Hugging Face models take their ids by keyword
-        if "use_cache" in inspect.signature(model.forward).parameters:
-            inputs["use_cache"] = False
-        return inputs
+        return token_inputs(model, ids)  # as a Hugging Face model takes them (an encoder–decoder's decoder too)
     shape = parse_shape(text)
     check_size(model, f"{what} --inputs {text}", shape[0], None, math.prod(shape),
                ",".join(map(str, (2, *shape[1:]))))

@@ -24,14 +24,19 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
             "only Hugging Face text models get input_ids by default")
     g = torch.Generator().manual_seed(0)
     lo = min(4, vocab - 1)
-    ids = torch.randint(lo, min(vocab, 1000), (2, 8), generator=g)
+    return token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
+
+
+def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """Token ids as a Hugging Face model takes them: ``input_ids=`` on its device, the first ids as the decoder's
+    too for an encoder–decoder, and no KV cache."""
     try:
         device = next(model.parameters()).device
     except StopIteration:
         device = torch.device("cpu")
     kwargs: dict[str, Any] = {"input_ids": ids.to(device)}
     params = inspect.signature(model.forward).parameters
-    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and "decoder_input_ids" in params:
         kwargs["decoder_input_ids"] = ids[:, :4].to(device)
     if "use_cache" in params:
         kwargs["use_cache"] = False

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from ..exitcodes import EXIT_USAGE
+from ..model_options import timeout  # one argument type for every command's --timeout
 
 TYPICAL_CALLS = {"infer": 40, "check --quick": 45, "check": 70}  # measured on torch LayerNorm/RMSNorm
 SLOW_CALL_S = 0.25  # slower calls than this get an up-front time estimate on stderr
@@ -34,13 +35,6 @@ def number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def timeout(text: str) -> float:
-    value = number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the timeout must be ≥ 0 seconds (0 waits forever)")
     return value
 
 

@@ -115,7 +115,7 @@ class Candidate:
 class TorchCandidate(Candidate):
     """A torch module, run with forward hooks; its sites are its module calls."""
 
-    def __init__(self, model: torch.nn.Module, desc: str, dtype: str, reference: torch.nn.Module, ref_dtype: str):
+    def __init__(self, model: torch.nn.Module, desc: str, dtype: str, ref_dtype: str):
         super().__init__(desc, dtype)
         self.model = model
         self.torch_dtype = getattr(torch, dtype) if dtype != ref_dtype and not self.ac else None
@@ -194,7 +194,7 @@ class ModuleCandidate(TorchCandidate):
                  stack: contextlib.ExitStack):
         stack.enter_context(untouched(candidate))
         dtype = model_dtype(candidate)
-        super().__init__(candidate.eval(), type(candidate).__name__, dtype, reference, ref_dtype)
+        super().__init__(candidate.eval(), type(candidate).__name__, dtype, ref_dtype)
         if dtype != ref_dtype:
             self.twin = private_copy(reference).to(getattr(torch, dtype))
 
@@ -211,7 +211,7 @@ class CopyCandidate(TorchCandidate):
         if candidate is not None:
             stack.enter_context(untouched(candidate))
         model = private_copy(source).to(getattr(torch, dtype))
-        super().__init__(model, f"{type(source).__name__} at {dtype} (a private copy)", dtype, reference, ref_dtype)
+        super().__init__(model, f"{type(source).__name__} at {dtype} (a private copy)", dtype, ref_dtype)
         if dtype != ref_dtype:
             self.twin = model if candidate is None else private_copy(reference).to(getattr(torch, dtype))
 
@@ -231,7 +231,7 @@ class AutocastCandidate(TorchCandidate):
         model = reference if candidate is None else candidate.eval()
         self.ac = Autocast(dtype, device_type(model))
         super().__init__(model, f"{type(model).__name__} under autocast({self.ac.device_type}, {dtype})", dtype,
-                         reference, ref_dtype)
+                         ref_dtype)
         self.twin = reference
 
 

@@ -41,6 +41,22 @@ def _probe_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (min(shape[0], 2),) + tuple(shape[1:]) if len(shape) >= 3 else tuple(shape)
 
 
+def infer_module(module: torch.nn.Module, shape: tuple[int, ...]):
+    """The inference of a norm module at inputs of ``shape`` (on a float32 private copy, at infer's own dtypes:
+    the contract ``normscope infer`` reports); trained weights that hide the structure get one retry on a copy with
+    re-drawn vector parameters. Raises what inference raises."""
+    from ..probe.infer import infer
+
+    m = private_copy(module).float()
+    try:
+        return infer(m, shape=shape, seed=0)
+    except NotANormalization:
+        other = redrawn(m)
+        if other is None:
+            raise
+        return infer(other, shape=shape, seed=0)
+
+
 class Contracts:
     """The inferred contract (spec, γ/β) of each norm module met, cached by configuration."""
 
@@ -49,7 +65,6 @@ class Contracts:
 
     def infer(self, module: torch.nn.Module, shape: tuple[int, ...]):
         """(spec, NormParams, sources) of ``module`` at inputs of ``shape``; raises what inference raises."""
-        from ..probe.infer import infer
         from ..results.params import NormParams
 
         key = _key(module, shape)
@@ -57,16 +72,8 @@ class Contracts:
         if isinstance(hit, Exception):
             raise hit
         if hit is None:
-            m = private_copy(module).float()
-            probe = _probe_shape(shape)
             try:
-                try:
-                    hit = infer(m, shape=probe, seed=0)  # infer's own dtypes: the same contract infer reports
-                except NotANormalization:
-                    other = redrawn(m)
-                    if other is None:
-                        raise
-                    hit = infer(other, shape=probe, seed=0)
+                hit = infer_module(module, _probe_shape(shape))
             except (NormscopeError, Exception) as exc:
                 self._cache[key] = exc
                 raise

@@ -156,8 +156,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         alignment = cand.align([p for p, _ in reference.named_modules()])
         memo = Memo()  # the copies diff made itself reuse their leaves' outputs
         walk = Walk(cand, alignment, ref_dtype=ref_dtype, block_or_above=_block_or_above(reference), keep=keep,
-                    memo=memo)
-        walk.model_inputs = [*args, *kwargs.values()]
+                    memo=memo, model_inputs=[*args, *kwargs.values()])
         say("running the reference, comparing site by site")
         hooks = _walk_reference(reference, args, kwargs, walk, cand, memo)
         result = _verdict(reference, cand, alignment.mode, walk, hooks.errors, notes, say)

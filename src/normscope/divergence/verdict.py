@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import NormscopeError, NotANormalization
-from ..model import private_copy, redrawn
+from ..errors import NormscopeError
 from . import onnxsites
+from .contracts import infer_module
 from .result import SiteDiff
 
 MIN_OWN_SHARE = 0.5  # "no divergence" needs at least this share of the sites with an own error compared with one
@@ -70,20 +70,13 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
 
 
 def infer_contract(module, shape):
-    """The site's full inference (contract and recovered γ/β) at infer's own dtypes, on a private copy (an ONNX site: its
-    subgraph as onnxruntime runs it); a γ of ones that hides the contract is redrawn."""
-    from ..probe.infer import infer
-
+    """The site's full inference (contract and recovered γ/β) at infer's own dtypes: an ONNX site's subgraph as
+    onnxruntime runs it, a torch module through :func:`.contracts.infer_module`."""
     if isinstance(module, onnxsites.Site):
+        from ..probe.infer import infer
+
         return infer(module.proto(), shape=shape, seed=0)
-    m = private_copy(module).float()
-    try:
-        return infer(m, shape=shape, seed=0)
-    except NotANormalization:
-        other = redrawn(m)
-        if other is None:
-            raise
-        return infer(other, shape=shape, seed=0)
+    return infer_module(module, shape)
 
 
 def parameter_differences(ref, cand, cand_module) -> list[str]:

@@ -23,7 +23,7 @@ class Walk:
     the calls in flight, and the first divergent site's modules and tensors (for its explanation)."""
 
     def __init__(self, cand: Candidate, alignment: Alignment, *, ref_dtype: str, block_or_above: set[int],
-                 keep: bool, memo: Memo):
+                 keep: bool, memo: Memo, model_inputs: list):
         self.cand, self.alignment, self.ref_dtype = cand, alignment, ref_dtype
         self.block_or_above, self.keep, self.memo = block_or_above, keep, memo
         self.sites: list[SiteDiff] = []
@@ -35,7 +35,7 @@ class Walk:
         self.nonfinite: str | None = None  # the first site where the reference itself is not finite
         self.recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
         self.site_contracts = contracts.Contracts()
-        self.model_inputs: list[torch.Tensor] = []
+        self.model_inputs = model_inputs  # the model's own arguments: their error is known (none)
 
     # ------------------------------------------------------------------ hook callbacks
     def pre(self, module, path, number, a) -> None:

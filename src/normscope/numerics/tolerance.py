@@ -155,17 +155,12 @@ def forward_bound(x, spec: NormSpec, dtype: str, params=None, *, exact=None, emu
             emulated = exact if d == "float64" else reference.forward(x, spec, dtype=d, param_dtype=param_dtype,
                                                                       **p.kwargs())
         faithful = np.abs(emulated - exact)
-        if d != "float64" and _sums(spec):
+        if d != "float64" and not spec.uses_running_statistics:  # statistics summed over the input
             sequential = reference.forward(x, spec, dtype=d, param_dtype=param_dtype, summation="sequential",
                                            **p.kwargs())
             faithful = np.fmax(faithful, np.abs(sequential - exact))
     return C.FAITHFUL_FACTOR * faithful + accumulation_bound(x, spec, d, p, exact=exact,
                                                              recovery_noise=recovery_noise)
-
-
-def _sums(spec: NormSpec) -> bool:
-    """Whether the contract's statistics are sums over the input (not running statistics read as stored)."""
-    return not spec.uses_running_statistics
 
 
 def backward_rounding(x, dy, spec: NormSpec, dtype: str, params=None) -> dict[str, np.ndarray]:

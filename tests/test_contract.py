@@ -126,9 +126,7 @@ def test_hf_weights_give_gamma_statistics_and_the_cohere_per_head_shape(configs,
 
 # ---------------------------------------------------------------- GGUF
 
-def to_gguf(model_dir: Path, path: Path, arch: str, eps: float, add_one: bool, drop: str | None = None) -> Path:
-    """A model's norm weights in a GGUF as llama.cpp's converter writes them: the README's example writer."""
-    return readme_files.to_gguf(model_dir, path, arch, eps, add_one=add_one, drop=drop)
+to_gguf = readme_files.to_gguf  # a model's norm weights in a GGUF as llama.cpp's converter writes them
 
 
 @pytest.fixture(scope="module")

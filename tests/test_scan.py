@@ -364,6 +364,8 @@ def test_cli_config_json(tmp_path, capsys):
     assert len(data["sites"]) == 13  # capped at 2 of the 4 layers
     assert "2 of 4 layers" in data["inputs"]["model"]
     code, out, _ = _cli(["scan", str(tmp_path / "config.json"), "--dtypes", "float32"], capsys)
+    assert code == 0 and "sandwich" in out and "γ acts as 1+w" in out and "Gemma3RMSNorm" not in out
+    code, out, _ = _cli(["scan", str(tmp_path / "config.json"), "--dtypes", "float32", "--all"], capsys)
     assert code == 0 and "sandwich" in out and "Gemma3RMSNorm" in out and "1 + w" in out
 
 
@@ -408,7 +410,18 @@ def test_scan_output_at_80_columns_names_every_site(minilm):
     from normscope.sites.result import layer_ranges
 
     _, r = minilm
-    out = _narrow(render_scan, r)
+    out = _narrow(render_scan, r)  # the default view: verdict first, each contract once, one line per role
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80, out
+    assert len(lines) <= 25, out
+    assert lines[2].startswith("no findings: every site reproduces its real activation (worst"), out
+    assert out.count("ε=1e-12") == 1 and "13 sites: LayerNorm over [-1]" in out
+    flat = " ".join(out.split())
+    assert "role post, layers " + layer_ranges(range(6)) + ": encoder.layer.*.attention.output.LayerNorm, " \
+        "encoder.layer.*.output.LayerNorm" in flat, out
+    assert "role embedding: embeddings.LayerNorm" in flat
+
+    out = _narrow(lambda r, c: render_scan(r, c, full=True), r)  # --all
     lines = out.splitlines()
     assert max(len(line) for line in lines) <= 80, out
     for s in r.sites:  # the layer index folds into * and the group's head lists the layers
@@ -416,6 +429,13 @@ def test_scan_output_at_80_columns_names_every_site(minilm):
         assert any(line.strip() == pattern for line in lines), (s.name, out)
     assert "12 × LayerNorm: role post, layers " + layer_ranges(range(6)) in out
     assert out.count("real activation: reproduced, max relative error") == 2 and "ε=1e-12" in out
+
+
+def test_folded_names_share_a_prefix():
+    from normscope.sites.render import _folded
+
+    assert _folded(["m.l.*.a", "m.l.*.b", "norm"]) == "m.l.*.{a, b}, norm"
+    assert _folded(["x.a", "y.a"]) == "x.a, y.a"
 
 
 def test_loading_silences_transformers_and_restores_the_users_settings(capfd):

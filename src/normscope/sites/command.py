@@ -35,6 +35,9 @@ def add_parser(subparsers) -> Any:
     add_model_args(p)
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when the scan has findings (default: exit 0 whatever it finds)")
+    p.add_argument("--all", action="store_true",
+                   help="the complete view: one paragraph per group of sites with its γ statistics and its "
+                        "real-activation error (default: the verdict, then each contract once with its sites)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.scan/1)")
     p.set_defaults(run=run)
     return p
@@ -60,5 +63,5 @@ def run(args, console: Console) -> int:
         print(result.to_json())
     else:
         console.print(f"[dim]{origin}[/]")
-        render_scan(result, console)
+        render_scan(result, console, full=args.all)
     return EXIT_FINDINGS if args.strict and result.findings else EXIT_OK

@@ -1,4 +1,8 @@
-"""Rich rendering of a :class:`~normscope.sites.ModelScan` (sites grouped by identical contract). Computes nothing."""
+"""Rich rendering of a :class:`~normscope.sites.ModelScan`. Computes nothing.
+
+The default view is the verdict and its evidence first, then each distinct contract once with the sites that
+follow it (one line per role, names folded over the layer index and a common prefix); ``full=True`` is the
+complete view, one paragraph per group with γ statistics and each group's real-activation error."""
 
 from __future__ import annotations
 
@@ -47,9 +51,7 @@ def _activation(sites, spec) -> str:
             f"(tolerance {fmt(worst['tolerance'])}, {worst.get('dtype', '?')})")
 
 
-def render_scan(result: ModelScan, console: Console) -> None:
-    """Plain lines wrapped at the console's width, one paragraph per group of sites with the same contract: every
-    field and every name stays readable in a narrow terminal and in a CI log (a wide table drops columns)."""
+def _header(result: ModelScan, console: Console) -> None:
     n = len(result.sites)
     kinds = Counter(s.kind for s in result.sites)
     found = ", ".join(f"{v} by {k}" for k, v in kinds.items())
@@ -57,6 +59,82 @@ def render_scan(result: ModelScan, console: Console) -> None:
     console.print(f"[bold]{escape(result.model)}[/]: {n} norm site{'s' * (n != 1)} ({found or 'none'}), "
                   f"placement [bold]{result.placement}[/] over {len(blocks)} block{'s' * (len(blocks) != 1)}; "
                   f"{result.seconds:.2f} s, {result.stats.get('infer_calls', 0)} probe calls")
+
+
+def _verdict(result: ModelScan, console: Console, evidence: bool) -> None:
+    """The findings, or what was checked and found right — with the worst real-activation error when asked."""
+    if result.findings:
+        console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
+        for f in result.findings:
+            indented(console, f"• {f['message']}", 2, 2)
+        return
+    checked = "every site reproduces its real activation"
+    measured = [s.activation for s in result.sites if s.activation and "max_relative_error" in s.activation]
+    if evidence and measured:
+        worst = max(measured, key=lambda a: a["max_relative_error"] / a["tolerance"])
+        checked += (f" (worst relative error {fmt(worst['max_relative_error'])}, tolerance "
+                    f"{fmt(worst['tolerance'])})")
+    if result.config_eps:
+        checked += " and matches the config's ε"
+        if evidence:
+            checked += " (" + ", ".join(f"{k}={v:g}" for k, v in result.config_eps.items()) + ")"
+    indented(console, f"no findings: {checked}", 0, 2)
+
+
+def _folded(names: list[str]) -> str:
+    """Names sharing everything up to their last dot as one: ``a.b.{c, d}``."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        head, dot, tail = name.rpartition(".")
+        out.setdefault(head if dot else "", []).append(tail if dot else name)
+    parts = []
+    for head, tails in out.items():
+        if not head:
+            parts.extend(tails)
+        elif len(tails) == 1:
+            parts.append(f"{head}.{tails[0]}")
+        else:
+            parts.append(f"{head}.{{{', '.join(tails)}}}")
+    return ", ".join(parts)
+
+
+def render_scan(result: ModelScan, console: Console, full: bool = False) -> None:
+    """The verdict first, then each distinct contract once with the roles and names that follow it, in a few lines
+    at any width; ``full`` prints the complete view (:func:`render_scan_full`)."""
+    if full:
+        render_scan_full(result, console)
+        return
+    _header(result, console)
+    per_block = Counter(b["placement"] for b in result.blocks)
+    if len(per_block) > 1:
+        console.print("blocks: " + ", ".join(f"{v} × {k}" for k, v in per_block.items()))
+    _verdict(result, console, evidence=True)
+    contracts: dict[str, list[dict]] = {}
+    for g in result.groups():
+        contracts.setdefault(g["summary"], []).append(g)
+    for summary, groups in contracts.items():
+        n = sum(len(g["sites"]) for g in groups)
+        console.print()
+        indented(console, f"{n} site{'s' * (n != 1)}: {summary}", 0, 2)
+        for g in groups:
+            sites = g["sites"]
+            layers = [s.layer for s in sites if s.layer is not None]
+            where = f", layers {layer_ranges(layers)}" if layers else ""
+            kind = "" if g["kind"] == "module" else f", by {g['kind']}"
+            bad = "" if _activation(sites, g["spec"]).startswith("reproduced") else " (NOT reproduced)"
+            indented(console, f"role {g['role']}{where}{kind}{bad}: {_folded(_names(sites).split(chr(10)))}",
+                     2, 4)
+    for r in result.rejected:
+        if r["kind"] == "behaviour":
+            indented(console, f"not a normalization: {r['name']} ({r['class']}): {r['reason']}", 0, 2)
+    console.print()
+    console.print("[dim]--all: γ statistics and each group's real-activation error; --json: every field[/]")
+
+
+def render_scan_full(result: ModelScan, console: Console) -> None:
+    """Plain lines wrapped at the console's width, one paragraph per group of sites with the same contract: every
+    field and every name stays readable in a narrow terminal and in a CI log (a wide table drops columns)."""
+    _header(result, console)
     for g in result.groups():
         sites = g["sites"]
         layers = [s.layer for s in sites if s.layer is not None]
@@ -78,12 +156,4 @@ def render_scan(result: ModelScan, console: Console) -> None:
     for r in result.rejected:
         if r["kind"] == "behaviour":
             indented(console, f"not a normalization: {r['name']} ({r['class']}): {r['reason']}", 0)
-    if result.findings:
-        console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
-        for f in result.findings:
-            indented(console, f"• {f['message']}", 2)
-    else:
-        checked = "every site reproduces its real activation"
-        if result.config_eps:
-            checked += " and matches the config's ε"
-        console.print(f"[green]no findings[/]: {checked}")
+    _verdict(result, console, evidence=False)

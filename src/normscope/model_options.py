@@ -146,14 +146,12 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
         if len(shape) == 2:
             check_size(model, f"{what} --inputs {text}", shape[0], shape[1], shape[0] * shape[1],
                        f"ids:{shape[0]},{min(shape[1], 512)}")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if not isinstance(vocab, int):  # token ids stay below the first embedding's size
-            vocab = next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
-        hi = min(vocab or 1000, 1000)
+        from .model import token_inputs, vocabulary_size
+
+        hi = min(vocabulary_size(model) or 1000, 1000)  # token ids stay below the vocabulary
         ids = torch.randint(min(4, hi - 1), hi, shape, generator=g)
         if getattr(model, "config", None) is None:
             return ids
-        from .model import token_inputs
 
         return token_inputs(model, ids)  # as a Hugging Face model takes them (an encoder–decoder's decoder too)
     shape = parse_shape(text)

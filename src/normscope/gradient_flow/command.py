@@ -48,10 +48,11 @@ def add_parser(subparsers) -> Any:
 
 
 def _vocab(model) -> int:
-    for owner in (model, getattr(model, "config", None)):
-        v = getattr(owner, "vocab_size", None)
-        if isinstance(v, int) and v >= 2:
-            return v
+    from ..model import vocabulary_size
+
+    v = vocabulary_size(model, embeddings=False)
+    if v is not None:
+        return v
     raise InputError(f"--tokens needs the model's vocabulary size, but {type(model).__name__} has no vocab_size "
                      "(nor config.vocab_size); pass --shape for a float input instead")
 

@@ -3,14 +3,14 @@ copies, leaving a model untouched, progress.
 
 Public names: :func:`.copies.private_copy`, :func:`.copies.untouched`, :func:`.copies.redrawn`,
 :func:`.copies.stored_params`, :func:`.inputs.arguments`, :func:`.inputs.default_inputs`, :func:`.inputs.describe`,
-:func:`.inputs.token_inputs`, :func:`.progress.progress`.
+:func:`.inputs.token_inputs`, :func:`.inputs.vocabulary_size`, :func:`.progress.progress`.
 """
 
 from __future__ import annotations
 
 from .copies import private_copy, redrawn, stored_params, untouched
-from .inputs import arguments, default_inputs, describe, token_inputs
+from .inputs import arguments, default_inputs, describe, token_inputs, vocabulary_size
 from .progress import Progress, progress
 
 __all__ = ["Progress", "arguments", "default_inputs", "describe", "private_copy", "progress", "redrawn",
-           "stored_params", "token_inputs", "untouched"]
+           "stored_params", "token_inputs", "untouched", "vocabulary_size"]

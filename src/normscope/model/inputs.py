@@ -11,13 +11,27 @@ import torch
 from ..errors import InputError
 
 
+def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | None:
+    """How many token ids a model takes: its own or its config's ``vocab_size`` (a multimodal config's text
+    config's), else — with ``embeddings`` — the first ``nn.Embedding``'s size; None when nothing states one."""
+    config = getattr(model, "config", None)
+    owners = [model, config]
+    if config is not None and hasattr(config, "get_text_config"):
+        owners.append(config.get_text_config())
+    for owner in owners:
+        v = getattr(owner, "vocab_size", None)
+        if isinstance(v, int) and v >= 2:
+            return v
+    if embeddings:
+        return next((m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return None
+
+
 def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is None and config is not None and hasattr(config, "get_text_config"):
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
+    vocab = vocabulary_size(model, embeddings=False)
     main = getattr(model, "main_input_name", "input_ids")
-    if config is None or not isinstance(vocab, int) or vocab < 2 or main != "input_ids":
+    if config is None or vocab is None or main != "input_ids":
         raise InputError(
             f"{type(model).__name__} needs inputs: in Python pass them (scan/diff(model, inputs): a tensor, a tuple "
             "of positional arguments or a dict of keyword arguments), on the command line --shape or --inputs; "

@@ -41,8 +41,8 @@ def add_model_args(p, what: str = "the factory") -> None:
                         "limit); scan also gives each probe call of a site this limit")
 
 
-def timeout(text: str) -> float:
-    """The argument type of every command's ``--timeout``: a finite number of seconds ≥ 0 (0: no limit)."""
+def number(text: str) -> float:
+    """The argument type of a finite number (every command's ε, γ, β, values, and the timeout below)."""
     import argparse
 
     try:
@@ -51,6 +51,14 @@ def timeout(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def timeout(text: str) -> float:
+    """The argument type of every command's ``--timeout``: a finite number of seconds ≥ 0 (0: no limit)."""
+    import argparse
+
+    value = number(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the timeout must be ≥ 0 seconds (0 waits forever)")
     return value

@@ -6,7 +6,8 @@ import argparse
 
 from ..errors import InputError
 from ..exitcodes import EXIT_CODES, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_OK
-from .common import _progress, add_target_args, note_size, number, target_from_args
+from ..model_options import number
+from .common import _progress, add_target_args, note_size, target_from_args
 
 
 def add_parser(sub) -> None:

@@ -6,7 +6,6 @@ Imports are lazy: building the parser loads neither NumPy nor torch nor rich.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from collections.abc import Callable
@@ -25,16 +24,6 @@ def seed(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: the seed must be ≥ 0")
-    return value
-
-
-def number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
 
 

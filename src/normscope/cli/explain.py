@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..exitcodes import EXIT_OK
-from .common import number
+from ..model_options import number
 
 
 def add_parser(sub) -> None:

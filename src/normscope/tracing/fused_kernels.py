@@ -174,6 +174,20 @@ def _exp_shifted(x, top, out, n):  # pragma: no cover - compiled
         out[j] = e if low else np.float32(0.0)
 
 
+@numba.njit(**_JIT, error_model="numpy")
+def _entropy(ex, z, top, n):  # pragma: no cover - compiled
+    """A softmax row's entropy from its shifted exponentials e = exp(z - top) (0 at a masked key):
+    log Σe + top - Σ e·z / Σe, summed in float64; NaN for a row of NaN (Σe = 0: numpy's error model, not an
+    exception)."""
+    se = 0.0
+    sz = 0.0
+    for j in range(n):
+        e = np.float64(ex[j])
+        se += e
+        sz += e * np.float64(z[j])
+    return np.log(se) + np.float64(top) - sz / se
+
+
 @numba.njit(**_JIT)
 def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                     entropy_sum, entropy_rows):  # pragma: no cover - compiled
@@ -253,14 +267,7 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
             _exp_shifted(row, top, ex, end)
             for j in range(end):
                 ex[j] *= np.float32(1 - mrow[j])
-        # entropy = log Σe + top - Σ e z / Σe, e = exp(z - top) over the unmasked keys, summed in float64
-        se = 0.0
-        sz = 0.0
-        for j in range(end):
-            e = np.float64(ex[j])
-            se += e
-            sz += e * np.float64(row[j])
-        es += np.log(se) + np.float64(top) - sz / se
+        es += _entropy(ex, row, top, end)
         er += 1
     maxbits[a, b] = m
     full_rows[a, b] = full
@@ -327,13 +334,9 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
         for j in range(tk):  # a masked key's logit replaced: weight 0 below
             buf[j] = buf[j] if keep[j] > 0 else top
         _exp_shifted(buf, top, ex, tk)
-        se = 0.0
-        sz = 0.0
         for j in range(tk):
-            e = np.float64(ex[j] * keep[j])
-            se += e
-            sz += e * np.float64(buf[j])
-        es += np.log(se) + np.float64(top) - sz / se
+            ex[j] *= keep[j]
+        es += _entropy(ex, buf, top, tk)
         er += 1
     maxbits[a, b] = m
     full_rows[a, b] = full

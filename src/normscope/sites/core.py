@@ -356,7 +356,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             sites.append(site)
             roles.append((role, cand.xv, cand.yv))
             calls += site.calls
-        placement, block_records = flow.placements(roles)
+        placement, block_records, streams = flow.placements(roles)
     stated = config_eps(getattr(model, "config", None))
     findings = _eps_findings(sites, stated)
     for s in sites:
@@ -376,5 +376,4 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                   "infer_calls": calls})
     return ModelScan(model=type(model).__name__, inputs=describe(args, kwargs), sites=sites, placement=placement,
                      blocks=block_records, config_eps=stated, findings=findings, rejected=rejected,
-                     dtypes=dtypes,
-                     seconds=time.perf_counter() - started, stats=stats)
+                     dtypes=dtypes, seconds=time.perf_counter() - started, stats=stats, streams=streams)

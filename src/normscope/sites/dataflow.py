@@ -20,6 +20,13 @@ then ``x`` and the add records its scale α. Then, for a norm with input x and o
 - ``final``: outside the blocks, after the residual adds, and not added back to any stream;
 - ``other``: anything else (a norm inside a sublayer, on values, …).
 
+A model may carry several residual *streams* (an encoder's and a decoder's, a vision tower's and a text
+tower's): an add continues the stream of an earlier add when its stream value was computed from that add's sum
+without a mixing op (a post norm on the way included); a decoder reads the encoder's output only through mixing
+ops (cross-attention's key and value projections), so it starts a stream of its own. A norm belongs to the
+stream it reads from (or, for an embedding norm, the one its output starts) and its role is judged against that
+stream's adds only: an encoder's norms are not judged through the decoder's cross-attention.
+
 Blocks are the repeated elements of a ``ModuleList``/``Sequential`` that run residual adds; a block is
 ``parallel`` when two of its sublayer outputs read the same stream value, else its updates are classified
 ``pre`` (pre norm only), ``reordered`` (branch norm only), ``sandwich`` (both), ``post`` (a norm on the sum),
@@ -51,6 +58,7 @@ class Residual:
     call: int | None
     block: int | None = None  # the block call it runs in
     scale: float = 1.0  # the constant the stream was multiplied by before the add (DeepNorm's α)
+    family: int = 0  # the residual stream the add belongs to (0, 1, … in order of each stream's first add)
 
 
 @dataclasses.dataclass
@@ -110,14 +118,32 @@ class Dataflow:
 
     # ------------------------------------------------------------------ structure
     def _blocks(self, blocks: dict[int, int]) -> None:
+        """Block calls: the repeated elements of containers (layer = index in the container) and the calls of a
+        module that runs more than once in the forward, a block shared across depths as ALBERT's (layer = the
+        call's order among the calls of its class's repeated modules; the outermost such module is the block)."""
         calls = self.t.calls
-        self.call_block: list[int | None] = []
+        times: dict[int, int] = {}
         for c in calls:
-            if id(c.module) in blocks:
+            times[id(c.module)] = times.get(id(c.module), 0) + 1
+        shared = {key for key, n in times.items() if n >= 2}
+        self.call_block: list[int | None] = []
+        self.block_index: dict[int, int] = {}
+        depth: dict[type, int] = {}
+        in_shared: list[bool] = []  # the call runs inside a shared block's call (its parts are not blocks)
+        for c in calls:
+            key = id(c.module)
+            inside = c.parent is not None and in_shared[c.parent]
+            is_shared = key in shared and not inside and any(True for _ in c.module.children())
+            in_shared.append(inside or is_shared)
+            if is_shared:
                 self.call_block.append(c.index)
+                self.block_index[c.index] = depth.get(type(c.module), 0)
+                depth[type(c.module)] = self.block_index[c.index] + 1
+            elif key in blocks:
+                self.call_block.append(c.index)
+                self.block_index[c.index] = blocks[key]
             else:
                 self.call_block.append(self.call_block[c.parent] if c.parent is not None else None)
-        self.block_index = {c.index: blocks[id(c.module)] for c in calls if id(c.module) in blocks}
 
     def activation(self, v: int) -> bool:
         return not self.t.values[v].param
@@ -187,11 +213,35 @@ class Dataflow:
             self.residuals.append(r)
             by_out[r.out] = r
         self.by_out = by_out
+        self._families()
         self.stream_bits = 0
         for r in self.residuals:
             self.stream_bits |= (1 << r.stream) | (1 << r.out)
         # a repeated element that runs no residual add is not a block (e.g. a ModuleList of norms)
         self.blocks_with_adds = {r.block for r in self.residuals if r.block is not None}
+
+    def _families(self) -> None:
+        """Each add's stream: that of the latest earlier add whose sum its stream value was computed from without
+        a mixing op, else a new one."""
+        count = 0
+        for k, r in enumerate(self.residuals):
+            earlier = next((p for p in reversed(self.residuals[:k]) if self.anc_t[r.stream] >> p.out & 1), None)
+            if earlier is None:
+                r.family, count = count, count + 1
+            else:
+                r.family = earlier.family
+        self.families = count
+
+    def family_of(self, x: int, y: int) -> int | None:
+        """The stream a norm belongs to: the latest one its input was read from without a mixing op (pre, post,
+        final), else the one its output enters without a mixing op (an embedding norm, a branch norm); None
+        when neither (queries and keys, a norm inside a sublayer)."""
+        read = [r for r in self.residuals if self.anc_t[x] >> r.out & 1 or self.anc_t[x] >> r.stream & 1]
+        if read:
+            return read[-1].family
+        enters = next((r for r in self.residuals
+                       if self.anc_t[r.stream] >> y & 1 or self.anc_t[r.branch] >> y & 1), None)
+        return None if enters is None else enters.family
 
     def _block_of_call(self, call: int | None) -> int | None:
         return None if call is None else self.call_block[call]
@@ -246,7 +296,9 @@ class Dataflow:
             if self.anc_t[v] & ybit:
                 return Role("qk", f"the output reaches the query/key operand of {self._where(op)} "
                                   "without a mixing op in between")
-        for k, r in enumerate(self.residuals):
+        family = self.family_of(x, y)
+        own = [(k, r) for k, r in enumerate(self.residuals) if family is None or r.family == family]
+        for k, r in own:
             if not (self.anc[r.branch] & ybit) or self.anc[r.stream] & ybit:
                 continue
             if self.anc_t[r.branch] & ybit and self.anc_m[x] >> r.stream & 1:
@@ -262,8 +314,8 @@ class Dataflow:
             break
         if not self.anc_m[x] and self.anc[x] & self.embedding_bits:
             return Role("embedding", "the input comes from an embedding lookup with no mixing op before it")
-        sums = [k for k, r in enumerate(self.residuals) if self.anc_t[x] >> r.out & 1]
-        reads_y = [k for k, r in enumerate(self.residuals) if (self.anc[r.stream] | self.anc[r.branch]) & ybit]
+        sums = [k for k, r in own if self.anc_t[x] >> r.out & 1]
+        reads_y = [k for k, r in own if (self.anc[r.stream] | self.anc[r.branch]) & ybit]
         if sums:
             k = sums[-1]
             becomes = [j for j in reads_y if self.anc_t[self.residuals[j].stream] & ybit]
@@ -273,8 +325,8 @@ class Dataflow:
             if not reads_y and self.block_of(call) is not None:
                 return Role("post", f"the input is the residual sum of {self._where(self.residuals[k].op)}; the output "
                                     "ends the block (no later residual add)", after=k)
-        if self.block_of(call) is None and self.residuals and not reads_y:
-            last = max((r for r in self.residuals if self.anc[x] >> r.out & 1), key=lambda r: r.op, default=None)
+        if self.block_of(call) is None and own and not reads_y:
+            last = max((r for _, r in own if self.anc[x] >> r.out & 1), key=lambda r: r.op, default=None)
             if last is not None:
                 return Role("final", f"after the last residual add ({self._where(last.op)}), outside the blocks; the "
                                      "output is not added back to any stream")
@@ -299,8 +351,10 @@ class Dataflow:
         """The latest stream value a value was computed from (-1 if none)."""
         return (self.anc[v] & self.stream_bits).bit_length() - 1
 
-    def placements(self, site_roles: list[tuple[Role, int, int]]) -> tuple[str, list[dict[str, Any]]]:
-        """Overall placement and one record per block; ``site_roles`` holds (role, x, y) per site."""
+    def placements(self, site_roles: list[tuple[Role, int, int]]
+                   ) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+        """The model's placement (its streams' one placement, else ``mixed``), one record per block and one per
+        residual stream; ``site_roles`` holds (role, x, y) per site."""
         attached: dict[int, set[str]] = {k: set() for k in range(len(self.residuals))}
         for role, _x, _y in site_roles:
             if role.role in ("pre", "branch") and role.update is not None:
@@ -331,20 +385,33 @@ class Dataflow:
             records.append({
                 "block": self.t.calls[block].path if block is not None else None,
                 "layer": self.block_index.get(block) if block is not None else None,
+                "stream": self.residuals[updates[0]].family,
                 "placement": placement,
                 "updates": [{"op": self.residuals[k].op, "norms": sorted(attached[k]), "kind": kind,
                              "residual_scale": self.residuals[k].scale}
                             for k, kind in zip(updates, kinds, strict=True)],
                 "sublayers_reading_one_stream": max(reads.values(), default=0),
             })
-        placements = {r["placement"] for r in records}
+        streams = [self._stream_record(f, [r for r in records if r["stream"] == f]) for f in range(self.families)]
+        placements = {s["placement"] for s in streams}
         if not records:
             overall = "none"
         elif len(placements) == 1:
             overall = placements.pop()
         else:
             overall = "mixed"
-        return overall, records
+        return overall, records, streams
+
+    def _stream_record(self, family: int, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """One stream: where its blocks live (their common path), how many, and its placement."""
+        import os.path
+
+        paths = [r["block"] for r in records if r["block"]]
+        common = os.path.commonprefix([p + "." for p in paths]).rpartition(".")[0] if paths else ""
+        kinds = {r["placement"] for r in records}
+        blocks = [r for r in records if r["layer"] is not None]
+        return {"stream": family, "path": common or None, "blocks": len(blocks),
+                "placement": kinds.pop() if len(kinds) == 1 else "mixed"}
 
 
 def _update_kind(norms: set[str]) -> str:

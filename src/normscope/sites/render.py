@@ -33,7 +33,8 @@ def _names(sites) -> str:
     """The group's names with the layer index as ``*``: model.layers.*.input_layernorm."""
     patterns: list[str] = []
     for s in sites:
-        name = s.name if s.layer is None else re.sub(rf"\.{s.layer}(?=[.:#]|$)", ".*", s.name, count=1)
+        name = s.name if s.layer is None else re.sub(rf"\.{s.layer}(?=[.:#]|$)", ".*", re.sub(r"#\d+$", "", s.name),
+                                                     count=1)  # a shared block's later calls: name#1, name#2
         if name not in patterns:
             patterns.append(name)
     return "\n".join(patterns)
@@ -59,6 +60,10 @@ def _header(result: ModelScan, console: Console) -> None:
     console.print(f"[bold]{escape(result.model)}[/]: {n} norm site{'s' * (n != 1)} ({found or 'none'}), "
                   f"placement [bold]{result.placement}[/] over {len(blocks)} block{'s' * (len(blocks) != 1)}; "
                   f"{result.seconds:.2f} s, {result.stats.get('infer_calls', 0)} probe calls")
+    if len(result.streams) > 1:
+        indented(console, "residual streams: " + "; ".join(
+            f"{s['path'] or 'stream ' + str(s['stream'])}: {s['placement']} over {s['blocks']} block"
+            f"{'s' * (s['blocks'] != 1)}" for s in result.streams), 0, 2)
 
 
 def _verdict(result: ModelScan, console: Console, evidence: bool) -> None:

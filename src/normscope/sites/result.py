@@ -74,7 +74,11 @@ class Site:
 
 @dataclasses.dataclass
 class ModelScan:
-    """Every norm site of a model with its contract, role and placement, and the findings."""
+    """Every norm site of a model with its contract, role and placement, and the findings.
+
+    ``placement`` is the model's: its residual streams' one placement, else ``mixed``; ``streams`` states each
+    stream's (an encoder's, a decoder's: ``{"stream", "path", "blocks", "placement"}``) and ``blocks`` each
+    block's (with the stream it belongs to)."""
 
     model: str
     inputs: dict[str, Any]
@@ -87,6 +91,7 @@ class ModelScan:
     dtypes: tuple[str, ...] | None
     seconds: float
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
+    streams: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -112,7 +117,7 @@ class ModelScan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA, "model": self.model, "inputs": jsonable(self.inputs), "placement": self.placement,
-            "blocks": jsonable(self.blocks), "config_eps": jsonable(self.config_eps),
+            "blocks": jsonable(self.blocks), "streams": jsonable(self.streams), "config_eps": jsonable(self.config_eps),
             "findings": jsonable(self.findings), "ok": self.ok, "sites": [s.to_dict() for s in self.sites],
             "rejected": jsonable(self.rejected), "dtypes": None if self.dtypes is None else list(self.dtypes),
             "seconds": round(self.seconds, 4), "stats": jsonable(self.stats),
@@ -130,7 +135,7 @@ class ModelScan:
                        blocks=d.get("blocks") or [], config_eps=d.get("config_eps") or {},
                        findings=d.get("findings") or [], rejected=d.get("rejected") or [],
                        dtypes=None if d.get("dtypes") is None else tuple(d["dtypes"]), seconds=d.get("seconds", 0.0),
-                       stats=d.get("stats") or {})
+                       stats=d.get("stats") or {}, streams=d.get("streams") or [])
         except (KeyError, TypeError) as exc:
             raise InputError(f"the scan JSON is missing or has a malformed field ({exc})") from None
         except SpecError as exc:

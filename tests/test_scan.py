@@ -147,6 +147,42 @@ def test_config_eps_mismatch_is_a_finding():
     assert model.model.layers[1].input_layernorm.variance_epsilon == 1e-5
 
 
+def test_an_eps_the_code_sets_itself_is_a_note_and_a_site_that_reads_the_config_still_a_finding():
+    # ConvNextLayer and ConvNextEmbeddings build ConvNextLayerNorm(..., eps=1e-6); only ConvNextModel.layernorm
+    # reads config.layer_norm_eps (1e-12)
+    T = transformers
+    torch.manual_seed(0)
+    cfg = T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, image_size=32)
+    model = T.ConvNextModel(cfg).eval()
+    r = scan(model, torch.randn(1, 3, 32, 32), dtypes="float32", progress=False)
+    assert r.findings == [] and r.ok, r.findings
+    (note,) = r.notes
+    assert note["kind"] == "eps_own" and note["measured"] == pytest.approx(1e-6, rel=0.01)
+    assert len(note["sites"]) == 6 and "layernorm" not in note["sites"]
+    model.layernorm.eps = 1e-5  # the one site the config governs, edited
+    r = scan(model, torch.randn(1, 3, 32, 32), dtypes="float32", progress=False)
+    (f,) = r.findings
+    assert f["kind"] == "eps_mismatch" and f["sites"] == ["layernorm"] and f["config"] == {"layer_norm_eps": 1e-12}
+
+
+def test_eps_of_a_model_that_cannot_be_rebuilt_from_its_config_is_compared_everywhere():
+    from normscope.sites.config_eps import eps_followers
+
+    class Wrapped(torch.nn.Module):  # has a config, but its class does not take one
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids):
+            return self.inner(input_ids=input_ids).logits
+
+    model = _hf("llama")
+    assert eps_followers(Wrapped(model), {"rms_norm_eps": 1e-6}) is None
+    model.model.norm.variance_epsilon = 1e-5
+    r = scan(Wrapped(model), torch.randint(4, 100, (2, 8)), progress=False, dtypes="float32")
+    assert [f["sites"] for f in r.findings] == [["inner.model.norm"]] and r.notes == []
+
+
 # ---------------------------------------------------------------------------------------------- trained MiniLM
 @pytest.fixture(scope="module")
 def minilm():

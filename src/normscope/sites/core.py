@@ -24,9 +24,9 @@ from ..model import Progress, arguments, describe, private_copy, redrawn, stored
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
-from ..sources import EPS_KEYS
 from ..targets import as_target
 from ..targets.base import check_dtype_list
+from .config_eps import config_eps, eps_findings, eps_followers
 from .dataflow import Dataflow, Role, block_modules
 from .result import ModelScan, Site
 from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
@@ -82,27 +82,6 @@ class FunctionalNorm(torch.nn.Module):
         if self.fn_name == "instance_norm" and kw.get("running_mean") is not None:
             kw["use_input_stats"] = self.training
         return self.fn(x, **kw)
-
-
-# ---------------------------------------------------------------------------------------------- the model
-def config_eps(config) -> dict[str, float]:
-    """The ε values an HF config states (also in nested sub-configs such as ``text_config``)."""
-    if config is None:
-        return {}
-    try:
-        data = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    except Exception:
-        return {}
-    out: dict[str, float] = {}
-
-    def walk(d: dict, prefix: str, depth: int) -> None:
-        for k, v in d.items():
-            if k in EPS_KEYS and isinstance(v, int | float) and not isinstance(v, bool):
-                out[prefix + k] = float(v)
-            elif isinstance(v, dict) and depth < 3:
-                walk(v, f"{prefix}{k}.", depth + 1)
-    walk(data, "", 0)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- discovery
@@ -290,25 +269,6 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress,
                 evidence=evidence, calls=result.calls, seconds=time.perf_counter() - started), None
 
 
-def _eps_findings(sites: list[Site], stated: dict[str, float]) -> list[dict[str, Any]]:
-    if not stated:
-        return []
-    out = []
-    by_eps: dict[float, list[Site]] = {}
-    for s in sites:
-        if s.spec is None:
-            continue
-        if not any(math.isclose(s.spec.eps, v, rel_tol=0.01) for v in stated.values()):
-            by_eps.setdefault(s.spec.eps, []).append(s)
-    config = ", ".join(f"{k}={v:g}" for k, v in stated.items())
-    for eps, bad in by_eps.items():
-        names = [s.name for s in bad]
-        shown = ", ".join(names[:3]) + (f" … ({len(names)} sites)" if len(names) > 3 else "")
-        out.append({"kind": "eps_mismatch", "sites": names, "measured": eps, "config": stated,
-                    "message": f"measured ε={eps:g} at {shown}; the config states {config}"})
-    return out
-
-
 def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
          call_timeout: float | None = None) -> ModelScan:
     """Every norm site of ``model`` with its contract, role and placement.
@@ -358,7 +318,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             calls += site.calls
         placement, block_records, streams = flow.placements(roles)
     stated = config_eps(getattr(model, "config", None))
-    findings = _eps_findings(sites, stated)
+    findings, notes = eps_findings(sites, stated, eps_followers(model, stated))
     for s in sites:
         if s.spec is None:
             findings.append({"kind": "not_inferred", "sites": [s.name], "message": f"{s.name}: {s.error}"})
@@ -376,4 +336,5 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                   "infer_calls": calls})
     return ModelScan(model=type(model).__name__, inputs=describe(args, kwargs), sites=sites, placement=placement,
                      blocks=block_records, config_eps=stated, findings=findings, rejected=rejected,
-                     dtypes=dtypes, seconds=time.perf_counter() - started, stats=stats, streams=streams)
+                     dtypes=dtypes, seconds=time.perf_counter() - started, stats=stats, streams=streams,
+                     notes=notes)

@@ -67,7 +67,14 @@ def _header(result: ModelScan, console: Console) -> None:
 
 
 def _verdict(result: ModelScan, console: Console, evidence: bool) -> None:
-    """The findings, or what was checked and found right — with the worst real-activation error when asked."""
+    """The findings, or what was checked and found right — with the worst real-activation error when asked —
+    then the notes (facts that are not findings)."""
+    _findings(result, console, evidence)
+    for note in result.notes:
+        indented(console, f"note: {note['message']}", 0, 2)
+
+
+def _findings(result: ModelScan, console: Console, evidence: bool) -> None:
     if result.findings:
         console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
         for f in result.findings:
@@ -80,7 +87,8 @@ def _verdict(result: ModelScan, console: Console, evidence: bool) -> None:
         checked += (f" (worst relative error {fmt(worst['max_relative_error'])}, tolerance "
                     f"{fmt(worst['tolerance'])})")
     if result.config_eps:
-        checked += " and matches the config's ε"
+        checked += " and matches the config's ε where the code reads it" if result.notes else \
+            " and matches the config's ε"
         if evidence:
             checked += " (" + ", ".join(f"{k}={v:g}" for k, v in result.config_eps.items()) + ")"
     indented(console, f"no findings: {checked}", 0, 2)

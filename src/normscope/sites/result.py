@@ -92,6 +92,7 @@ class ModelScan:
     seconds: float
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     streams: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    notes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # facts that are not findings
 
     @property
     def ok(self) -> bool:
@@ -118,7 +119,8 @@ class ModelScan:
         return {
             "schema": SCHEMA, "model": self.model, "inputs": jsonable(self.inputs), "placement": self.placement,
             "blocks": jsonable(self.blocks), "streams": jsonable(self.streams), "config_eps": jsonable(self.config_eps),
-            "findings": jsonable(self.findings), "ok": self.ok, "sites": [s.to_dict() for s in self.sites],
+            "findings": jsonable(self.findings), "notes": jsonable(self.notes), "ok": self.ok,
+            "sites": [s.to_dict() for s in self.sites],
             "rejected": jsonable(self.rejected), "dtypes": None if self.dtypes is None else list(self.dtypes),
             "seconds": round(self.seconds, 4), "stats": jsonable(self.stats),
         }
@@ -135,7 +137,8 @@ class ModelScan:
                        blocks=d.get("blocks") or [], config_eps=d.get("config_eps") or {},
                        findings=d.get("findings") or [], rejected=d.get("rejected") or [],
                        dtypes=None if d.get("dtypes") is None else tuple(d["dtypes"]), seconds=d.get("seconds", 0.0),
-                       stats=d.get("stats") or {}, streams=d.get("streams") or [])
+                       stats=d.get("stats") or {}, streams=d.get("streams") or [],
+                       notes=d.get("notes") or [])
         except (KeyError, TypeError) as exc:
             raise InputError(f"the scan JSON is missing or has a malformed field ({exc})") from None
         except SpecError as exc:

@@ -106,6 +106,84 @@ def test_hf_config_every_architecture(configs, arch):
     assert len(c.sites) == 2 * len(block) + 1
 
 
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_the_structure_gives_what_the_table_states(configs, arch):
+    # the table is a fast path: the architecture built on the meta device and scanned must agree with it
+    from normscope.artifacts.structure import read_structure
+
+    path = configs[arch] / "config.json"
+    table = contract(path)
+    built = read_structure(json.loads(path.read_text()), path, str(path))
+    fields = ("name", "layer", "role", "family", "center", "eps", "eps_placement", "axes", "size", "gamma", "beta",
+              "gamma_offset")
+    assert sorted(tuple(getattr(s, f) for f in fields) for s in built.sites) == \
+        sorted(tuple(getattr(s, f) for f in fields) for s in table.sites)
+    assert (built.placement, built.eps, built.eps_key, built.n_layers) == \
+        (table.placement, table.eps, table.eps_key, table.n_layers)
+
+
+# transformers' own classes, outside the table; the truth from their modeling sources
+OUTSIDE_THE_TABLE = {
+    # GPTNeoXLayer (use_parallel_residual): x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x))
+    "gpt_neox": (lambda t: t.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, vocab_size=64),
+                 "parallel", "layernorm", 1e-5, "layer_norm_eps", 0.0, ["attn_norm", "ffn_norm"]),
+    # FalconDecoderLayer (parallel_attn, one input_layernorm): x + attn(n(x)) + mlp(n(x))
+    "falcon": (lambda t: t.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=64),
+               "parallel", "layernorm", 1e-5, "layer_norm_epsilon", 0.0, ["attn_norm"]),
+    # Starcoder2DecoderLayer: pre-LN with nn.LayerNorm(eps=config.norm_epsilon)
+    "starcoder2": (lambda t: t.Starcoder2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                                norm_epsilon=3e-5),
+                   "pre", "layernorm", 3e-5, "norm_epsilon", 0.0, ["attn_norm", "ffn_norm"]),
+    # NemotronLayerNorm1P: F.layer_norm(x, weight + 1, bias)
+    "nemotron": (lambda t: t.NemotronConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                            head_dim=8),
+                 "pre", "layernorm", 1e-5, "norm_eps", 1.0, ["attn_norm", "ffn_norm"]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OUTSIDE_THE_TABLE))
+def test_any_architecture_transformers_knows(tmp_path, arch):
+    build, placement, family, eps, key, offset, slots = OUTSIDE_THE_TABLE[arch]
+    build(transformers).save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert c.kind == "hf-config" and c.architecture == arch and c.placement == placement
+    assert (c.eps, c.eps_key, c.n_layers) == (pytest.approx(eps), key, 2)
+    assert [s.name.split(".", 2)[2] for s in c.sites if s.layer == 0] == slots
+    assert [s.name for s in c.sites if s.layer is None] == ["final_norm"]
+    for s in c.sites:
+        assert (s.family, s.eps, s.gamma_offset, s.size) == (family, pytest.approx(eps), offset, 32)
+    assert any("meta device" in n for n in c.notes)
+
+
+def test_gguf_states_a_parallel_block_and_matches_the_structure(tmp_path):
+    import gguf
+
+    from normscope.artifacts import compare
+
+    cfg = OUTSIDE_THE_TABLE["gpt_neox"][0](transformers)
+    cfg.save_pretrained(tmp_path / "neox")
+    w = gguf.GGUFWriter(str(tmp_path / "neox.gguf"), arch="gptneox")
+    w.add_block_count(2)
+    w.add_layer_norm_eps(1e-5)
+    w.add_bool("gptneox.use_parallel_residual", True)
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.attn_norm", "blk.0.ffn_norm", "blk.1.attn_norm", "blk.1.ffn_norm", "output_norm"):
+        w.add_tensor(name + ".weight", rng.uniform(0.5, 1.5, 32).astype(np.float32))
+        w.add_tensor(name + ".bias", rng.uniform(-0.1, 0.1, 32).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = contract(tmp_path / "neox.gguf")
+    assert file.placement == "parallel" and any("use_parallel_residual" in n for n in file.notes)
+    structure = contract(tmp_path / "neox" / "config.json")
+    result = compare(structure, file)
+    assert result.ok and not result.mismatches, [i.message for i in result.items]
+
+
 def test_hf_weights_give_gamma_statistics_and_the_cohere_per_head_shape(configs, tmp_path):
     for arch, offset in (("gemma3", 1.0), ("cohere", 0.0)):
         torch.manual_seed(0)
@@ -252,7 +330,12 @@ def test_from_scan_resolves_names_by_role_and_keeps_functional_calls():
         SimpleNamespace(name="model.layers.1.post_attention_layernorm", layer=1, role="pre", spec=rms, gamma=None),
         SimpleNamespace(name="blocks.0:layer_norm#0", layer=0, role="other", spec=NormSpec(), gamma=None),
     ]
-    c = ModelContract.from_scan(SimpleNamespace(sites=sites))
+    # one residual stream: the structure names the sites (a lone pre norm is its block's attn_norm)
+    c = ModelContract.from_scan(SimpleNamespace(sites=sites, streams=[{}]))
+    assert [s.name for s in c.sites] == ["layers.0.attn_branch_norm", "layers.0.attn_branch_norm#2",
+                                         "layers.1.attn_norm", "layers.0:layer_norm#0"]
+    # several streams: the name tables, with the measured role deciding an ambiguous name
+    c = ModelContract.from_scan(SimpleNamespace(sites=sites, streams=[{}, {}]))
     assert [s.name for s in c.sites] == ["layers.0.attn_branch_norm", "layers.0.attn_branch_norm#2",
                                          "layers.1.ffn_norm", "layers.0:layer_norm#0"]
     assert c.sites[3].family == "layernorm" and c.sites[3].role == "other"
@@ -305,6 +388,19 @@ def _export(module, path, opset=None):
     kw = {} if opset is None else {"opset_version": opset, "do_constant_folding": False}
     torch.onnx.export(module.eval(), (torch.randn(2, 3, 16),), str(path), dynamo=False, **kw)
     return path
+
+
+def test_onnx_gamma_after_a_cast_is_found(tmp_path):
+    # LlamaRMSNorm.forward: weight * hidden_states.to(input_dtype): a Cast between x̂ and the γ multiply
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    path = _export(torch.nn.Sequential(torch.nn.Linear(16, 16), norm), tmp_path / "rms.onnx")
+    (site,) = contract(path).sites
+    assert site.family == "rmsnorm" and site.gamma and site.gamma_offset == 0.0
+    assert site.gamma_stats["min"] == pytest.approx(float(norm.weight.min()))
 
 
 @pytest.mark.parametrize("opset", [None, 17])
@@ -442,7 +538,9 @@ def test_bad_configs_and_files(tmp_path):
                        "no rms_norm_eps"),
         "wrongeps.json": ({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2,
                            "layer_norm_eps": 1e-5}, "it has layer_norm_eps, which llama does not read"),
-        "unknown.json": ({"model_type": "mamba", "norm_eps": 1e-5}, "model_type 'mamba'; known architectures"),
+        "unknown.json": ({"model_type": "no-such-model", "norm_eps": 1e-5},
+                         "model_type 'no-such-model' is not an architecture the installed transformers"),
+        "notype.json": ({"norm_eps": 1e-5}, "no model_type"),
         "list.json": ([1, 2, 3], "must hold a JSON object; got a list"),
         "huge.json": ({"model_type": "llama", "rms_norm_eps": 1e-6, "num_hidden_layers": 10**12, "hidden_size": 8,
                        "num_attention_heads": 2}, "num_hidden_layers must be a positive integer"),

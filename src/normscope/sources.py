@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -155,6 +156,13 @@ def read_config(path: str | Path, model_type: bool = True) -> dict[str, Any]:
 
 #: the config keys that carry a norm's ε in Hugging Face configs
 EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+_EPS_KEY = re.compile(r"[a-z0-9_]*(norm|rms|ln)[a-z0-9_]*_(eps|epsilon)")
+
+
+def is_eps_key(key: str) -> bool:
+    """A config key that states a normalization's ε: the common four, and any ``…norm…_eps``/``…_epsilon``
+    (``norm_epsilon``, ``batch_norm_eps``, ``mixer_rms_eps``, …) — not a jitter's or an optimizer's ε."""
+    return isinstance(key, str) and (key in EPS_KEYS or _EPS_KEY.fullmatch(key) is not None)
 MAX_LAYERS = 100_000  # beyond any real model: a larger count is a corrupt or hostile config
 MAX_WIDTH = 2**24
 #: the structural sizes a config may state, each a positive integer up to its limit
@@ -184,7 +192,7 @@ def check_config(config: dict[str, Any], where: str | Path) -> None:
     for key in CONFIG_SIZES:
         if key in config and not (key == "head_dim" and config[key] is None):
             config_int(config, (key,), where)
-    for key in EPS_KEYS:
+    for key in (k for k in config if is_eps_key(k)):
         if key in config:
             eps = config[key]
             if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < float("inf"):
@@ -194,9 +202,9 @@ def check_config(config: dict[str, Any], where: str | Path) -> None:
 def unstated_eps(stated: dict[str, Any], built: dict[str, Any], where: str | Path) -> None:
     """An InputError when the architecture reads a norm ε from its config (its defaults have one) and the file
     states none: transformers would silently use its default, and every ε measured would be that default's."""
-    if any(k in stated for k in EPS_KEYS):
+    if any(is_eps_key(k) for k in stated):
         return
-    defaults = [k for k in EPS_KEYS if k in built]
+    defaults = [k for k in built if is_eps_key(k)]
     if defaults:
         raise InputError(f"{where}: no {defaults[0]}, the ε of its norms; transformers would silently use its "
                          f"default ({built[defaults[0]]!r}) — add the value the model was trained with")

@@ -71,8 +71,9 @@ def read_hf(path: str | Path) -> ModelContract:
         model_type = "gemma3_text"
     arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        named = f"model_type {model_type!r}" if model_type is not None else "no model_type"
-        raise InputError(f"{config_path}: {named}; known architectures: {', '.join(sorted(ARCHITECTURES))}")
+        if not isinstance(model_type, str):
+            raise InputError(f"{config_path}: no model_type: the architecture decides which norms a model has")
+        return _from_structure(config, config_path, path)
 
     present = [k for k in EPS_KEYS if k in config]
     if arch.eps_key not in config:
@@ -122,6 +123,22 @@ def read_hf(path: str | Path) -> ModelContract:
     if other:
         out.notes.append(f"the config also states {', '.join(f'{k}={config[k]}' for k in other)}, which "
                          f"{model_type} does not read")
+    weights = sorted(config_path.parent.glob("*.safetensors"))
+    if weights:
+        _add_gamma_statistics(out, weights)
+        out.kind = "hf-model"
+    return out
+
+
+def _from_structure(config: dict, config_path: Path, path: Path) -> ModelContract:
+    """An architecture outside the table: read from the structure transformers builds (artifacts.structure)."""
+    from .structure import read_structure
+
+    check_config(config, config_path)
+    out = read_structure(config, config_path, str(path))
+    if out.eps_key is not None and out.eps_key not in config:
+        raise InputError(f"{config_path}: no {out.eps_key}, the ε {config['model_type']}'s norms read; transformers "
+                         "would silently use its default — add the value the model was trained with")
     weights = sorted(config_path.parent.glob("*.safetensors"))
     if weights:
         _add_gamma_statistics(out, weights)

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..jsonable import document, jsonable, parse
-from .names import canonicalize, placement_of
+from .names import canonicalize, placement_of, structural_names
 
 SCHEMA = "normscope.contract/1"
 
@@ -118,11 +118,13 @@ class ModelContract:
     eps_key: str | None = None
     n_layers: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    stated_placement: str | None = None  # measured from a dataflow or stated by the file; else from the names
 
     @property
     def placement(self) -> str | None:
-        """The block design the sites describe (pre, post, sandwich, reordered, parallel, mixed)."""
-        return placement_of(s.name for s in self.sites)
+        """The block design: as measured (a scan's dataflow) or stated (a file's flag), else what the sites'
+        canonical slots describe (pre, post, sandwich, reordered, parallel, mixed)."""
+        return self.stated_placement or placement_of(s.name for s in self.sites)
 
     def site(self, name: str) -> ContractSite | None:
         return next((s for s in self.sites if s.name == name), None)
@@ -153,7 +155,7 @@ class ModelContract:
         return cls(source=data.get("source", "?"), kind=data.get("kind", "?"),
                    sites=[ContractSite.from_dict(s) for s in sites], architecture=data.get("architecture"),
                    eps=data.get("eps"), eps_key=data.get("eps_key"), n_layers=data.get("n_layers"),
-                   notes=list(data.get("notes") or []))
+                   notes=list(data.get("notes") or []), stated_placement=data.get("placement"))
 
     @classmethod
     def from_json(cls, text: str) -> ModelContract:
@@ -172,7 +174,12 @@ class ModelContract:
         if not hasattr(scan, "sites"):
             raise InputError("from_scan needs a scan result with .sites")
         paths = [_scan_path(s.name) for s in raw]
-        names = canonicalize(paths, {p: getattr(s, "role", None) for p, s in zip(paths, raw, strict=True)})
+        names = None
+        if len(getattr(scan, "streams", None) or []) <= 1:  # one stream: the structure names every site
+            names = structural_names([(p, getattr(s, "layer", None), getattr(s, "role", None))
+                                      for p, s in zip(paths, raw, strict=True)])
+        if names is None:
+            names = canonicalize(paths, {p: getattr(s, "role", None) for p, s in zip(paths, raw, strict=True)})
         seen: dict[str, int] = {}
         sites = []
         for path, s in zip(paths, raw, strict=True):
@@ -186,25 +193,29 @@ class ModelContract:
             layer = getattr(s, "layer", None) if getattr(s, "layer", None) is not None else layer
             shape = getattr(s, "shape", None)
             size = None
+            axes = spec.axes
             if shape is not None:
                 size = 1
-                for a in spec.resolve_axes(len(shape)):
+                resolved = spec.resolve_axes(len(shape))
+                for a in resolved:
                     size *= int(shape[a])
+                axes = tuple(a - len(shape) for a in resolved)  # counted from the end, as files state them
             gamma = getattr(s, "gamma", None)
             stats = None
             if isinstance(gamma, dict) and all(k in gamma for k in ("mean", "min", "max")):
                 stats = {k: float(gamma[k]) for k in ("mean", "min", "max")}
             sites.append(ContractSite(
                 name=name, source=s.name, layer=layer, role=getattr(s, "role", None) or role, family=spec.kind,
-                center=spec.center, eps=spec.eps, eps_placement=spec.eps_placement, axes=spec.axes, size=size,
+                center=spec.center, eps=spec.eps, eps_placement=spec.eps_placement, axes=axes, size=size,
                 gamma=spec.gamma, beta=spec.beta, gamma_offset=spec.gamma_offset if spec.gamma else None,
                 gamma_stats=stats, groups=spec.groups,
             ))
         config_eps = getattr(scan, "config_eps", None)
+        placement = getattr(scan, "placement", None)
         return cls(source=source or str(getattr(scan, "source", None) or "scan"), kind="scan", sites=sites,
                    architecture=getattr(scan, "architecture", None),
                    eps=float(config_eps) if isinstance(config_eps, int | float) else None,
-                   n_layers=_n_layers(sites))
+                   n_layers=_n_layers(sites), stated_placement=placement if isinstance(placement, str) else None)
 
 
 def value_stats(values: Any) -> dict[str, float] | None:

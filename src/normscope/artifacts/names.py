@@ -13,9 +13,14 @@ Slots and the role each implies:
   ``attn_output_norm`` / ``layer_output_norm``);
 - ``q_norm`` / ``k_norm`` (``qk``); ``final_norm`` (``final``); ``embed_norm`` (``embedding``).
 
+When a scan has measured every site's role and layer (one residual stream), names come from the structure
+alone (:func:`structural_names`): within a block, the n-th norm of a role in forward order takes that role's
+n-th slot — the first pre norm is ``attn_norm``, the last ``ffn_norm``, one between them ``cross_attn_norm``
+(an encoder–decoder's cross-attention); ``final_norm`` and ``embed_norm`` outside. The tables below name the
+sites of files that state no dataflow (a GGUF, an HF config of a known architecture, an ONNX graph).
 Hugging Face's ``post_attention_layernorm`` is the MLP's *pre* norm in Llama but a *branch* norm in
-Gemma 2/3 and OLMo-2: a role, when known (a scan measures it), decides; otherwise the block's other norms
-do (a ``pre_feedforward_layernorm`` beside it, or no ``input_layernorm``, makes it a branch norm).
+Gemma 2/3 and OLMo-2: a role, when known, decides; otherwise the block's other norms do (a
+``pre_feedforward_layernorm`` beside it, or no ``input_layernorm``, makes it a branch norm).
 """
 
 from __future__ import annotations
@@ -144,8 +149,47 @@ def canonicalize(paths: Iterable[str], roles: Mapping[str, str | None] | None = 
     return out
 
 
-_ORDER = ("embed_norm", "attn_norm", "q_norm", "k_norm", "attn_branch_norm", "attn_post_norm", "ffn_norm",
-          "ffn_branch_norm", "ffn_post_norm", "final_norm")
+_ROLE_SLOTS = {"pre": ("attn_norm", "ffn_norm"), "branch": ("attn_branch_norm", "ffn_branch_norm"),
+               "post": ("attn_post_norm", "ffn_post_norm"), "qk": ("q_norm", "k_norm")}
+_TOP_SLOTS = {"final": "final_norm", "embedding": "embed_norm"}
+
+
+def structural_names(sites: list[tuple[str, int | None, str | None]]
+                     ) -> dict[str, tuple[str, int | None, str | None]] | None:
+    """(module path, layer, role) in forward order → {path: (canonical name, layer, role)} from the structure
+    alone; None when a site's role is unknown or a name would repeat (the tables decide then)."""
+    if any(role is None for _, _, role in sites):
+        return None
+    count: dict[tuple[int, str], int] = {}
+    total: dict[tuple[int, str], int] = {}
+    for _, layer, role in sites:
+        if layer is not None:
+            total[(layer, role)] = total.get((layer, role), 0) + 1
+    out: dict[str, tuple[str, int | None, str | None]] = {}
+    for path, layer, role in sites:
+        if path in out:
+            continue
+        if layer is None:
+            name = _TOP_SLOTS.get(role) or canonicalize([path], {path: role})[path][0]
+        elif role in _ROLE_SLOTS:
+            k, n = count.get((layer, role), 0), total[(layer, role)]
+            count[(layer, role)] = k + 1
+            first, last = _ROLE_SLOTS[role]
+            if role == "qk" and n > 2:
+                return None
+            slot = first if k == 0 else last if k == n - 1 else "cross_" + first + ("" if n == 3 else f"_{k}")
+            name = f"layers.{layer}.{slot}"
+        else:  # a norm of no residual role (inside a sublayer): its name, as the tables give it
+            name = canonicalize([path], {path: role})[path][0]
+        out[path] = (name, layer, role)
+    if len({name for name, _, _ in out.values()}) != len(out):
+        return None
+    return out
+
+
+_ORDER = ("embed_norm", "attn_norm", "q_norm", "k_norm", "attn_branch_norm", "attn_post_norm", "cross_attn_norm",
+          "cross_attn_branch_norm", "cross_attn_post_norm", "ffn_norm", "ffn_branch_norm", "ffn_post_norm",
+          "final_norm")
 
 
 def site_order(name: str) -> tuple:

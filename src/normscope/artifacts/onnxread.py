@@ -383,10 +383,27 @@ def _normalized(g: _Graph, denom: str, x: str, centre: bool, axes) -> tuple[str,
     return None
 
 
+def _through_casts(g: _Graph, y: str) -> str:
+    """``y`` followed through the ops that change neither its values' meaning nor their layout for γ: a Cast
+    (Llama-family RMSNorms export ``weight * x̂.to(dtype)``, a Cast that is a no-op at float32), an Identity, a
+    Reshape to a shape computed from shapes alone."""
+    for _ in range(8):
+        nxt = g.consumers.get(y, [])
+        if len(nxt) != 1 or not nxt[0].output:
+            return y
+        node = nxt[0]
+        if node.op_type in ("Cast", "Identity") or node.op_type == "Reshape" and g.shape_only(node.input[1]):
+            y = node.output[0]
+            continue
+        return y
+    return y
+
+
 def _affine(g: _Graph, y: str, site: ContractSite, gamma_before: str | None = None) -> None:
     """γ (and an offset 1 + w) and β applied to x̂ by Mul/Add with constant operands; ``gamma_before``: γ already
     applied to the numerator, before the division."""
     site.gamma, site.beta, site.gamma_offset = False, False, None
+    y = _through_casts(g, y)
     nxt = g.consumers.get(y, [])
     if gamma_before is not None:
         w = g.const(gamma_before)

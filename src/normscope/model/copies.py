@@ -1,6 +1,7 @@
 """Private copies of a user's model and the promise to leave the model as it was.
 
-``private_copy`` — a deep copy on the CPU without the user's hooks; ``untouched`` — modes, ``requires_grad``
+``private_copy`` — a deep copy on the CPU without the user's hooks (a module on the meta device is materialized
+with drawn values: see :func:`on_meta`); ``untouched`` — modes, ``requires_grad``
 flags, parameters and buffers restored on exit; ``redrawn`` — a copy whose vector parameters are drawn away from
 zero (a γ of ones hides the order of γ and the cast); ``stored_params`` — γ/β as a module stores them.
 """
@@ -19,12 +20,39 @@ from ..errors import TargetError
 BIG_MODEL_BYTES = 1 << 30  # larger models' parameters are not copied by untouched(); writes to them are detected
 
 
+def on_meta(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (shapes without values)."""
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def _materialized(m: torch.nn.Module) -> torch.nn.Module:
+    """``m`` (a copy) moved off the meta device with drawn values: floating parameters and buffers uniform in
+    ±[0.5, 1.5] — positive for buffers, so a running variance is one — and integer ones zero. A contract does
+    not depend on the values, and values away from zero and one hide no field (as :func:`redrawn`)."""
+    rng = np.random.default_rng(0)
+    m = m.to_empty(device="cpu")
+    with torch.no_grad():
+        for kind, tensors in (("param", list(m.parameters())), ("buffer", list(m.buffers()))):
+            for t in tensors:
+                if not t.is_floating_point():
+                    t.zero_()
+                    continue
+                v = rng.uniform(0.5, 1.5, size=tuple(t.shape))
+                if kind == "param":
+                    v = v * rng.choice([-1.0, 1.0], size=tuple(t.shape))
+                t.copy_(torch.from_numpy(v))
+    return m
+
+
 def private_copy(module: torch.nn.Module, training: bool = False) -> torch.nn.Module:
-    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it)."""
+    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it); a module on
+    the meta device is materialized with drawn values."""
     try:
         m = copy.deepcopy(module)
     except Exception as exc:
         raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
+    if on_meta(m):
+        m = _materialized(m)
     for sub in m.modules():
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                      "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
@@ -41,10 +69,10 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
     modes = [m.training for m in modules]
     slots = [(dict(m._parameters), dict(m._buffers)) for m in modules]
     grads = [(p, p.requires_grad) for p in model.parameters()]
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
-    params = [(p, p.detach().clone()) for p in model.parameters()] if size <= BIG_MODEL_BYTES else []
-    versions = [(n, p, p._version) for n, p in model.named_parameters()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    size = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    params = [(p, p.detach().clone()) for p in model.parameters() if not p.is_meta] if size <= BIG_MODEL_BYTES else []
+    versions = [(n, p, p._version) for n, p in model.named_parameters() if not p.is_meta]  # meta: no values
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     try:
         yield
     finally:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..sources import EPS_KEYS
+from ..sources import is_eps_key
 from .result import Site
 
 
@@ -34,7 +34,7 @@ def config_eps(config) -> dict[str, float]:
 
     def walk(d: dict, prefix: str, depth: int) -> None:
         for k, v in d.items():
-            if k in EPS_KEYS and isinstance(v, int | float) and not isinstance(v, bool):
+            if is_eps_key(k) and isinstance(v, int | float) and not isinstance(v, bool):
                 out[prefix + k] = float(v)
             elif isinstance(v, dict) and depth < 3:
                 walk(v, f"{prefix}{k}.", depth + 1)

@@ -9,6 +9,7 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
@@ -20,7 +21,7 @@ import torch
 
 from .. import reference
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
-from ..model import Progress, arguments, describe, private_copy, redrawn, stored_params, untouched
+from ..model import Progress, arguments, describe, on_meta, private_copy, redrawn, stored_params, untouched
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
@@ -40,6 +41,9 @@ _SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
 # float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
 # change their ε there (torch RMSNorm(eps=None)).
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
+META_NOTE = ("the model is on the meta device (shapes without values): each contract is inferred on a copy with "
+             "drawn parameters, no activation is checked, no γ statistics, and only sites of a normalization class "
+             "or call are found (finding one by behaviour needs values)")
 
 
 
@@ -105,7 +109,8 @@ class _Candidate:
         self.call, self.order, self.make = call, order, make
 
 
-def _discover(trace: Trace, progress: Progress) -> tuple[list[_Candidate], list[dict[str, Any]], dict[str, int]]:
+def _discover(trace: Trace, progress: Progress, behaviour: bool = True
+              ) -> tuple[list[_Candidate], list[dict[str, Any]], dict[str, int]]:
     calls = trace.calls
     norm_shaped = [c for c in calls if c.x is not None and c.y is not None and c.output is not None
                    and c.output != c.input and c.x.is_floating_point()]
@@ -144,8 +149,8 @@ def _discover(trace: Trace, progress: Progress) -> tuple[list[_Candidate], list[
         containers |= op_anc[op.index]
     tested = 0
     accepted: set[int] = set()
-    for c in sorted((c for c in norm_shaped if c.index not in class_ids and c.index not in containers),
-                    key=lambda c: -c.depth):
+    untested = [c for c in norm_shaped if c.index not in class_ids and c.index not in containers]
+    for c in sorted(untested if behaviour else [], key=lambda c: -c.depth):
         if _ancestors(trace, c.index) & accepted or any(c.index in _ancestors(trace, a) for a in accepted):
             continue
         tested += 1
@@ -157,7 +162,8 @@ def _discover(trace: Trace, progress: Progress) -> tuple[list[_Candidate], list[
                               c.first_op, _maker(c)))
         accepted.add(c.index)
     out.sort(key=lambda s: s.order)
-    return out, rejected, {"behaviour_candidates_tested": tested}
+    return out, rejected, {"behaviour_candidates_tested": tested,
+                           "behaviour_candidates_untested": 0 if behaviour else len(untested)}
 
 
 def _maker(c: ModuleCall) -> Callable[[], torch.nn.Module]:
@@ -257,6 +263,10 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress,
         return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}
     except NormscopeError as exc:
         return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None
+    if cand.x.is_meta:  # shapes without values: nothing recorded to check, and γ/β were drawn
+        return Site(**base, spec=result.spec, activation={"not_measured": META_NOTE},
+                    evidence={k: v.to_dict() for k, v in result.evidence.items()}, calls=result.calls,
+                    seconds=time.perf_counter() - started), None
     params, sources = stored_params(module, result)
     activation = _activation_check(result.spec, params, cand.x, cand.y)
     activation["parameters"] = sources
@@ -267,6 +277,42 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress,
                                          "confidence": "decisive", "note": note}
     return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
                 evidence=evidence, calls=result.calls, seconds=time.perf_counter() - started), None
+
+
+def _meta_key(cand: _Candidate) -> tuple | None:
+    """What decides a meta site's inference: its module's class, plain attributes and parameter shapes, and the
+    input's shape and dtype. On the meta device every copy is materialized with the same drawn values, so two
+    sites with one key give one result (a 22-layer model's 45 norms are inferred once)."""
+    try:
+        module = cand.make()
+    except Exception:
+        return None
+    plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                         if isinstance(v, bool | int | float | str | tuple | type(None))))
+    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in list(module.named_parameters())
+                    + list(module.named_buffers()))
+    return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, tuple(cand.x.shape),
+            str(cand.x.dtype))
+
+
+def _same_as(done: tuple[Site | None, dict[str, Any] | None], cand: _Candidate
+             ) -> tuple[Site | None, dict[str, Any] | None]:
+    site, rej = done
+    if rej is not None:
+        return None, {**rej, "name": cand.name}
+    assert site is not None
+    return dataclasses.replace(site, name=cand.name, order=cand.order, calls=0, seconds=0.0,
+                               evidence={**site.evidence, "same_as": site.name}), None
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, tuple | list):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
 
 
 def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
@@ -284,6 +330,13 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
     started = time.perf_counter()
     dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
     args, kwargs = arguments(model, inputs)
+    meta = on_meta(model)
+    if meta:  # the forward runs on shapes alone
+        args, kwargs = _to_meta(args), _to_meta(kwargs)
+        if kwargs.get("use_cache") is False:
+            # with a KV cache, Hugging Face's mask building never reads values (without one it looks for packed
+            # sequences in the position ids, which meta tensors do not have)
+            kwargs["use_cache"] = True
     with progress_of(progress) as say:
         with untouched(model):
             model.eval()
@@ -300,13 +353,20 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             blocks = block_modules(model)
         flow = Dataflow(trace, blocks)
         say("finding norm sites")
-        candidates, rejected, stats = _discover(trace, say)
+        candidates, rejected, stats = _discover(trace, say, behaviour=not meta)
         sites: list[Site] = []
         roles: list[tuple[Role, int, int]] = []
         calls = 0
+        inferred: dict[tuple, tuple[Site | None, dict[str, Any] | None]] = {}  # on meta: one per kind of module
         for i, cand in enumerate(candidates):
             say(f"[{i + 1}/{len(candidates)}] {cand.name}")
-            site, rej = _infer_site(cand, dtypes, say, call_timeout)
+            key = _meta_key(cand) if meta else None
+            if key is not None and key in inferred:
+                site, rej = _same_as(inferred[key], cand)
+            else:
+                site, rej = _infer_site(cand, dtypes, say, call_timeout)
+                if key is not None:
+                    inferred[key] = (site, rej)
             if rej is not None:
                 rejected.append(rej)
                 continue
@@ -319,6 +379,8 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         placement, block_records, streams = flow.placements(roles)
     stated = config_eps(getattr(model, "config", None))
     findings, notes = eps_findings(sites, stated, eps_followers(model, stated))
+    if meta:
+        notes.insert(0, {"kind": "meta", "sites": [], "message": META_NOTE})
     for s in sites:
         if s.spec is None:
             findings.append({"kind": "not_inferred", "sites": [s.name], "message": f"{s.name}: {s.error}"})

@@ -80,8 +80,8 @@ def _findings(result: ModelScan, console: Console, evidence: bool) -> None:
         for f in result.findings:
             indented(console, f"• {f['message']}", 2, 2)
         return
-    checked = "every site reproduces its real activation"
     measured = [s.activation for s in result.sites if s.activation and "max_relative_error" in s.activation]
+    checked = "every site reproduces its real activation" if measured else "every site's contract was inferred"
     if evidence and measured:
         worst = max(measured, key=lambda a: a["max_relative_error"] / a["tolerance"])
         checked += (f" (worst relative error {fmt(worst['max_relative_error'])}, tolerance "
@@ -134,7 +134,8 @@ def render_scan(result: ModelScan, console: Console, full: bool = False) -> None
             layers = [s.layer for s in sites if s.layer is not None]
             where = f", layers {layer_ranges(layers)}" if layers else ""
             kind = "" if g["kind"] == "module" else f", by {g['kind']}"
-            bad = "" if _activation(sites, g["spec"]).startswith("reproduced") else " (NOT reproduced)"
+            measured = _activation(sites, g["spec"])
+            bad = "" if measured.startswith(("reproduced", "not measured")) else " (NOT reproduced)"
             indented(console, f"role {g['role']}{where}{kind}{bad}: {_folded(_names(sites).split(chr(10)))}",
                      2, 4)
     for r in result.rejected:

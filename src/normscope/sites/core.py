@@ -29,6 +29,7 @@ from ..targets import as_target
 from ..targets.base import check_dtype_list
 from .config_eps import config_eps, eps_findings, eps_followers
 from .dataflow import Dataflow, Role, block_modules
+from .inline import InlineNorm, find_inline
 from .result import ModelScan, Site
 from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
 
@@ -161,6 +162,22 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
         out.append(_Candidate("behaviour", label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
                               c.first_op, _maker(c)))
         accepted.add(c.index)
+    for site in find_inline(trace, class_ids | accepted):
+        x, y = trace.tensor(site.x), trace.tensor(site.y)
+        path = calls[site.call].path if site.call is not None else ""
+        k = counters.get((path, "inline"), 0)
+        counters[(path, "inline")] = k + 1
+        name = f"{_site_name(path)}:inline#{k}"
+        kind = "LayerNorm" if site.centred else "RMSNorm"
+        try:
+            if x is None or y is None:
+                raise ValueError("its input or output was written in place later in the forward")
+            module = InlineNorm(trace, site)
+        except ValueError as exc:
+            rejected.append({"name": name, "class": f"inline {kind}", "kind": "inline", "reason": str(exc)})
+            continue
+        out.append(_Candidate("inline", name, f"inline {kind}", x.detach().clone(), y.detach().clone(), site.x,
+                              site.y, site.call, site.first_op, _inline_maker(module)))
     out.sort(key=lambda s: s.order)
     return out, rejected, {"behaviour_candidates_tested": tested,
                            "behaviour_candidates_untested": 0 if behaviour else len(untested)}
@@ -168,6 +185,10 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
 
 def _maker(c: ModuleCall) -> Callable[[], torch.nn.Module]:
     return lambda: private_copy(c.module, training=False)
+
+
+def _inline_maker(module: InlineNorm) -> Callable[[], torch.nn.Module]:
+    return lambda: private_copy(module)
 
 
 def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
@@ -349,11 +370,13 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             except Exception as exc:
                 raise TargetError(f"the forward of {type(model).__name__} failed on the scan inputs "
                                   f"({describe(args, kwargs)}): {type(exc).__name__}: {exc}") from exc
-            trace.release()
             blocks = block_modules(model)
-        flow = Dataflow(trace, blocks)
-        say("finding norm sites")
-        candidates, rejected, stats = _discover(trace, say, behaviour=not meta)
+            flow = Dataflow(trace, blocks)
+            say("finding norm sites")
+            try:
+                candidates, rejected, stats = _discover(trace, say, behaviour=not meta)
+            finally:
+                trace.release()
         sites: list[Site] = []
         roles: list[tuple[Role, int, int]] = []
         calls = 0

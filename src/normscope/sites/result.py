@@ -11,7 +11,7 @@ from ..jsonable import document, jsonable, parse
 from ..spec import NormSpec
 
 SCHEMA = "normscope.scan/1"
-KINDS = ("module", "behaviour", "functional")
+KINDS = ("module", "behaviour", "functional", "inline")
 
 
 @dataclasses.dataclass
@@ -20,7 +20,8 @@ class Site:
 
     ``kind``: how it was found — ``module`` (a known normalization class), ``behaviour`` (a module of any
     class whose forward behaved as a normalization on its real activation and was confirmed by ``infer``) or
-    ``functional`` (a call to ``F.layer_norm``/``rms_norm``/``group_norm``/``batch_norm``/``instance_norm``).
+    ``functional`` (a call to ``F.layer_norm``/``rms_norm``/``group_norm``/``batch_norm``/``instance_norm``) or
+    ``inline`` (the op pattern of a norm written inside a larger forward, :mod:`normscope.sites.inline`).
     ``gamma``: mean/min/max of the stored γ parameter and the offset the contract applies (``1 + w``).
     ``activation``: the contract against the real activation recorded at the site.
     """

@@ -71,6 +71,7 @@ class Op:
     tensor_args: int  # how many tensor arguments the op had (before flattening lists)
     norm: dict[str, Any] | None = None  # functional normalizations: the bound arguments (tensors copied)
     scalar: float | None = None  # a product of one tensor and a Python number: the number (DeepNorm's α·x)
+    template: tuple | None = None  # (func, args, kwargs) with each tensor argument a Ref to its value: a replay
 
 
 @dataclasses.dataclass
@@ -90,6 +91,24 @@ class ModuleCall:
     mixing: bool = False  # a mixing op ran inside this call (or inside a call it made)
     x: torch.Tensor | None = None  # copies of input and output for calls shaped like a normalization
     y: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A tensor argument of a recorded op, by the value it held."""
+
+    value: int
+
+
+def _template(obj, values: dict[int, int], depth: int = 0):
+    """``obj`` with each tensor replaced by its :class:`Ref` (the same nesting :func:`_tensors` reads)."""
+    if isinstance(obj, torch.Tensor):
+        return Ref(values[id(obj)])
+    if depth < 2 and isinstance(obj, list | tuple):
+        return type(obj)(_template(o, values, depth + 1) for o in obj)
+    if depth < 2 and isinstance(obj, dict):
+        return {k: _template(v, values, depth + 1) for k, v in obj.items()}
+    return obj
 
 
 def _tensors(obj, out: list, depth: int = 0) -> list:
@@ -121,6 +140,7 @@ class Trace:
         self.calls: list[ModuleCall] = []
         self._current: dict[int, int] = {}  # id(tensor) → current value
         self._keep: list[torch.Tensor] = []  # keeps every seen tensor alive, so ids are not reused
+        self._held: dict[int, torch.Tensor] = {}  # value → the tensor holding it (until release)
         self._stack: list[int] = []
         self._numbers: dict[int, int] = {}
         self.paused = False
@@ -132,6 +152,7 @@ class Trace:
             return self._current[key]
         v = Value(len(self.values), tuple(t.shape), t.dtype, producer, key in self.param_ids)
         self.values.append(v)
+        self._held[v.index] = t
         if key not in self._current:
             self._keep.append(t)
         self._current[key] = v.index
@@ -212,6 +233,9 @@ class Trace:
             op = Op(len(self.ops), name, in_values, (), self._stack[-1] if self._stack else None, name in MIXING,
                     sum(isinstance(a, torch.Tensor) for a in args) + sum(isinstance(a, torch.Tensor)
                                                                          for a in kwargs.values()), norm)
+            if not in_place:
+                ids = {id(t): v for t, v in zip(ins, in_values, strict=True)}
+                op.template = (func, _template(args, ids), _template(kwargs, ids))
             written = []
             if in_place:
                 written.append(self.value(args[0], op.index, new=True))
@@ -237,10 +261,17 @@ class Trace:
         finally:
             self.paused = False
 
+    def tensor(self, v: int) -> torch.Tensor | None:
+        """The tensor that held value ``v``, while it still holds it (not written in place since) and until
+        :meth:`release`; None otherwise."""
+        t = self._held.get(v)
+        return t if t is not None and self._current.get(id(t)) == v else None
+
     def release(self) -> None:
         """Drop the references that kept the forward's tensors alive (the copies of norm-shaped calls stay)."""
         self._keep.clear()
         self._current.clear()
+        self._held.clear()
 
 
 class _Mode(TorchFunctionMode):

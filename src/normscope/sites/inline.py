@@ -1,0 +1,258 @@
+"""Normalizations written inline in a larger forward, found by their op pattern in the recorded dataflow.
+
+``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`` inside an attention or a block's forward has no module
+boundary and calls no normalization function. It is found from its statistic: a ``rsqrt`` (or a ``sqrt`` that
+divides) of a mean of squares — of ``x`` (RMSNorm) or of ``x − mean(x)`` (LayerNorm), ε added or not — whose
+result scales that same ``x``; the site then runs on through casts, a γ multiply and a β add by parameters, to
+the last value of ``x``'s shape. A gated norm (Mamba 2: ``rms(x · silu(z))``) is the same pattern on the gated
+product, so its contract is read with the gate held fixed.
+
+The site is replayed from the recorded ops (:class:`InlineNorm`): the functions and arguments of the ops between
+its input and its output, with the input substituted and the model's parameters (γ, β) as its own parameters,
+so ``infer`` probes it as any module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .trace import TRANSPARENT, Ref, Trace, _tensors
+
+_SQUARES = frozenset({"pow", "__pow__", "square"})
+_PRODUCTS = frozenset({"mul", "__mul__", "__rmul__"})
+_MEANS = frozenset({"mean"})
+_ADDS = frozenset({"add", "__add__", "__radd__"})
+_SUBS = frozenset({"sub", "__sub__"})
+_DIVS = frozenset({"div", "__truediv__"})
+_CASTS = frozenset({"to", "float", "type_as", "type", "half", "bfloat16", "double"})
+
+
+@dataclasses.dataclass
+class InlineSite:
+    x: int  # the value normalized (before any cast the norm makes)
+    y: int  # the site's output (after γ, β and a cast back)
+    ops: list[int]  # the recorded ops from x to y, in order
+    call: int | None
+    first_op: int
+    centred: bool
+
+
+class _Flow:
+    def __init__(self, trace: Trace):
+        self.t = trace
+        self.consumers: dict[int, list[int]] = {}
+        for op in trace.ops:
+            for v in op.inputs:
+                self.consumers.setdefault(v, []).append(op.index)
+
+    def producer(self, v: int):
+        p = self.t.values[v].producer
+        return None if p is None else self.t.ops[p]
+
+    def acts(self, op) -> list[int]:
+        return [i for i in op.inputs if not self.t.values[i].param]
+
+    def back(self, v: int) -> int:
+        """Through casts back to the value they carry."""
+        for _ in range(8):
+            op = self.producer(v)
+            if op is None or op.name not in _CASTS | TRANSPARENT or len(self.acts(op)) != 1:
+                return v
+            v = self.acts(op)[0]
+        return v
+
+    def users(self, v: int) -> list:
+        """The ops that read ``v`` and write a value (a no-op cast returns its input and writes none)."""
+        return [self.t.ops[i] for i in self.consumers.get(v, []) if self.t.ops[i].outputs]
+
+    def same(self, v: int) -> tuple:
+        """What ``v`` computes, up to casts: ``x - mean(x)`` written twice is one thing."""
+        v = self.back(v)
+        op = self.producer(v)
+        if op is not None and op.name in _SUBS and len(op.inputs) == 2:
+            return ("centred", self.back(op.inputs[0]), self.back(op.inputs[1]))
+        return ("value", v)
+
+
+def _squared(f: _Flow, v: int) -> int | None:
+    """The value whose elementwise square ``v`` is (``x.pow(2)``, ``x * x``, ``x.square()``)."""
+    op = f.producer(v)
+    if op is None:
+        return None
+    acts = f.acts(op)
+    if op.name in _SQUARES and len(acts) == 1 and op.tensor_args == 1:
+        return acts[0]
+    if op.name in _PRODUCTS and len(op.inputs) == 2 and op.inputs[0] == op.inputs[1]:
+        return op.inputs[0]
+    return None
+
+
+def _statistic(f: _Flow, r: int) -> tuple[int, bool] | None:
+    """For the input of a rsqrt/sqrt: (the value squared, whether it is centred)."""
+    v = f.back(r)
+    op = f.producer(v)
+    if op is not None and op.name in _ADDS and len(f.acts(op)) == 1 and op.tensor_args == 1:
+        v = f.back(f.acts(op)[0])  # + ε, a Python number
+        op = f.producer(v)
+    if op is None or op.name not in _MEANS or len(f.acts(op)) != 1:
+        return None
+    q = _squared(f, f.back(f.acts(op)[0]))
+    if q is None:
+        return None
+    q = f.back(q)
+    sub = f.producer(q)
+    if sub is not None and sub.name in _SUBS and len(sub.inputs) == 2:
+        a, m = sub.inputs
+        mean = f.producer(f.back(m))
+        if mean is not None and mean.name in _MEANS and f.back(f.acts(mean)[0]) == f.back(a):
+            return q, True
+    return q, False
+
+
+def _scales(f: _Flow, root_op, q: int) -> int | None:
+    """x̂: the output of the op that scales ``q`` (or a cast of it) by the root's result."""
+    out = root_op.outputs[0]
+    for op in f.users(out):
+        if len(op.outputs) != 1 or len(op.inputs) != 2:
+            continue
+        other = op.inputs[0] if op.inputs[1] == out else op.inputs[1]
+        if f.same(other) != f.same(q):
+            continue
+        if root_op.name == "rsqrt" and op.name in _PRODUCTS:
+            return op.outputs[0]
+        if root_op.name == "sqrt" and op.name in _DIVS and op.inputs[1] == out:
+            return op.outputs[0]
+    return None
+
+
+def _affine_tail(f: _Flow, v: int, shape: tuple[int, ...]) -> int:
+    """On from x̂ through casts, a γ multiply and a β add by parameters, while the shape stays."""
+    for _ in range(6):
+        ops = f.users(v)
+        if len(ops) != 1 or len(ops[0].outputs) != 1:
+            return v
+        op = ops[0]
+        nxt = op.outputs[0]
+        if f.t.values[nxt].shape != shape:
+            return v
+        params = [i for i in op.inputs if f.t.values[i].param]
+        if op.name in _CASTS | TRANSPARENT and len(f.acts(op)) == 1:
+            v = nxt
+        elif op.name in _PRODUCTS | _ADDS and len(op.inputs) == 2 and len(params) == 1:
+            v = nxt
+        else:
+            return v
+    return v
+
+
+def _between(f: _Flow, x: int, y: int) -> list[int] | None:
+    """The ops computed from ``x`` that ``y`` depends on, in order; None when one writes in place or has no
+    replay."""
+    reach = {x}
+    ops = []
+    for op in f.t.ops[f.t.values[x].producer + 1 if f.t.values[x].producer is not None else 0:]:
+        if any(i in reach for i in op.inputs):
+            reach.update(op.outputs)
+            ops.append(op)
+        if y in op.outputs:
+            break
+    need = {y}
+    kept = []
+    for op in reversed(ops):
+        if any(o in need for o in op.outputs):
+            if op.template is None:
+                return None
+            kept.append(op.index)
+            need.update(op.inputs)
+    return sorted(kept)
+
+
+def find_inline(trace: Trace, skip_calls: set[int]) -> list[InlineSite]:
+    """Every inline normalization of the forward outside the calls in ``skip_calls`` and the calls they make
+    (the module sites' own implementations)."""
+    f = _Flow(trace)
+    out: list[InlineSite] = []
+    taken: set[int] = set()
+    for op in trace.ops:
+        if op.name not in ("rsqrt", "sqrt") or len(op.outputs) != 1 or len(f.acts(op)) != 1:
+            continue
+        if op.index in taken or _inside(trace, op.call, skip_calls) or op.norm is not None:
+            continue
+        stat = _statistic(f, f.acts(op)[0])
+        if stat is None:
+            continue
+        q, centred = stat
+        xhat = _scales(f, op, q)
+        if xhat is None:
+            continue
+        x = f.back(q)
+        if centred:
+            sub = f.producer(q)
+            x = f.back(sub.inputs[0])
+        shape = trace.values[x].shape
+        y = _affine_tail(f, xhat, shape)
+        if trace.values[y].shape != shape:
+            continue
+        ops = _between(f, x, y)
+        if not ops:
+            continue
+        taken.update(ops)
+        out.append(InlineSite(x, y, ops, op.call, ops[0], centred))
+    return out
+
+
+def _inside(trace: Trace, call: int | None, calls: set[int]) -> bool:
+    while call is not None:
+        if call in calls:
+            return True
+        call = trace.calls[call].parent
+    return False
+
+
+class InlineNorm(torch.nn.Module):
+    """An inline normalization replayed: the recorded ops from its input to its output, the input substituted,
+    the model's parameters it reads held as its own (``p0``, ``p1``, … — γ and β for ``infer``)."""
+
+    def __init__(self, trace: Trace, site: InlineSite):
+        super().__init__()
+        self.x, self.y = site.x, site.y
+        self.steps: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
+        self.names: dict[int, str] = {}
+        produced = {site.x}
+        for i in site.ops:
+            op = trace.ops[i]
+            func, args, kwargs = op.template
+            for v in op.inputs:
+                if v in produced or v in self.names:
+                    continue
+                t = trace.tensor(v)
+                if t is None:
+                    raise ValueError(f"value {v} is gone")
+                name = f"p{len(self.names)}"
+                self.names[v] = name
+                if trace.values[v].param:
+                    self.register_parameter(name, torch.nn.Parameter(t.detach().clone(), requires_grad=False))
+                else:
+                    self.register_buffer(name, t.detach().clone())
+            self.steps.append((func, args, kwargs, op.outputs))
+            produced.update(op.outputs)
+
+    def _arg(self, obj, env: dict[int, torch.Tensor], depth: int = 0):
+        if isinstance(obj, Ref):
+            return env[obj.value] if obj.value in env else getattr(self, self.names[obj.value])
+        if depth < 2 and isinstance(obj, list | tuple):
+            return type(obj)(self._arg(o, env, depth + 1) for o in obj)
+        if depth < 2 and isinstance(obj, dict):
+            return {k: self._arg(v, env, depth + 1) for k, v in obj.items()}
+        return obj
+
+    def forward(self, x):
+        env = {self.x: x}
+        for func, args, kwargs, outputs in self.steps:
+            out = func(*self._arg(args, env), **self._arg(kwargs, env))
+            for v, t in zip(outputs, _tensors(out, []), strict=False):
+                env[v] = t
+        return env[self.y]

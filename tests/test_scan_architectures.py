@@ -190,3 +190,182 @@ def test_inline_norms_are_found_from_their_op_pattern():
 def test_the_implementation_of_a_norm_module_is_not_an_inline_site(scans):
     # LlamaRMSNorm computes exactly the inline pattern; its call is the site, its ops are not another
     assert all(s.kind == "module" for s in scans("t5").sites)
+
+
+# ------------------------------------------------------------------------------ many architectures, one table
+IMG = (1, 3, 32, 32)
+D = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+         max_position_embeddings=64, **IDS)
+S2S = dict(SEQ2SEQ, max_position_embeddings=64)
+
+
+def _zoo(T):
+    return {
+        # name: (build, input kind, placement, role counts) — each from the modeling source named
+        # MistralDecoderLayer / Qwen2DecoderLayer / Phi3DecoderLayer / StableLmDecoderLayer / Starcoder2DecoderLayer:
+        # x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(x)); the model's norm is final
+        "mistral": (lambda: T.MistralModel(T.MistralConfig(**D, num_key_value_heads=2)), "ids", "pre",
+                    {"pre": 4, "final": 1}),
+        "qwen2": (lambda: T.Qwen2Model(T.Qwen2Config(**D, num_key_value_heads=2)), "ids", "pre", {"pre": 4, "final": 1}),
+        "phi3": (lambda: T.Phi3Model(T.Phi3Config(**D, num_key_value_heads=2)), "ids", "pre", {"pre": 4, "final": 1}),
+        "stablelm": (lambda: T.StableLmModel(T.StableLmConfig(**D, num_key_value_heads=4)), "ids", "pre",
+                     {"pre": 4, "final": 1}),
+        "starcoder2": (lambda: T.Starcoder2Model(T.Starcoder2Config(**D, num_key_value_heads=2)), "ids", "pre",
+                       {"pre": 4, "final": 1}),
+        # NemotronDecoderLayer: pre, NemotronLayerNorm1P (γ acts as 1 + w)
+        "nemotron": (lambda: T.NemotronModel(T.NemotronConfig(**D, num_key_value_heads=2, head_dim=8)), "ids", "pre",
+                     {"pre": 4, "final": 1}),
+        # Gemma2DecoderLayer: pre and post norms around each sublayer
+        "gemma2": (lambda: T.Gemma2Model(T.Gemma2Config(**D, num_key_value_heads=2, head_dim=8)), "ids", "sandwich",
+                   {"pre": 4, "branch": 4, "final": 1}),
+        # PersimmonAttention: q_layernorm/k_layernorm over head_dim when qk_layernorm
+        "persimmon": (lambda: T.PersimmonModel(T.PersimmonConfig(**D, qk_layernorm=True)), "ids", "pre",
+                      {"pre": 4, "qk": 4, "final": 1}),
+        # OPTDecoderLayer with do_layer_norm_before (the default): pre; OPTDecoder.final_layer_norm
+        "opt": (lambda: T.OPTModel(T.OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                               num_attention_heads=4, word_embed_proj_dim=32,
+                                               max_position_embeddings=64, **IDS)), "ids", "pre",
+                {"pre": 4, "final": 1}),
+        # BloomModel.word_embeddings_layernorm on the embeddings; BloomBlock pre
+        "bloom": (lambda: T.BloomModel(T.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, **IDS)),
+                  "ids", "pre", {"embedding": 1, "pre": 4, "final": 1}),
+        # GPTJBlock / CodeGenBlock: x + attn(ln_1(x)) + mlp(ln_1(x)), one norm read by both sublayers
+        "gptj": (lambda: T.GPTJModel(T.GPTJConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                  n_positions=64, **IDS)), "ids", "parallel", {"pre": 2, "final": 1}),
+        "codegen": (lambda: T.CodeGenModel(T.CodeGenConfig(vocab_size=128, n_embd=32, n_layer=2, n_head=4,
+                                                           rotary_dim=4, n_positions=64, n_ctx=64, **IDS)),
+                    "ids", "parallel", {"pre": 2, "final": 1}),
+        # GPTNeoXLayer (use_parallel_residual): two norms, both reading the stream
+        "gpt_neox": (lambda: T.GPTNeoXModel(T.GPTNeoXConfig(**D)), "ids", "parallel", {"pre": 4, "final": 1}),
+        # FalconDecoderLayer (parallel_attn, not new_decoder_architecture): one input_layernorm for both
+        "falcon": (lambda: T.FalconModel(T.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=4, **IDS)), "ids", "parallel",
+                   {"pre": 2, "final": 1}),
+        # RobertaLayer / ElectraLayer / DebertaV2Layer / DistilBERT's TransformerBlock: LayerNorm(x + sublayer(x));
+        # the embeddings' LayerNorm
+        "roberta": (lambda: T.RobertaModel(T.RobertaConfig(**D)), "ids", "post", {"embedding": 1, "post": 4}),
+        "electra": (lambda: T.ElectraModel(T.ElectraConfig(vocab_size=128, embedding_size=32, hidden_size=32,
+                                                           intermediate_size=64, num_hidden_layers=2,
+                                                           num_attention_heads=4, **IDS)), "ids", "post",
+                    {"embedding": 1, "post": 4}),
+        "deberta_v2": (lambda: T.DebertaV2Model(T.DebertaV2Config(**D)), "ids", "post", {"embedding": 1, "post": 4}),
+        "distilbert": (lambda: T.DistilBertModel(T.DistilBertConfig(vocab_size=128, dim=32, hidden_dim=64, n_layers=2,
+                                                                    n_heads=4, max_position_embeddings=64,
+                                                                    pad_token_id=0)), "ids", "post",
+                       {"embedding": 1, "post": 4}),
+        # PegasusEncoderLayer/DecoderLayer: pre; each stack's layer_norm is final
+        "pegasus": (lambda: T.PegasusModel(T.PegasusConfig(**S2S)), "seq2seq", "pre", {"pre": 10, "final": 2}),
+        # MarianEncoderLayer/DecoderLayer: post, no embedding norm
+        "marian": (lambda: T.MarianModel(T.MarianConfig(**S2S)), "seq2seq", "post", {"post": 10}),
+        # MBartEncoder/Decoder: layernorm_embedding, pre layers, a final layer_norm per stack
+        "mbart": (lambda: T.MBartModel(T.MBartConfig(**S2S)), "seq2seq", "pre",
+                  {"embedding": 2, "pre": 10, "final": 2}),
+        # ViTLayer / Dinov2Layer / CLIPEncoderLayer: pre; the model's final norm
+        "vit": (lambda: T.ViTModel(T.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, intermediate_size=64)), "image", "pre",
+                {"pre": 4, "final": 1}),
+        "dinov2": (lambda: T.Dinov2Model(T.Dinov2Config(image_size=32, patch_size=8, hidden_size=32,
+                                                        num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2)),
+                   "image", "pre", {"pre": 4, "final": 1}),
+        "clip_text": (lambda: T.CLIPTextModel(T.CLIPTextConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=2, num_attention_heads=4,
+                                                               max_position_embeddings=64, **IDS)), "ids", "pre",
+                      {"pre": 4, "final": 1}),
+        # SwinLayer: pre; each stage a stream of its own (SwinPatchMerging's norm closes stage 0 before its
+        # reduction, the final layernorm stage 1); SwinPatchEmbeddings' norm follows a convolution
+        "swin": (lambda: T.SwinModel(T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                                                  num_heads=[2, 2], window_size=4)), "image", "pre",
+                 {"pre": 8, "final": 2, "other": 1}),
+        # ConvNextLayer: x + γ·pwconv(act(pwconv(layernorm(dwconv(x))))): the norm is inside the sublayer
+        "convnext": (lambda: T.ConvNextModel(T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[2, 2],
+                                                              num_stages=2, image_size=32)), "image", "none",
+                     {"other": 5, "final": 2}),
+        # MambaBlock: residual + mixer(norm(x)); FalconMambaMixer adds RMS norms on B, C and Δ inside the mixer
+        "mamba": (lambda: T.MambaModel(T.MambaConfig(vocab_size=128, hidden_size=32, state_size=8,
+                                                     num_hidden_layers=2, expand=2, conv_kernel=4, **IDS)), "ids",
+                  "pre", {"pre": 2, "final": 1}),
+        "falcon_mamba": (lambda: T.FalconMambaModel(T.FalconMambaConfig(vocab_size=128, hidden_size=32, state_size=8,
+                                                                        num_hidden_layers=2, expand=2, conv_kernel=4,
+                                                                        **IDS)), "ids", "pre",
+                         {"pre": 2, "other": 6, "final": 1}),
+    }
+
+
+ZOO = sorted(_zoo(transformers))
+
+
+def _zoo_inputs(kind):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 120, (2, 8), generator=g)
+    if kind == "image":
+        return torch.randn(*IMG, generator=g)
+    if kind == "seq2seq":
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    return {"input_ids": ids}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_every_architecture(name):
+    build, kind, placement, roles = _zoo(transformers)[name]
+    torch.manual_seed(0)
+    r = scan(build().eval(), _zoo_inputs(kind), dtypes="float32", progress=False)
+    assert r.placement == placement, (r.placement, r.streams)
+    assert Counter(s.role for s in r.sites) == Counter(roles), [(s.name, s.role) for s in r.sites]
+    assert r.findings == [], r.findings
+    assert all(s.activation["ok"] for s in r.sites)
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if _zoo(transformers)[n][1] == "ids"])
+def test_the_static_contract_of_each_config_meets_its_live_scan(tmp_path, name):
+    from normscope.artifacts import ModelContract, compare, contract
+
+    build, kind, *_ = _zoo(transformers)[name]
+    torch.manual_seed(0)
+    model = build().eval()
+    model.config.save_pretrained(tmp_path)
+    static = contract(tmp_path / "config.json")
+    live = ModelContract.from_scan(scan(model, _zoo_inputs(kind), dtypes="float32", progress=False))
+    result = compare(live, static)
+    assert result.ok and not result.mismatches, [i.message for i in result.items if i.status == "mismatch"]
+    assert [s.name for s in live.sites] == [s.name for s in static.sites]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt_neox"])
+def test_an_onnx_export_meets_its_live_scan_and_an_edited_eps_is_found(tmp_path, name):
+    from normscope.artifacts import ModelContract, compare, contract
+
+    T = transformers
+    cfg = dict(D, num_key_value_heads=2)
+    model = {"llama": lambda: T.LlamaModel(T.LlamaConfig(**cfg)),
+             "qwen3": lambda: T.Qwen3Model(T.Qwen3Config(**cfg, head_dim=8)),
+             "gpt_neox": lambda: T.GPTNeoXModel(T.GPTNeoXConfig(**D))}[name]().eval()
+    with torch.no_grad():  # γ away from its initial ones, so a lost γ would show
+        for n, p in model.named_parameters():
+            if "norm" in n and p.dim() == 1 and "bias" not in n:
+                p.uniform_(0.5, 1.5)
+    ids = _zoo_inputs("ids")["input_ids"]
+
+    class Ids(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).last_hidden_state
+
+    torch.onnx.export(Ids(model), (ids,), str(tmp_path / "m.onnx"), dynamo=False)
+    exported = contract(tmp_path / "m.onnx")
+    live = ModelContract.from_scan(scan(model, {"input_ids": ids}, dtypes="float32", progress=False))
+    result = compare(live, exported)
+    assert result.ok and not result.mismatches, [i.message for i in result.items if i.status == "mismatch"]
+    assert exported.placement == live.placement == ("parallel" if name == "gpt_neox" else "pre")
+    assert all(s.gamma for s in exported.sites)  # γ found through LlamaRMSNorm's Cast
+    norm = model.norm if name != "gpt_neox" else model.final_layer_norm
+    if hasattr(norm, "variance_epsilon"):
+        norm.variance_epsilon = 1e-3
+    else:
+        norm.eps = 1e-3
+    edited = ModelContract.from_scan(scan(model, {"input_ids": ids}, dtypes="float32", progress=False))
+    (item,) = compare(edited, exported).mismatches
+    assert item.site == "final_norm" and item.field == "eps"

@@ -72,6 +72,7 @@ _TOP = {
     "norm": "final_norm",
     "ln_f": "final_norm",
     "final_layernorm": "final_norm",
+    "final_layer_norm": "final_norm",
     "norm_f": "final_norm",
     "output_norm": "final_norm",
     "final_norm": "final_norm",

@@ -150,13 +150,16 @@ def read_onnx(path: str | Path) -> ModelContract:
         pass
     g = _Graph(model.graph, onnx)
     found: list[tuple[str, ContractSite]] = []
+    reads: dict[int, str] = {}  # id(site) → the value it normalizes, before casts
     for node in model.graph.node:
         if node.op_type in _FUSED:
             found.append((_scope(node), _fused(g, node)))
+            reads[id(found[-1][1])] = _uncast(g, node.input[0])
         elif node.op_type == "Sqrt":
-            site = _decomposed(g, node)
-            if site is not None:
-                found.append((_scope(node), site))
+            decomposed = _decomposed(g, node)
+            if decomposed is not None:
+                found.append((_scope(node), decomposed[0]))
+                reads[id(decomposed[0])] = _uncast(g, decomposed[1])
     names = canonicalize([p for p, _ in found])
     seen: dict[str, int] = {}
     sites = []
@@ -172,8 +175,31 @@ def read_onnx(path: str | Path) -> ModelContract:
         notes.append(f"the graph has {matmuls} MatMul/Gemm nodes but no norm site was recognised: a norm written in "
                      "a form this reader does not know would be missed; scan the torch model (normscope scan), or "
                      "infer a suspected subgraph (normscope infer FILE.onnx)")
-    return ModelContract(source=str(path), kind="onnx", sites=sites, notes=notes,
-                         n_layers=max((s.layer for s in sites if s.layer is not None), default=-1) + 1 or None)
+    out = ModelContract(source=str(path), kind="onnx", sites=sites, notes=notes,
+                        n_layers=max((s.layer for s in sites if s.layer is not None), default=-1) + 1 or None)
+    if out.placement == "pre" and _parallel(sites, reads):
+        out.stated_placement = "parallel"
+        out.notes.append("placement parallel: in every block the two pre norms read the same value")
+    return out
+
+
+def _uncast(g: _Graph, name: str) -> str:
+    """``name`` back through Cast and Identity nodes."""
+    for _ in range(8):
+        node = g.op(name, "Cast", "Identity")
+        if node is None or not node.input:
+            return name
+        name = node.input[0]
+    return name
+
+
+def _parallel(sites: list[ContractSite], reads: dict[int, str]) -> bool:
+    """Whether each block's attention and MLP pre norms read one value (``x + attn(n1(x)) + mlp(n2(x))``)."""
+    blocks: dict[int, dict[str, str]] = {}
+    for s in sites:
+        if s.layer is not None and s.name.endswith((".attn_norm", ".ffn_norm")):
+            blocks.setdefault(s.layer, {})[s.name.rsplit(".", 1)[1]] = reads.get(id(s), "")
+    return bool(blocks) and all(len(b) == 2 and b["attn_norm"] == b["ffn_norm"] != "" for b in blocks.values())
 
 
 def _scope(node) -> str:
@@ -273,8 +299,8 @@ def _square_of(g: _Graph, name: str) -> str | None:
     return node.input[0] if node.input[0] == node.input[1] else None
 
 
-def _decomposed(g: _Graph, sqrt) -> ContractSite | None:
-    """A normalization whose denominator is this Sqrt, or None."""
+def _decomposed(g: _Graph, sqrt) -> tuple[ContractSite, str] | None:
+    """A normalization whose denominator is this Sqrt, with the value it normalizes; or None."""
     inner = sqrt.input[0]
     eps, placement = 0.0, "none"
     add = g.op(inner, "Add")
@@ -323,7 +349,7 @@ def _decomposed(g: _Graph, sqrt) -> ContractSite | None:
     if rescaled:
         site.notes.append("the variance is rescaled by a factor from the input's shape (an unbiased estimator, "
                           "÷(d−1), as x.std() exports)")
-    return site
+    return site, x
 
 
 def _unscaled(g: _Graph, name: str) -> tuple[str, bool]:

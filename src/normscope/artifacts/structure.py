@@ -17,9 +17,13 @@ from ..errors import InputError, NormscopeError
 from ..extras import require
 from .model import ModelContract
 
+#: a model whose forward does not run on shapes alone (it reads a value: DeBERTa-v2's relative positions) is
+#: built with random weights on the CPU instead, up to this many parameters (1 GiB in float32)
+REAL_BUILD_PARAMS = 1 << 28
 
-def build_on_meta(config: dict[str, Any], config_path: Path):
-    """The base model of ``config`` (a config.json's dict) on the meta device."""
+
+def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta"):
+    """The base model of ``config`` (a config.json's dict) on the meta device (or ``device``)."""
     transformers = require("transformers", "hf")
     import torch
 
@@ -33,7 +37,7 @@ def build_on_meta(config: dict[str, Any], config_path: Path):
         except (ValueError, KeyError) as exc:
             raise InputError(f"{config_path}: model_type {model_type!r} is not an architecture the installed "
                              f"transformers ({transformers.__version__}) knows ({exc})") from None
-        with torch.device("meta"):
+        with torch.device(device):
             return transformers.AutoModel.from_config(cfg)
     except InputError:
         raise
@@ -50,11 +54,26 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     from ..sites.config_eps import eps_followers
 
     model = build_on_meta(config, config_path)
+    how = "on the meta device (one forward on shapes, each kind of norm inferred once)"
     try:
         result = scan(model, dtypes="float32", progress=False)
     except NormscopeError as exc:
-        raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture could not be scanned on "
-                         f"the meta device ({exc})") from None
+        size = sum(p.numel() for p in model.parameters())
+        if size > REAL_BUILD_PARAMS:
+            raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture does not run on the meta "
+                             f"device ({exc}), and at {size:,} parameters it is too large to build with random "
+                             "weights here; scan a checkpoint instead (normscope contract --live MODEL)") from None
+        import torch
+
+        torch.manual_seed(0)
+        model = build_on_meta(config, config_path, device="cpu")
+        how = (f"with random weights on the CPU ({size:,} parameters: its forward reads values, so it does not run "
+               "on the meta device)")
+        try:
+            result = scan(model, dtypes="float32", progress=False)
+        except NormscopeError as exc2:
+            raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture could not be scanned "
+                             f"({exc2})") from None
     if not result.sites:
         raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture has no normalization "
                          "site that a forward on shapes meets")
@@ -71,6 +90,5 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     for site in out.sites:
         if site.eps is not None and out.eps is not None and not math.isclose(site.eps, out.eps, rel_tol=0.01):
             site.notes.append(f"ε={site.eps:g} set by the code, not by {out.eps_key}")
-    out.notes.append(f"read from the structure of transformers' {type(model).__name__} built from this config on "
-                     "the meta device (one forward on shapes, each kind of norm inferred once)")
+    out.notes.append(f"read from the structure of transformers' {type(model).__name__} built from this config {how}")
     return out

@@ -334,10 +334,11 @@ def test_from_scan_resolves_names_by_role_and_keeps_functional_calls():
     c = ModelContract.from_scan(SimpleNamespace(sites=sites, streams=[{}]))
     assert [s.name for s in c.sites] == ["layers.0.attn_branch_norm", "layers.0.attn_branch_norm#2",
                                          "layers.1.attn_norm", "layers.0:layer_norm#0"]
-    # several streams: the name tables, with the measured role deciding an ambiguous name
-    c = ModelContract.from_scan(SimpleNamespace(sites=sites, streams=[{}, {}]))
+    # a site of unknown role: the name tables, with the measured role deciding an ambiguous name
+    c = ModelContract.from_scan(SimpleNamespace(sites=sites + [
+        SimpleNamespace(name="model.norm", layer=None, role=None, spec=rms, gamma=None)], streams=[{}]))
     assert [s.name for s in c.sites] == ["layers.0.attn_branch_norm", "layers.0.attn_branch_norm#2",
-                                         "layers.1.ffn_norm", "layers.0:layer_norm#0"]
+                                         "layers.1.ffn_norm", "layers.0:layer_norm#0", "final_norm"]
     assert c.sites[3].family == "layernorm" and c.sites[3].role == "other"
     again = ModelContract.from_dict(json.loads(c.to_json()))
     assert again.to_dict() == c.to_dict() and c.to_dict()["schema"] == "normscope.contract/1"

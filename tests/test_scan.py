@@ -206,10 +206,16 @@ def test_minilm(minilm):
     w = model.encoder.layer[5].output.LayerNorm.weight.detach().double()
     assert s.gamma["mean"] == pytest.approx(float(w.mean()), rel=1e-6)
     assert s.gamma["min"] == pytest.approx(float(w.min()), abs=1e-12)
-    # two of its γ are ~1e-33: the probe on the real weights cannot see those channels move, so the contract
-    # was probed with re-drawn parameters and held to the real ones on the real activation
+    # the thirteen LayerNorms are one kind of module: one inference, each site held to its own activation
+    assert s.evidence["shared_inference"]["measured"]["inferred_at"] == "embeddings.LayerNorm"
+    assert sum(site.calls > 0 for site in r.sites) == 1
+    # two of its γ are ~1e-33: probed alone, the real weights cannot show those channels move, so the contract
+    # is probed with re-drawn parameters and held to the real ones on the real activation
     assert float(w.abs().min()) < 1e-30
+    alone = scan(model.encoder.layer[5].output.LayerNorm, torch.randn(2, 8, 384), dtypes="float32", progress=False)
+    (s,) = alone.sites
     assert "parameters_probed" in s.evidence and s.activation["parameters"]["gamma"] == "the module's parameter 'weight'"
+    assert s.activation["ok"] and s.spec.eps == pytest.approx(1e-12, rel=0.01)
 
 
 # ---------------------------------------------------------------------------------------------- hand-written

@@ -315,7 +315,7 @@ def test_every_architecture(name):
     assert all(s.activation["ok"] for s in r.sites)
 
 
-@pytest.mark.parametrize("name", [n for n in ZOO if _zoo(transformers)[n][1] == "ids"])
+@pytest.mark.parametrize("name", [n for n in ZOO if _zoo(transformers)[n][1] in ("ids", "seq2seq")])
 def test_the_static_contract_of_each_config_meets_its_live_scan(tmp_path, name):
     from normscope.artifacts import ModelContract, compare, contract
 
@@ -369,3 +369,17 @@ def test_an_onnx_export_meets_its_live_scan_and_an_edited_eps_is_found(tmp_path,
     edited = ModelContract.from_scan(scan(model, {"input_ids": ids}, dtypes="float32", progress=False))
     (item,) = compare(edited, exported).mismatches
     assert item.site == "final_norm" and item.field == "eps"
+
+
+def test_an_encoder_decoder_is_named_per_stream(scans):
+    from normscope.artifacts import ModelContract
+
+    c = ModelContract.from_scan(scans("t5"))
+    assert [s.name for s in c.sites] == [
+        "encoder.layers.0.attn_norm", "encoder.layers.0.ffn_norm", "encoder.layers.1.attn_norm",
+        "encoder.layers.1.ffn_norm", "encoder.final_norm", "decoder.layers.0.attn_norm",
+        "decoder.layers.0.cross_attn_norm", "decoder.layers.0.ffn_norm", "decoder.layers.1.attn_norm",
+        "decoder.layers.1.cross_attn_norm", "decoder.layers.1.ffn_norm", "decoder.final_norm"]
+    names = [s.name for s in ModelContract.from_scan(scans("bart")).sites]
+    assert names[:2] == ["encoder.embed_norm", "encoder.layers.0.attn_post_norm"]
+    assert "decoder.layers.1.cross_attn_post_norm" in names and len(set(names)) == len(names) == 12

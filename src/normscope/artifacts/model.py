@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..jsonable import document, jsonable, parse
-from .names import canonicalize, placement_of, structural_names
+from .names import canonicalize, placement_of, stream_prefixes, structural_names
 
 SCHEMA = "normscope.contract/1"
 
@@ -174,10 +174,9 @@ class ModelContract:
         if not hasattr(scan, "sites"):
             raise InputError("from_scan needs a scan result with .sites")
         paths = [_scan_path(s.name) for s in raw]
-        names = None
-        if len(getattr(scan, "streams", None) or []) <= 1:  # one stream: the structure names every site
-            names = structural_names([(p, getattr(s, "layer", None), getattr(s, "role", None))
-                                      for p, s in zip(paths, raw, strict=True)])
+        prefixes = stream_prefixes(list(getattr(scan, "streams", None) or []))
+        names = structural_names([(p, getattr(s, "layer", None), getattr(s, "role", None),
+                                   prefixes.get(getattr(s, "stream", None), "")) for p, s in zip(paths, raw, strict=True)])
         if names is None:
             names = canonicalize(paths, {p: getattr(s, "role", None) for p, s in zip(paths, raw, strict=True)})
         seen: dict[str, int] = {}

@@ -155,37 +155,51 @@ _ROLE_SLOTS = {"pre": ("attn_norm", "ffn_norm"), "branch": ("attn_branch_norm", 
 _TOP_SLOTS = {"final": "final_norm", "embedding": "embed_norm"}
 
 
-def structural_names(sites: list[tuple[str, int | None, str | None]]
+def structural_names(sites: list[tuple[str, int | None, str | None, str]]
                      ) -> dict[str, tuple[str, int | None, str | None]] | None:
-    """(module path, layer, role) in forward order → {path: (canonical name, layer, role)} from the structure
-    alone; None when a site's role is unknown or a name would repeat (the tables decide then)."""
-    if any(role is None for _, _, role in sites):
+    """(module path, layer, role, stream prefix) in forward order → {path: (canonical name, layer, role)} from
+    the structure alone; None when a site's role is unknown or a name would repeat (the tables decide then).
+    The prefix names the residual stream of a model with several (``encoder.``, ``decoder.``; ``""`` with one)."""
+    if any(role is None for _, _, role, _ in sites):
         return None
-    count: dict[tuple[int, str], int] = {}
-    total: dict[tuple[int, str], int] = {}
-    for _, layer, role in sites:
+    count: dict[tuple[str, int, str], int] = {}
+    total: dict[tuple[str, int, str], int] = {}
+    for _, layer, role, prefix in sites:
         if layer is not None:
-            total[(layer, role)] = total.get((layer, role), 0) + 1
+            total[(prefix, layer, role)] = total.get((prefix, layer, role), 0) + 1
     out: dict[str, tuple[str, int | None, str | None]] = {}
-    for path, layer, role in sites:
+    for path, layer, role, prefix in sites:
         if path in out:
             continue
         if layer is None:
-            name = _TOP_SLOTS.get(role) or canonicalize([path], {path: role})[path][0]
+            slot = _TOP_SLOTS.get(role)
+            name = prefix + slot if slot else canonicalize([path], {path: role})[path][0]
         elif role in _ROLE_SLOTS:
-            k, n = count.get((layer, role), 0), total[(layer, role)]
-            count[(layer, role)] = k + 1
+            key = (prefix, layer, role)
+            k, n = count.get(key, 0), total[key]
+            count[key] = k + 1
             first, last = _ROLE_SLOTS[role]
             if role == "qk" and n > 2:
                 return None
             slot = first if k == 0 else last if k == n - 1 else "cross_" + first + ("" if n == 3 else f"_{k}")
-            name = f"layers.{layer}.{slot}"
+            name = f"{prefix}layers.{layer}.{slot}"
         else:  # a norm of no residual role (inside a sublayer): its name, as the tables give it
             name = canonicalize([path], {path: role})[path][0]
         out[path] = (name, layer, role)
     if len({name for name, _, _ in out.values()}) != len(out):
         return None
     return out
+
+
+def stream_prefixes(streams: list[dict]) -> dict[int, str]:
+    """Stream index → the prefix of its canonical names: ``""`` for a model with one stream, else where its
+    blocks live without their container (``encoder.block`` → ``encoder.``), or ``stream1.`` when those repeat."""
+    if len(streams) <= 1:
+        return {s.get("stream", 0): "" for s in streams}
+    heads = {s.get("stream", i): (s.get("path") or "").rpartition(".")[0] for i, s in enumerate(streams)}
+    if "" in heads.values() or len(set(heads.values())) != len(heads):
+        return {i: f"stream{i}." for i in heads}
+    return {i: h + "." for i, h in heads.items()}
 
 
 _ORDER = ("embed_norm", "attn_norm", "q_norm", "k_norm", "attn_branch_norm", "attn_post_norm", "cross_attn_norm",
@@ -200,6 +214,12 @@ def site_order(name: str) -> tuple:
     if layer is None:
         return (0 if rest == "embed_norm" else 2, 0, slot, name)
     return (1, layer, slot, name)
+
+
+def stream_of(name: str) -> str:
+    """The stream prefix of a canonical name (``decoder.layers.0.attn_norm`` → ``decoder.``; ``""`` for none)."""
+    m = re.match(r"(.*?)(?:layers\.\d+\.|final_norm$|embed_norm$)", name)
+    return m.group(1) if m else ""
 
 
 def slot_of(name: str) -> str:

@@ -11,7 +11,7 @@ from ..report.console import fmt, indented
 from ..sites.result import layer_ranges
 from .diff import ContractDiff
 from .model import ContractSite, ModelContract
-from .names import slot_of
+from .names import slot_of, stream_of
 
 _PLACEMENT = {"inside_sqrt": "inside √", "outside_sqrt": "outside √ (std+ε)", "clamp": "clamp", "none": "none"}
 _UNKNOWN = "?"
@@ -22,8 +22,8 @@ def _v(value: Any, text: str | None = None) -> str:
 
 
 def _key(s: ContractSite) -> tuple:
-    return (slot_of(s.name), s.role, s.family, s.eps, s.eps_placement, s.axes, s.size, s.param_shape, s.gamma,
-            s.beta, s.gamma_offset, s.groups)
+    return (stream_of(s.name), slot_of(s.name), s.role, s.family, s.eps, s.eps_placement, s.axes, s.size,
+            s.param_shape, s.gamma, s.beta, s.gamma_offset, s.groups)
 
 
 def _groups(sites: list[ContractSite]) -> list[list[ContractSite]]:
@@ -47,7 +47,7 @@ def _layers(g: list[ContractSite]) -> str:
     slot = slot_of(g[0].name)
     if len(g) == 1:
         return g[0].name
-    return f"layers {g[0].layer}–{g[-1].layer} {slot}"
+    return f"{stream_of(g[0].name)}layers {g[0].layer}–{g[-1].layer} {slot}"
 
 
 def _gamma(g: list[ContractSite]) -> tuple[str, str]:
@@ -116,17 +116,17 @@ def _sites(names: list[str]) -> str:
     """Every site name, consecutive layers of one slot folded: 'attn_norm in layers 0–3, 5; final_norm'."""
     slots: dict[str, list[int]] = {}
     for name in names:
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        m = re.fullmatch(r"(.*?)layers\.(\d+)\.(.+)", name)
         if m:
-            slots.setdefault(m.group(2), []).append(int(m.group(1)))
+            slots.setdefault((m.group(1), m.group(3)), []).append(int(m.group(2)))
         else:
-            slots.setdefault(name, [])
+            slots.setdefault(("", name), [])
     parts = []
-    for slot, layers in slots.items():
+    for (stream, slot), layers in slots.items():
         if len(layers) == 1:
-            parts.append(f"layers.{layers[0]}.{slot}")
+            parts.append(f"{stream}layers.{layers[0]}.{slot}")
         else:
-            parts.append(f"{slot} in layers {layer_ranges(layers)}" if layers else slot)
+            parts.append(f"{stream}{slot} in layers {layer_ranges(layers)}" if layers else slot)
     return "; ".join(parts)
 
 

@@ -196,7 +196,7 @@ class ModuleCandidate(TorchCandidate):
         dtype = model_dtype(candidate)
         super().__init__(candidate.eval(), type(candidate).__name__, dtype, ref_dtype)
         if dtype != ref_dtype:
-            self.twin = private_copy(reference).to(getattr(torch, dtype))
+            self.twin = private_copy(reference, dtype=getattr(torch, dtype))
 
     def private_models(self):
         return [self.twin] if self.twin is not None else []
@@ -210,10 +210,10 @@ class CopyCandidate(TorchCandidate):
         source = reference if candidate is None else candidate
         if candidate is not None:
             stack.enter_context(untouched(candidate))
-        model = private_copy(source).to(getattr(torch, dtype))
+        model = private_copy(source, dtype=getattr(torch, dtype))
         super().__init__(model, f"{type(source).__name__} at {dtype} (a private copy)", dtype, ref_dtype)
         if dtype != ref_dtype:
-            self.twin = model if candidate is None else private_copy(reference).to(getattr(torch, dtype))
+            self.twin = model if candidate is None else private_copy(reference, dtype=getattr(torch, dtype))
 
     def private_models(self):
         return [m for m in (self.model, self.twin) if m is not None]

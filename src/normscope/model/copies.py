@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,11 +46,26 @@ def _materialized(m: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
-def private_copy(module: torch.nn.Module, training: bool = False) -> torch.nn.Module:
-    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it); a module on
-    the meta device is materialized with drawn values."""
+def _cast_memo(module: torch.nn.Module, dtype: torch.dtype) -> dict[int, Any]:
+    """A deepcopy memo holding each floating parameter and buffer already cast to ``dtype`` on the CPU, so the
+    copy is made at the target precision tensor by tensor: never a second full-precision copy of the model."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in memo or not t.is_floating_point() or t.is_meta:
+            continue
+        cast = t.detach().to(device="cpu", dtype=dtype, copy=True)
+        memo[id(t)] = torch.nn.Parameter(cast, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else cast
+    return memo
+
+
+def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.dtype | None = None
+                 ) -> torch.nn.Module:
+    """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it); with
+    ``dtype``, its floating parameters and buffers at that dtype (as ``.to(dtype)``), cast one tensor at a time;
+    a module on the meta device is materialized with drawn values."""
     try:
-        m = copy.deepcopy(module)
+        m = copy.deepcopy(module, _cast_memo(module, dtype) if dtype is not None else None)
     except Exception as exc:
         raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
     if on_meta(m):

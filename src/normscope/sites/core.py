@@ -9,7 +9,6 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import time
@@ -247,8 +246,14 @@ def _gamma_stats(spec, params) -> dict[str, float] | None:
     return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
 
 
-def _infer_site(cand: _Candidate, dtypes, progress: Progress,
-                call_timeout: float | None = None) -> tuple[Site | None, dict[str, Any] | None]:
+Inference = tuple[Any, str | None, str]  # (infer's result, a note on re-drawn parameters, the site it ran at)
+
+
+def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: float | None = None,
+                shared: Inference | None = None
+                ) -> tuple[Site | None, dict[str, Any] | None, Inference | None]:
+    """The site's contract, inferred on its module (or taken from ``shared``: an inference at a site of the same
+    kind) and held to the site's own real activation with its own parameters."""
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
@@ -265,8 +270,12 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress,
     note = None
     try:
         module = cand.make()
+        result = None
+        if shared is not None:
+            result, note, _ = shared
         try:
-            result = run(module)
+            if result is None:
+                result = run(module)
         except NotANormalization as first:
             # Trained weights can hide the structure (γ ≈ 0 on some channels moves no output there): the
             # contract does not depend on γ/β's values, so probe a copy with re-drawn vector parameters and
@@ -281,49 +290,48 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress,
             note = (f"probed on a copy with re-drawn γ/β because the module's own parameters made the probe "
                     f"fail ({first})")
     except NotANormalization as exc:
-        return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}
+        return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}, None
     except NormscopeError as exc:
-        return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None
+        return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None, None
+    inference = shared or (result, note, cand.name)
+    evidence = {k: v.to_dict() for k, v in result.evidence.items()}
+    calls = 0 if shared else result.calls
+    if shared:
+        evidence["shared_inference"] = {
+            "experiment": "one inference per kind of module", "measured": {"inferred_at": shared[2]},
+            "confidence": "decisive",
+            "note": f"the contract was inferred at {shared[2]}, a module of the same class, attributes and parameter "
+                    "shapes on an input of the same shape and dtype; this site's own activation is checked below"}
     if cand.x.is_meta:  # shapes without values: nothing recorded to check, and γ/β were drawn
-        return Site(**base, spec=result.spec, activation={"not_measured": META_NOTE},
-                    evidence={k: v.to_dict() for k, v in result.evidence.items()}, calls=result.calls,
-                    seconds=time.perf_counter() - started), None
+        return Site(**base, spec=result.spec, activation={"not_measured": META_NOTE}, evidence=evidence,
+                    calls=calls, seconds=time.perf_counter() - started), None, inference
     params, sources = stored_params(module, result)
     activation = _activation_check(result.spec, params, cand.x, cand.y)
     activation["parameters"] = sources
-    evidence = {k: v.to_dict() for k, v in result.evidence.items()}
     evidence["validation"] = result.validation
     if note:
         evidence["parameters_probed"] = {"experiment": "re-drawn vector parameters", "measured": {},
                                          "confidence": "decisive", "note": note}
     return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
-                evidence=evidence, calls=result.calls, seconds=time.perf_counter() - started), None
+                evidence=evidence, calls=calls, seconds=time.perf_counter() - started), None, inference
 
 
-def _meta_key(cand: _Candidate) -> tuple | None:
-    """What decides a meta site's inference: its module's class, plain attributes and parameter shapes, and the
-    input's shape and dtype. On the meta device every copy is materialized with the same drawn values, so two
-    sites with one key give one result (a 22-layer model's 45 norms are inferred once)."""
+def _kind_key(cand: _Candidate) -> tuple | None:
+    """What decides a site's contract: its module's class, plain attributes (ε, shapes, flags), parameter and
+    buffer shapes and the values of its scalar ones (a learned ε), and the input's shape and dtype — not the
+    values of γ and β, which the contract does not depend on. Sites with one key share one inference (a
+    22-layer model's 45 norms are inferred once); each is still held to its own real activation."""
     try:
         module = cand.make()
     except Exception:
         return None
     plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                         if isinstance(v, bool | int | float | str | tuple | type(None))))
-    tensors = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in list(module.named_parameters())
-                    + list(module.named_buffers()))
+                         if not k.startswith("_") and isinstance(v, bool | int | float | str | tuple | list | dict
+                                                                 | type(None))))
+    tensors = tuple((n, tuple(t.shape), str(t.dtype), t.item() if t.numel() == 1 and not t.is_meta else None)
+                    for n, t in list(module.named_parameters()) + list(module.named_buffers()))
     return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, tuple(cand.x.shape),
             str(cand.x.dtype))
-
-
-def _same_as(done: tuple[Site | None, dict[str, Any] | None], cand: _Candidate
-             ) -> tuple[Site | None, dict[str, Any] | None]:
-    site, rej = done
-    if rej is not None:
-        return None, {**rej, "name": cand.name}
-    assert site is not None
-    return dataclasses.replace(site, name=cand.name, order=cand.order, calls=0, seconds=0.0,
-                               evidence={**site.evidence, "same_as": site.name}), None
 
 
 def _to_meta(value):
@@ -380,22 +388,26 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         sites: list[Site] = []
         roles: list[tuple[Role, int, int]] = []
         calls = 0
-        inferred: dict[tuple, tuple[Site | None, dict[str, Any] | None]] = {}  # on meta: one per kind of module
+        inferred: dict[tuple, Inference] = {}  # one inference per kind of module
         for i, cand in enumerate(candidates):
             say(f"[{i + 1}/{len(candidates)}] {cand.name}")
-            key = _meta_key(cand) if meta else None
+            key = _kind_key(cand)
+            site, rej = None, None
             if key is not None and key in inferred:
-                site, rej = _same_as(inferred[key], cand)
-            else:
-                site, rej = _infer_site(cand, dtypes, say, call_timeout)
-                if key is not None:
-                    inferred[key] = (site, rej)
+                site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key])
+                if site is not None and not site.activation.get("ok", meta):
+                    site = None  # its own activation disagrees: infer this site by itself
+            if site is None and rej is None:
+                site, rej, inference = _infer_site(cand, dtypes, say, call_timeout)
+                if key is not None and inference is not None and key not in inferred:
+                    inferred[key] = inference
             if rej is not None:
                 rejected.append(rej)
                 continue
             role = flow.role(cand.xv, cand.yv, cand.call)
             site.role, site.role_evidence = role.role, role.why
             site.layer = flow.layer(cand.call)
+            site.stream = flow.stream_of(cand.xv, cand.yv, cand.call)
             sites.append(site)
             roles.append((role, cand.xv, cand.yv))
             calls += site.calls

@@ -258,6 +258,16 @@ class Dataflow:
             c = self.t.calls[b].parent
         return None
 
+    def stream_of(self, x: int, y: int, call: int | None) -> int | None:
+        """The residual stream a site belongs to: that of the block it runs in, else the one it reads or
+        enters (:meth:`family_of`)."""
+        b = self.block_of(call)
+        if b is not None:
+            family = next((r.family for r in self.residuals if r.block == b), None)
+            if family is not None:
+                return family
+        return self.family_of(x, y)
+
     def layer(self, call: int | None) -> int | None:
         b = self.block_of(call)
         return None if b is None else self.block_index[b]

@@ -3,7 +3,8 @@
 - :class:`ModuleCandidate` — another torch module, run as it is (at its own dtype);
 - :class:`CopyCandidate` — a private copy (of the candidate, or of the reference itself) cast to a dtype;
 - :class:`AutocastCandidate` — a torch module (the reference itself when none is given) under ``torch.autocast``;
-- :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes.
+- :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes;
+- :class:`OpenVinoCandidate` — a model as OpenVINO runs it, mapped the same way (propagated errors only).
 
 Each runs its own forward once (:meth:`Candidate.run`: the primary output of every call, where it raised), aligns
 those records with the reference's module paths (:meth:`Candidate.align`) and, during the reference's forward,
@@ -22,7 +23,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..model import private_copy, untouched
-from . import metrics, onnxsites
+from . import metrics, onnxsites, openvino_sites
 from .execution import Autocast, Hooks, Memo, Record, cast, device_type, model_dtype, primary, site_name, stateless
 
 WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
@@ -47,7 +48,7 @@ class Alignment:
         self.pointer = 0
 
     def counterpart(self, path: str, number: int, shape: list[int]) -> Record | None:
-        if self.mode in ("name", "onnx scopes"):
+        if self.mode == "name" or self.mode.endswith("scopes"):
             r = self.by_key.get((path, number))
             return r if r is not None and not r.used else None
         for i in range(self.pointer, min(len(self.records), self.pointer + WINDOW)):
@@ -58,8 +59,8 @@ class Alignment:
         return None
 
     def unmatched(self) -> list[str]:
-        """The candidate's calls no reference call took (ONNX values outside every scope are not counted)."""
-        if self.mode == "onnx scopes":
+        """The candidate's calls no reference call took (a graph's values outside every scope are not counted)."""
+        if self.mode.endswith("scopes"):
             return []
         return [site_name(r.path, r.number) for r in self.records if not r.used and r.output is not None]
 
@@ -67,12 +68,14 @@ class Alignment:
 class Candidate:
     """The common part of every strategy: its description, dtype, and what its forward left behind."""
 
-    onnx = False
+    graph = False  # a runtime's graph mapped to the sites by scopes (ONNX, OpenVINO): sites without an own error
+                   # are judged on their propagated error
     model: torch.nn.Module | None = None
     twin: torch.nn.Module | None = None  # the reference's modules at the candidate's dtype (None: not needed)
     torch_dtype: torch.dtype | None = None  # what the reference's inputs are cast to before a candidate call
     ac = Autocast(None, "cpu")
     bound_suffix = ""
+    runner = ""  # what runs it, for the progress line (" on onnxruntime")
 
     def __init__(self, desc: str, dtype: str):
         self.desc, self.dtype = desc, dtype
@@ -235,40 +238,52 @@ class AutocastCandidate(TorchCandidate):
         self.twin = reference
 
 
-class OnnxCandidate(Candidate):
-    """An ONNX model on onnxruntime: every intermediate value, mapped to the torch sites by the exporter's
-    node-name scopes; a site's own output is its nodes extracted as a subgraph of their own."""
+class GraphCandidate(Candidate):
+    """A model as a runtime runs its graph: every intermediate value, mapped to the torch sites by the node-name
+    scopes the exporter left (:func:`.onnxsites.records`). Subclasses run it (:meth:`run` fills ``values``,
+    ``scopes`` and ``final``) and say how a site runs alone (:meth:`own`)."""
 
-    onnx = True
-    bound_suffix = " (ONNX: the site's subgraph on the reference's input)"
+    graph = True
+    scopes_label = "onnx scopes"  # how the alignment is named in the result
 
-    def __init__(self, proto):
-        super().__init__("", "float32")
-        self.proto = proto
+    def __init__(self, desc: str, dtype: str):
+        super().__init__(desc, dtype)
         self.values: dict[str, Any] = {}
         self.scopes: dict[str, list[str]] = {}
-        self.subgraphs = None
-
-    def run(self, args, kwargs) -> None:
-        self.values, self.scopes, self.desc, self.subgraphs = onnxsites.run_candidate(self.proto, args, kwargs)
+        self.final: Any = None  # the value of the graph's first declared output
 
     def align(self, ref_paths: list[str]) -> Alignment:
         records = onnxsites.records(self.values, self.scopes, ref_paths, Record)
-        declared = self.subgraphs.proto.graph.output
-        final = self.values.get(declared[0].name) if len(declared) else None
-        if final is not None and np.asarray(final).dtype.kind == "f":  # the model's output: the graph's first
-            records.append(Record("", 0, None, torch.from_numpy(np.asarray(final).copy())))
+        if self.final is not None and np.asarray(self.final).dtype.kind == "f":  # the model's output
+            records.append(Record("", 0, None, torch.from_numpy(np.asarray(self.final).copy())))
         self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
-        self.values = {}
+        self.values, self.final = {}, None
         self.records = records
-        return Alignment(records, "onnx scopes")
+        return Alignment(records, self.scopes_label)
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         onnxsites.choose(r, y)
         if not path and r.output is not None and list(r.output.shape) != list(y.shape):
-            return (f"the ONNX graph's first output {list(r.output.shape)} is not the model's primary output "
+            return (f"the graph's first output {list(r.output.shape)} is not the model's primary output "
                     f"{list(y.shape)}")
         return None
+
+
+class OnnxCandidate(GraphCandidate):
+    """An ONNX model on onnxruntime; a site's own output is its nodes extracted as a subgraph of their own."""
+
+    bound_suffix = " (ONNX: the site's subgraph on the reference's input)"
+    runner = " on onnxruntime"
+
+    def __init__(self, proto):
+        super().__init__("", "float32")
+        self.proto = proto
+        self.subgraphs = None
+
+    def run(self, args, kwargs) -> None:
+        self.values, self.scopes, self.desc, self.subgraphs = onnxsites.run_candidate(self.proto, args, kwargs)
+        declared = self.subgraphs.proto.graph.output
+        self.final = self.values.get(declared[0].name) if len(declared) else None
 
     def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
         try:
@@ -279,11 +294,41 @@ class OnnxCandidate(Candidate):
         return yc, self.dtype, onnxsites.Site(self.subgraphs, *r.module)
 
 
+class OpenVinoCandidate(GraphCandidate):
+    """A model as OpenVINO runs it on the CPU, at the runtime's own inference precision (:mod:`.openvino_sites`):
+    the reference converted here (``"openvino"``; a site's own output is its module converted alone), or a model
+    converted elsewhere (sites judged on their propagated error)."""
+
+    runner = " on OpenVINO"
+    scopes_label = "openvino scopes"
+    bound_suffix = " (OpenVINO: the site's module converted alone, on the reference's input)"
+
+    def __init__(self, model, reference: torch.nn.Module):
+        super().__init__("", "float32")
+        self.converted_here = isinstance(model, str) and model == "openvino"
+        self.model_obj = reference if self.converted_here else model
+        self.modules = openvino_sites.Modules(reference) if self.converted_here else None
+
+    def run(self, args, kwargs) -> None:
+        self.values, self.scopes, self.desc, self.dtype, self.final = openvino_sites.run_candidate(
+            self.model_obj, args, kwargs)
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        if self.modules is None:
+            raise NotMeasured(None, missing=openvino_sites.OWN_MISSING)
+        try:
+            return self.modules.run(r.path, args, kw), self.dtype, None
+        except openvino_sites.NotConvertible as exc:
+            raise NotMeasured(None, missing=f"OpenVINO: this module alone could not be converted ({exc})") from None
+
+
 def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,
                   ref_dtype: str, stack: contextlib.ExitStack) -> Candidate:
     """The strategy for what the user gave (arguments already validated)."""
     if candidate is not None and onnxsites.is_onnx(candidate):
         return OnnxCandidate(candidate)
+    if candidate is not None and openvino_sites.is_openvino(candidate):
+        return OpenVinoCandidate(candidate, reference)
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

@@ -40,6 +40,7 @@ from . import verdict
 from .candidate import Candidate, candidate_for
 from .execution import Hooks, Memo, model_dtype
 from .onnxsites import is_onnx as _is_onnx
+from .openvino_sites import is_openvino
 from .result import Diff
 from .walk import Walk
 
@@ -57,13 +58,22 @@ def _dtype_argument(name: str, value, allowed) -> str:
     return value
 
 
+def _runtime(candidate) -> str | None:
+    if candidate is None:
+        return None
+    if _is_onnx(candidate):
+        return "ONNX"
+    return "OpenVINO" if is_openvino(candidate) else None
+
+
 def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_fn) -> tuple[str | None, str | None]:
     """The arguments, checked together: (candidate_dtype, autocast) as dtype names, or an InputError."""
     if not isinstance(reference, torch.nn.Module):
         raise InputError(f"diff takes a torch.nn.Module as the reference; got a {type(reference).__name__}")
     if candidate_dtype is not None:
         candidate_dtype = _dtype_argument("candidate_dtype", candidate_dtype, _LOW)
-    onnx_cand = candidate is not None and _is_onnx(candidate)
+    runtime = _runtime(candidate)  # "ONNX" or "OpenVINO": a model as a runtime runs it
+    onnx_cand = runtime is not None
     if autocast is not None:
         if candidate_dtype is not None:
             raise InputError("give autocast (--autocast) or candidate_dtype (--candidate-dtype), not both: autocast "
@@ -71,20 +81,20 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
                              "cast to that dtype")
         autocast = _dtype_argument("autocast", autocast, _AUTOCAST)
         if onnx_cand:
-            raise InputError("an ONNX candidate runs as exported; autocast applies to torch candidates only")
+            raise InputError(f"an {runtime} candidate runs as exported; autocast applies to torch candidates only")
     if candidate is None and candidate_dtype is None and autocast is None:
-        raise InputError("diff needs a candidate: another module, an ONNX model, or candidate_dtype= (or "
+        raise InputError("diff needs a candidate: another module, an ONNX or OpenVINO model, or candidate_dtype= (or "
                          "autocast=) to compare the reference with itself at a lower precision (e.g. "
                          "candidate_dtype='bfloat16')")
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
-        raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto) or "
-                         f"None; got a {type(candidate).__name__}")
+        raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto), an "
+                         f"OpenVINO model (openvino.Model or an IR .xml) or None; got a {type(candidate).__name__}")
     if onnx_cand and grad:
-        raise InputError("grad=True compares two torch executions; an ONNX candidate has no backward here")
+        raise InputError(f"grad=True compares two torch executions; an {runtime} candidate has no backward here")
     if loss_fn is not None and not callable(loss_fn):
         raise InputError(f"loss_fn must be callable (output -> scalar tensor); got a {type(loss_fn).__name__}")
     if onnx_cand and candidate_dtype not in (None, "float32"):
-        raise InputError("an ONNX candidate runs as exported; candidate_dtype applies to torch candidates only")
+        raise InputError(f"an {runtime} candidate runs as exported; candidate_dtype applies to torch candidates only")
     if candidate_dtype is not None:
         from ..dtypes import UNIT_ROUNDOFF
 
@@ -149,7 +159,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         stack.enter_context(untouched(reference))
         reference.eval()
         cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
-        say("running the ONNX candidate on onnxruntime" if cand.onnx else "running the candidate")
+        say(f"running the candidate{cand.runner}")
         cand.run(args, kwargs)
         if cand.error:
             notes.append(cand.error)
@@ -201,7 +211,7 @@ def _verdict(reference, cand: Candidate, mode: str, walk: Walk, errors: list[str
     elif cand.error:
         divergence = {"site": None, "reason": cand.error}
     undecided = [] if culprit is not None or cand.error else verdict.undecided(
-        sites, walk.own_sites, errors, walk.nonfinite, mode, cand.onnx)
+        sites, walk.own_sites, errors, walk.nonfinite, mode, cand.graph)
     return {"first_divergence": culprit.name if culprit is not None else None, "divergence": divergence,
             "unmatched_reference": unmatched_ref, "unmatched_candidate": unmatched_cand, "inconclusive": undecided,
             "failed": culprit is None and bool(cand.error), "tensors": tensors}

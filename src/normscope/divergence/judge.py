@@ -6,7 +6,8 @@ to. Pure: each function reads its arguments and sets the fields of the one :clas
 - :func:`norm_contract` — a norm site: the element-wise bound of its inferred contract (:mod:`.contracts`);
 - :func:`composition` — a module without an own error (a block, the model) whose output errs far more than every
   child's output and its input did: the divergence is in its own code between its children;
-- :func:`onnx_propagated` — an ONNX site without an own error, judged on its propagated error.
+- :func:`graph_propagated` — a runtime graph's site (ONNX, OpenVINO) without an own error, judged on its
+  propagated error.
 """
 
 from __future__ import annotations
@@ -59,12 +60,12 @@ def composition(s: SiteDiff, *, err: float, child_error: float, incoming: float 
     return True
 
 
-def onnx_propagated(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str) -> None:
-    """An ONNX site without an own error is judged on its propagated error (same dtype: 16·u·√n); the model's
-    output is compared, not judged (it carries every layer's rounding)."""
+def graph_propagated(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str) -> None:
+    """A runtime graph's site (ONNX, OpenVINO) without an own error is judged on its propagated error (same dtype:
+    16·u·√n); the model's output is compared, not judged (it carries every layer's rounding)."""
     if s.status == "propagated" and s.propagated is not None and s.depth > 0:
         s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
-        s.bound_rule += " (ONNX: on the propagated error" + (
+        s.bound_rule += " (on the propagated error" + (
             f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
         if s.propagated["normalized"] > s.bound:
             s.status = "diverged"

@@ -87,26 +87,26 @@ def _parsed(load, what: str):
     return proto
 
 
-def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:
+def scope_outputs(nodes: list[tuple[str | None, list[str], list[str]]], graph_out: set[str],
+                  scope_last: dict[str, str]) -> dict[str, list[str]]:
     """Scope → the values it hands out, in production order: produced by its nodes and read outside it (or a graph
-    output). A module returning several tensors (a rotary embedding's cos and sin) has several; a scope whose
-    values are all read inside it falls back to its last output."""
+    output). ``nodes``: (scope, inputs, outputs) in graph order, for any runtime's graph (ONNX, OpenVINO). A
+    module returning several tensors (a rotary embedding's cos and sin) has several; a scope whose values are all
+    read inside it falls back to its last output."""
     produced: dict[str, str] = {}  # value → the scope of its producer
     order: list[str] = []
-    for node in g.node:
-        sc = _scope(node)
-        if sc is None or node.op_type == "Constant":
+    for sc, _, outputs in nodes:
+        if sc is None:
             continue
-        for o in node.output:
+        for o in outputs:
             if o:
                 produced[o] = sc
                 order.append(o)
     readers: dict[str, list[str | None]] = {}
-    for node in g.node:
-        for i in node.input:
+    for sc, inputs, _ in nodes:
+        for i in inputs:
             if i in produced:
-                readers.setdefault(i, []).append(_scope(node))
-    graph_out = {o.name for o in g.output}
+                readers.setdefault(i, []).append(sc)
 
     def inside(sc: str | None, scope: str) -> bool:
         return sc is not None and (sc == scope or sc.startswith(scope + "."))
@@ -122,6 +122,13 @@ def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:
     for scope, last in scope_last.items():
         out.setdefault(scope, [last])
     return out
+
+
+def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:
+    """:func:`scope_outputs` of an ONNX graph (its Constant nodes aside)."""
+    nodes = [(None if node.op_type == "Constant" else _scope(node), list(node.input), list(node.output))
+             for node in g.node]
+    return scope_outputs(nodes, {o.name for o in g.output}, scope_last)
 
 
 def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str]], str, Subgraphs]:

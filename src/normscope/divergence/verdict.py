@@ -43,7 +43,8 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
     """Why a run without a divergence still cannot say "no divergence", each with what would decide it."""
     why = []
     align = {"name": "module names", "order": "execution order and output shapes",
-             "onnx scopes": "the exporter's node-name scopes"}.get(mode, mode)
+             "onnx scopes": "the exporter's node-name scopes",
+             "openvino scopes": "OpenVINO's node-name scopes"}.get(mode, mode)
     if errors:
         why.append(f"the comparison raised at {len(errors)} site(s), which were not judged (first: {errors[0]}); "
                    "what would decide it: that site compared (report the error; inputs it can take)")

@@ -113,7 +113,7 @@ class Walk:
         except NotMeasured as exc:
             if exc.missing is not None:
                 s.own_missing = exc.missing
-                judge.onnx_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+                judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
             else:
                 s.note = exc.note
             return
@@ -152,8 +152,8 @@ class Walk:
 
     def _without_own(self, s: SiteDiff, f, err, n: int, leaf: bool, module, cand_module, y) -> None:
         """A site without an own error: an ONNX site on its propagated error; a torch module by composition."""
-        if self.cand.onnx:
-            judge.onnx_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+        if self.cand.graph:
+            judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
             return
         if leaf or f["child_unmeasured"] or s.status != "propagated" or err is None:
             return
@@ -176,7 +176,7 @@ class Walk:
             self._remember(s, module, cand_ref, args, y, yc)
             return
         if s.kind == "norm":
-            v = contracts.judge(self.site_contracts, module, None if self.cand.onnx else r.module, x_in, y, yc,
+            v = contracts.judge(self.site_contracts, module, None if self.cand.graph else r.module, x_in, y, yc,
                                 self.ref_dtype, site_dtype) if x_in is not None else {"error": "no floating tensor input"}
             if judge.norm_contract(s, v, site_dtype):
                 if s.status == "diverged":

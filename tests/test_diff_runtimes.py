@@ -52,14 +52,32 @@ def _converted(model):
 
 
 def test_the_reference_as_openvino_runs_it_passes_with_own_errors():
-    model = _llama(layers=1)  # each own error converts one module (~0.8 s)
-    d = diff(model, "openvino", _inputs(), progress=False)
+    # Llama's own pieces (each own error converts one module, ~0.8 s: a whole model is for bench/, not CI)
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.norm, self.mlp = torch.nn.Linear(32, 32), LlamaRMSNorm(32, eps=1e-6), LlamaMLP(cfg)
+            self.final_norm = LlamaRMSNorm(32, eps=1e-5)
+
+        def forward(self, x):
+            h = self.proj(x)
+            return self.final_norm(h + self.mlp(self.norm(h)))
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**CONFIG)
+    model = Block().eval()
+    with torch.no_grad():
+        for norm in (model.norm, model.final_norm):
+            norm.weight.uniform_(0.5, 1.5)
+    d = diff(model, "openvino", torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0)), progress=False)
     assert d.verdict == "pass", d.summary()
     assert "OpenVINO" in d.candidate and "inference precision" in d.candidate
     norms = [s for s in d.sites if s.kind == "norm"]
-    assert len(norms) == 3 and all(s.status == "within" and s.own is not None for s in norms), \
+    assert len(norms) == 2 and all(s.status == "within" and s.own is not None for s in norms), \
         [(s.name, s.status, s.note) for s in norms]
-    assert sum(s.own is not None for s in d.sites) >= 10
+    assert sum(s.own is not None for s in d.sites) >= 6
 
 
 def test_a_model_converted_elsewhere_with_a_lost_eps_is_found_at_its_norm():

@@ -383,3 +383,25 @@ def test_an_encoder_decoder_is_named_per_stream(scans):
     names = [s.name for s in ModelContract.from_scan(scans("bart")).sites]
     assert names[:2] == ["encoder.embed_norm", "encoder.layers.0.attn_post_norm"]
     assert "decoder.layers.1.cross_attn_post_norm" in names and len(set(names)) == len(names) == 12
+
+
+def test_a_model_offloaded_to_disk_scans_with_each_modules_own_weights(tmp_path):
+    # accelerate's device_map offload: the layers' weights stay on disk (meta parameters); each module's hook
+    # loads them for its own call; the scan's private copies load only their module's tensors
+    accelerate = pytest.importorskip("accelerate")
+    T = transformers
+    cfg = T.LlamaConfig(**dict(D, num_key_value_heads=2))
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    with accelerate.init_empty_weights():
+        empty = T.LlamaForCausalLM(cfg)
+    model = accelerate.load_checkpoint_and_dispatch(
+        empty, str(tmp_path / "llama"), offload_folder=str(tmp_path / "offload"),
+        device_map={"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu",
+                    "model.rotary_emb": "cpu", "lm_head": "cpu"})
+    meta_before = sum(p.is_meta for p in model.parameters())
+    assert meta_before >= 16
+    r = scan(model, dtypes="float32", progress=False)
+    assert r.placement == "pre" and Counter(s.role for s in r.sites) == Counter({"pre": 4, "final": 1})
+    assert all(s.activation["ok"] for s in r.sites) and r.findings == [] and r.notes == []
+    assert sum(p.is_meta for p in model.parameters()) == meta_before  # nothing left materialized

@@ -8,9 +8,9 @@ Public names: :func:`.copies.on_meta`, :func:`.copies.private_copy`, :func:`.cop
 
 from __future__ import annotations
 
-from .copies import on_meta, private_copy, redrawn, stored_params, untouched
+from .copies import offloaded, on_meta, private_copy, redrawn, stored_params, untouched
 from .inputs import arguments, default_inputs, describe, token_inputs, vocabulary_size
 from .progress import Progress, progress
 
-__all__ = ["Progress", "arguments", "on_meta", "default_inputs", "describe", "private_copy", "progress", "redrawn",
-           "stored_params", "token_inputs", "untouched", "vocabulary_size"]
+__all__ = ["Progress", "arguments", "default_inputs", "describe", "offloaded", "on_meta", "private_copy", "progress",
+           "redrawn", "stored_params", "token_inputs", "untouched", "vocabulary_size"]

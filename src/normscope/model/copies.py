@@ -27,6 +27,32 @@ def on_meta(module: torch.nn.Module) -> bool:
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
+def offloaded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs under accelerate's offload hooks (``device_map`` with ``"disk"``/``"cpu"``
+    offload): its parameters sit on the meta device and each module's hook loads them for its own call."""
+    return any(getattr(m, "_hf_hook", None) is not None for m in module.modules())
+
+
+def _from_offload(original: torch.nn.Module, m: torch.nn.Module) -> None:
+    """The copy ``m`` of an offloaded module: accelerate's hooks removed and each meta parameter or buffer
+    loaded from the weights map the original's hook reads (this module's tensors only)."""
+    from accelerate.hooks import remove_hook_from_module
+
+    remove_hook_from_module(m, recurse=True)
+    for (_, sub), (_, copied) in zip(original.named_modules(), m.named_modules(), strict=True):
+        hook = getattr(sub, "_hf_hook", None)
+        weights = getattr(hook, "weights_map", None)
+        if weights is None:
+            continue
+        for key, t in list(copied.named_parameters(recurse=False)) + list(copied.named_buffers(recurse=False)):
+            if t.is_meta and key in weights:
+                value = weights[key].detach().to("cpu").clone()
+                if isinstance(t, torch.nn.Parameter):
+                    setattr(copied, key, torch.nn.Parameter(value, requires_grad=t.requires_grad))
+                else:
+                    copied._buffers[key] = value
+
+
 def _materialized(m: torch.nn.Module) -> torch.nn.Module:
     """``m`` (a copy) moved off the meta device with drawn values: floating parameters and buffers uniform in
     ±[0.5, 1.5] — positive for buffers, so a running variance is one — and integer ones zero. A contract does
@@ -68,6 +94,8 @@ def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.d
         m = copy.deepcopy(module, _cast_memo(module, dtype) if dtype is not None else None)
     except Exception as exc:
         raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
+    if offloaded(module) and on_meta(m):
+        _from_offload(module, m)
     if on_meta(m):
         m = _materialized(m)
     for sub in m.modules():
@@ -95,10 +123,10 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for m, (ps, bs) in zip(modules, slots, strict=True):
-                if m._parameters != ps:
+                if not _same_objects(m._parameters, ps):
                     m._parameters.clear()
                     m._parameters.update(ps)
-                if m._buffers != bs:
+                if not _same_objects(m._buffers, bs):
                     m._buffers.clear()
                     m._buffers.update(bs)
             for m, was in zip(modules, modes, strict=True):
@@ -116,6 +144,11 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
             if changed:
                 raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
                                   "too large to have been copied, so the scan could not undo it")
+
+
+def _same_objects(now: dict, saved: dict) -> bool:
+    """The same keys holding the same tensor objects (``!=`` on the dicts would compare tensors' values)."""
+    return now.keys() == saved.keys() and all(now[k] is saved[k] for k in saved)
 
 
 def redrawn(module: torch.nn.Module) -> torch.nn.Module | None:

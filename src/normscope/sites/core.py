@@ -20,7 +20,7 @@ import torch
 
 from .. import reference
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
-from ..model import Progress, arguments, describe, on_meta, private_copy, redrawn, stored_params, untouched
+from ..model import Progress, arguments, describe, offloaded, on_meta, private_copy, redrawn, stored_params, untouched
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
@@ -359,7 +359,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
     started = time.perf_counter()
     dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
     args, kwargs = arguments(model, inputs)
-    meta = on_meta(model)
+    meta = on_meta(model) and not offloaded(model)  # offloaded: its hooks load each module's weights for its call
     if meta:  # the forward runs on shapes alone
         args, kwargs = _to_meta(args), _to_meta(kwargs)
         if kwargs.get("use_cache") is False:

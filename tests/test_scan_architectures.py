@@ -315,7 +315,7 @@ def test_every_architecture(name):
     assert all(s.activation["ok"] for s in r.sites)
 
 
-@pytest.mark.parametrize("name", [n for n in ZOO if _zoo(transformers)[n][1] in ("ids", "seq2seq")])
+@pytest.mark.parametrize("name", ZOO)
 def test_the_static_contract_of_each_config_meets_its_live_scan(tmp_path, name):
     from normscope.artifacts import ModelContract, compare, contract
 

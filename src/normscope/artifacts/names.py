@@ -183,8 +183,8 @@ def structural_names(sites: list[tuple[str, int | None, str | None, str]]
                 return None
             slot = first if k == 0 else last if k == n - 1 else "cross_" + first + ("" if n == 3 else f"_{k}")
             name = f"{prefix}layers.{layer}.{slot}"
-        else:  # a norm of no residual role (inside a sublayer): its name, as the tables give it
-            name = canonicalize([path], {path: role})[path][0]
+        else:  # a norm of no residual role (inside a sublayer): its name, as the tables give it, in its stream
+            name = prefix + canonicalize([path], {path: role})[path][0]
         out[path] = (name, layer, role)
     if len({name for name, _, _ in out.values()}) != len(out):
         return None

@@ -159,6 +159,8 @@ def test_an_eps_the_code_sets_itself_is_a_note_and_a_site_that_reads_the_config_
     (note,) = r.notes
     assert note["kind"] == "eps_own" and note["measured"] == pytest.approx(1e-6, rel=0.01)
     assert len(note["sites"]) == 6 and "layernorm" not in note["sites"]
+    assert {s.name: s.eps_keys for s in r.sites}["layernorm"] == ["layer_norm_eps"]
+    assert all(s.eps_keys == [] for s in r.sites if s.name in note["sites"])
     model.layernorm.eps = 1e-5  # the one site the config governs, edited
     r = scan(model, torch.randn(1, 3, 32, 32), dtypes="float32", progress=False)
     (f,) = r.findings

@@ -68,7 +68,6 @@ def _inputs(model):
 def read_structure(config: dict[str, Any], config_path: Path, source: str) -> ModelContract:
     """The contract of ``config`` from its architecture's structure (see the module's docstring)."""
     from ..sites import scan
-    from ..sites.config_eps import eps_followers
 
     model = build_on_meta(config, config_path)
     how = "on the meta device (one forward on shapes, each kind of norm inferred once)"
@@ -99,8 +98,7 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     out.architecture = config.get("model_type")
     out.stated_placement = result.placement
     stated = {k: v for k, v in result.config_eps.items() if "." not in k}
-    followed = eps_followers(model, stated) or {}
-    keys = [k for path, ks in followed.items() for k in ks]
+    keys = [k for s in result.sites for k in s.eps_keys or () if k in stated]  # the scan's rebuild experiment
     if keys:
         key = max(set(keys), key=keys.count)  # the key most sites read
         out.eps, out.eps_key = float(stated[key]), key

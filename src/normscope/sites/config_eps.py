@@ -94,6 +94,11 @@ def _module_path(site: Site) -> str:
     return "" if name == "(model)" else name.split(":")[0]
 
 
+def site_keys(site: Site, followers: dict[str, set[str]]) -> set[str]:
+    """The config keys a site's ε follows (:func:`eps_followers`'s result; empty: the code's own ε)."""
+    return followers.get(_module_path(site), set())
+
+
 def eps_findings(sites: list[Site], stated: dict[str, float], followers: dict[str, set[str]] | None
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Findings: an ``eps_mismatch`` per measured ε that differs from what the config states for its sites; notes:
@@ -107,7 +112,7 @@ def eps_findings(sites: list[Site], stated: dict[str, float], followers: dict[st
     for s in sites:
         if s.spec is None:
             continue
-        keys = None if followers is None else followers.get(_module_path(s), set())
+        keys = None if followers is None else site_keys(s, followers)
         if keys == set():
             if not any(math.isclose(s.spec.eps, v, rel_tol=0.01) for v in stated.values()):
                 by_eps.setdefault((s.spec.eps, "own"), []).append(s)

@@ -26,7 +26,7 @@ from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
 from ..targets import as_target
 from ..targets.base import check_dtype_list
-from .config_eps import config_eps, eps_findings, eps_followers
+from .config_eps import config_eps, eps_findings, eps_followers, site_keys
 from .dataflow import Dataflow, Role, block_modules
 from .inline import InlineNorm, find_inline
 from .result import ModelScan, Site
@@ -250,10 +250,11 @@ Inference = tuple[Any, str | None, str]  # (infer's result, a note on re-drawn p
 
 
 def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: float | None = None,
-                shared: Inference | None = None
+                shared: Inference | None = None, module: torch.nn.Module | None = None
                 ) -> tuple[Site | None, dict[str, Any] | None, Inference | None]:
     """The site's contract, inferred on its module (or taken from ``shared``: an inference at a site of the same
-    kind) and held to the site's own real activation with its own parameters."""
+    kind) and held to the site's own real activation with its own parameters. ``module``: the site's private copy
+    when the caller made it already (``cand.make()`` otherwise)."""
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
@@ -269,7 +270,7 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
 
     note = None
     try:
-        module = cand.make()
+        module = module if module is not None else cand.make()
         result = None
         if shared is not None:
             result, note, _ = shared
@@ -316,15 +317,12 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
                 evidence=evidence, calls=calls, seconds=time.perf_counter() - started), None, inference
 
 
-def _kind_key(cand: _Candidate) -> tuple | None:
+def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     """What decides a site's contract: its module's class, plain attributes (ε, shapes, flags), parameter and
     buffer shapes and the values of its scalar ones (a learned ε), and the input's shape and dtype — not the
     values of γ and β, which the contract does not depend on. Sites with one key share one inference (a
-    22-layer model's 45 norms are inferred once); each is still held to its own real activation."""
-    try:
-        module = cand.make()
-    except Exception:
-        return None
+    22-layer model's 45 norms are inferred once); each is still held to its own real activation. ``module``: the
+    site's private copy."""
     plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
                          if not k.startswith("_") and isinstance(v, bool | int | float | str | tuple | list | dict
                                                                  | type(None))))
@@ -391,14 +389,18 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         inferred: dict[tuple, Inference] = {}  # one inference per kind of module
         for i, cand in enumerate(candidates):
             say(f"[{i + 1}/{len(candidates)}] {cand.name}")
-            key = _kind_key(cand)
+            try:
+                module = cand.make()  # one private copy for the key and the inference
+            except NormscopeError:
+                module = None  # _infer_site makes it again and reports why it cannot
+            key = _kind_key(cand, module) if module is not None else None
             site, rej = None, None
             if key is not None and key in inferred:
-                site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key])
+                site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key], module=module)
                 if site is not None and not site.activation.get("ok", meta):
                     site = None  # its own activation disagrees: infer this site by itself
             if site is None and rej is None:
-                site, rej, inference = _infer_site(cand, dtypes, say, call_timeout)
+                site, rej, inference = _infer_site(cand, dtypes, say, call_timeout, module=module)
                 if key is not None and inference is not None and key not in inferred:
                     inferred[key] = inference
             if rej is not None:
@@ -413,7 +415,10 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             calls += site.calls
         placement, block_records, streams = flow.placements(roles)
     stated = config_eps(getattr(model, "config", None))
-    findings, notes = eps_findings(sites, stated, eps_followers(model, stated))
+    followers = eps_followers(model, stated)
+    findings, notes = eps_findings(sites, stated, followers)
+    for s in sites:
+        s.eps_keys = sorted(site_keys(s, followers)) if followers is not None else None
     if meta:
         notes.insert(0, {"kind": "meta", "sites": [], "message": META_NOTE})
     for s in sites:

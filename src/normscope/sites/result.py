@@ -43,6 +43,7 @@ class Site:
     seconds: float = 0.0
     error: str | None = None
     stream: int | None = None  # the residual stream it belongs to (an index into ModelScan.streams)
+    eps_keys: list[str] | None = None  # the config keys its ε follows ([]: the code's own; None: not told)
 
     @property
     def summary(self) -> str:
@@ -59,6 +60,7 @@ class Site:
             "order": self.order, "spec": None if self.spec is None else self.spec.to_dict(), "summary": self.summary,
             "gamma": jsonable(self.gamma), "activation": jsonable(self.activation), "evidence": jsonable(self.evidence),
             "calls": self.calls, "seconds": round(self.seconds, 4), "error": self.error, "stream": self.stream,
+            "eps_keys": self.eps_keys,
         }
 
     @classmethod
@@ -69,7 +71,8 @@ class Site:
                 layer=d.get("layer"), shape=tuple(d["shape"]), dtype=d["dtype"], order=d.get("order", 0),
                 spec=None if d.get("spec") is None else NormSpec.from_dict(d["spec"]), gamma=d.get("gamma"),
                 activation=d.get("activation") or {}, evidence=d.get("evidence") or {}, calls=d.get("calls", 0),
-                seconds=d.get("seconds", 0.0), error=d.get("error"), stream=d.get("stream"))
+                seconds=d.get("seconds", 0.0), error=d.get("error"), stream=d.get("stream"),
+                eps_keys=d.get("eps_keys"))
         except (KeyError, TypeError) as exc:
             raise InputError(f"a site in the scan JSON is missing or has a malformed field ({exc})") from None
 

@@ -87,17 +87,21 @@ def _parsed(load, what: str):
     return proto
 
 
-def scope_outputs(nodes: list[tuple[str | None, list[str], list[str]]], graph_out: set[str],
-                  scope_last: dict[str, str]) -> dict[str, list[str]]:
+def scope_outputs(nodes: list[tuple[str | None, list[str], list[str]]], graph_out: set[str]) -> dict[str, list[str]]:
     """Scope → the values it hands out, in production order: produced by its nodes and read outside it (or a graph
     output). ``nodes``: (scope, inputs, outputs) in graph order, for any runtime's graph (ONNX, OpenVINO). A
     module returning several tensors (a rotary embedding's cos and sin) has several; a scope whose values are all
-    read inside it falls back to its last output."""
+    read inside it falls back to its last node's first output (its parents' scopes end with that node too)."""
     produced: dict[str, str] = {}  # value → the scope of its producer
     order: list[str] = []
+    scope_last: dict[str, str] = {}  # scope → the first output of its last node
     for sc, _, outputs in nodes:
         if sc is None:
             continue
+        if outputs:
+            parts = sc.split(".")
+            for k in range(1, len(parts) + 1):
+                scope_last[".".join(parts[:k])] = outputs[0]
         for o in outputs:
             if o:
                 produced[o] = sc
@@ -124,11 +128,11 @@ def scope_outputs(nodes: list[tuple[str | None, list[str], list[str]]], graph_ou
     return out
 
 
-def _scope_outputs(g, scope_last: dict[str, str]) -> dict[str, list[str]]:
+def _scope_outputs(g) -> dict[str, list[str]]:
     """:func:`scope_outputs` of an ONNX graph (its Constant nodes aside)."""
     nodes = [(None if node.op_type == "Constant" else _scope(node), list(node.input), list(node.output))
              for node in g.node]
-    return scope_outputs(nodes, {o.name for o in g.output}, scope_last)
+    return scope_outputs(nodes, {o.name for o in g.output})
 
 
 def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str]], str, Subgraphs]:
@@ -142,17 +146,9 @@ def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, li
     declared = len(g.output)
     existing = {o.name for o in g.output}
     initial = {i.name for i in g.initializer}
-    scope_out: dict[str, str] = {}  # scope (dotted) → the last output produced in it
     for node in g.node:
         if node.op_type == "Constant" or not node.output:
             continue
-        scope = _scope(node)
-        if scope is not None:
-            scope_out[scope] = node.output[0]
-            # the parents' scopes end with their last node too
-            parts = scope.split(".")
-            for i in range(1, len(parts)):
-                scope_out[".".join(parts[:i])] = node.output[0]
         for o in node.output:
             if o and o not in existing and o not in initial:
                 g.output.append(onnx.ValueInfoProto(name=o))
@@ -180,7 +176,7 @@ def run_candidate(model_obj, args, kwargs) -> tuple[dict[str, Any], dict[str, li
     values = {o.name: v for o, v in zip(sess.get_outputs(), outs, strict=True)}
     subgraphs.meta = {k: (v.dtype, tuple(v.shape), _fingerprint(v)) for k, v in {**feeds, **values}.items()
                       if isinstance(v, np.ndarray)}
-    return values, _scope_outputs(g, scope_out), desc, subgraphs
+    return values, _scope_outputs(g), desc, subgraphs
 
 
 def _fingerprint(v) -> np.ndarray:

@@ -30,7 +30,8 @@ from .execution import primary
 from .onnxsites import scope_outputs
 
 OWN_MISSING = "OpenVINO model converted elsewhere: no site runs alone"
-_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+_DTYPES = {"f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16",
+           "float16": "float16"}  # OpenVINO's names for its inference precision
 
 
 def is_openvino(obj) -> bool:
@@ -58,7 +59,8 @@ def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str
     ov = require("openvino", "openvino")
     core = ov.Core()
     feeds = None
-    if isinstance(obj, torch.nn.Module):
+    converted_here = isinstance(obj, torch.nn.Module)
+    if converted_here:
         try:
             wrapped, example = prepare(obj, args, kwargs)
             model, feeds = convert(wrapped, example), [t.numpy() for t in example]
@@ -82,29 +84,24 @@ def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str
                      and op.get_output_size() and len(op.output(0).get_target_inputs()) > 0
                      and all(t.get_node().get_type_name() == "Convert" for t in op.output(0).get_target_inputs()))
     declared = _key(model.outputs[0].get_node().input_value(0)) if model.outputs else None
-    nodes, extra, last = [], [], {}
+    nodes, extra = [], []
     for op in model.get_ordered_ops():
         kind = op.get_type_name()
         if kind in ("Parameter", "Constant", "Result"):
             continue
         sc = _scope(op.get_friendly_name())
-        if feeds is not None and sc is not None:  # converted here: the wrapper's own level is the reference's root
+        if converted_here and sc is not None:  # the wrapper's own level is the reference's root
             sc = None if sc == _Primary.ATTRIBUTE else sc.removeprefix(_Primary.ATTRIBUTE + ".")
         outs = [op.output(i) for i in range(op.get_output_size())]
         nodes.append((sc, [_key(i.get_source_output()) for i in op.inputs()], [_key(o) for o in outs]))
         extra.extend(outs)
-        if sc is not None and outs:
-            parts = sc.split(".")
-            for k in range(1, len(parts) + 1):
-                last[".".join(parts[:k])] = _key(outs[0])
     model.add_outputs(extra)
     try:
         compiled = core.compile_model(model, "CPU")
     except Exception as exc:
         raise TargetError(f"OpenVINO could not compile the candidate: {type(exc).__name__}: {exc}") from None
     precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").replace("'>", "")
-    dtype = _DTYPES.get({"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(precision, precision),
-                        "float32")
+    dtype = _DTYPES.get(precision, "float32")  # an unnamed precision: judged at float32, the strictest bound
     if feeds is None:
         feeds = _feeds(model, args, kwargs)
     try:
@@ -119,7 +116,7 @@ def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str
     desc = f"OpenVINO {ov.__version__} CPU ({where}), inference precision {precision}"
     if compressed:  # openvino.save_model compresses weights to f16 by default
         desc += f"; {compressed} weight constants stored in 16 bits and converted up at run time"
-    return values, scope_outputs(nodes, graph_out, last), desc, dtype, values.get(declared)
+    return values, scope_outputs(nodes, graph_out), desc, dtype, values.get(declared)
 
 
 def prepare(module: torch.nn.Module, args, kwargs) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:

@@ -89,14 +89,6 @@ class FunctionalNorm(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- discovery
-def _ancestors(trace: Trace, call: int | None) -> set[int]:
-    out = set()
-    while call is not None:
-        out.add(call)
-        call = trace.calls[call].parent
-    return out
-
-
 def _site_name(path: str) -> str:
     return path or "(model)"
 
@@ -117,8 +109,8 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
     class_calls = [c for c in norm_shaped if known_class(c.module)]
     class_ids = {c.index for c in class_calls}
     norm_ops = [op for op in trace.ops if op.norm is not None and "y" in op.norm]
-    op_anc = {op.index: _ancestors(trace, op.call) for op in norm_ops}
-    class_anc = {c.index: _ancestors(trace, c.parent) for c in class_calls}
+    op_anc = {op.index: trace.ancestors(op.call) for op in norm_ops}
+    class_anc = {c.index: trace.ancestors(c.parent) for c in class_calls}
 
     def label(c: ModuleCall) -> str:
         return _site_name(c.path) + (f"#{c.number}" if c.number else "")
@@ -151,7 +143,7 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
     accepted: set[int] = set()
     untested = [c for c in norm_shaped if c.index not in class_ids and c.index not in containers]
     for c in sorted(untested if behaviour else [], key=lambda c: -c.depth):
-        if _ancestors(trace, c.index) & accepted or any(c.index in _ancestors(trace, a) for a in accepted):
+        if trace.ancestors(c.index) & accepted or any(c.index in trace.ancestors(a) for a in accepted):
             continue
         tested += 1
         verdict, measured = _scale_invariant(c)

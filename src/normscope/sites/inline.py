@@ -179,7 +179,7 @@ def find_inline(trace: Trace, skip_calls: set[int]) -> list[InlineSite]:
     for op in trace.ops:
         if op.name not in ("rsqrt", "sqrt") or len(op.outputs) != 1 or len(f.acts(op)) != 1:
             continue
-        if op.index in taken or _inside(trace, op.call, skip_calls) or op.norm is not None:
+        if op.index in taken or trace.ancestors(op.call) & skip_calls or op.norm is not None:
             continue
         stat = _statistic(f, f.acts(op)[0])
         if stat is None:
@@ -202,14 +202,6 @@ def find_inline(trace: Trace, skip_calls: set[int]) -> list[InlineSite]:
         taken.update(ops)
         out.append(InlineSite(x, y, ops, op.call, ops[0], centred))
     return out
-
-
-def _inside(trace: Trace, call: int | None, calls: set[int]) -> bool:
-    while call is not None:
-        if call in calls:
-            return True
-        call = trace.calls[call].parent
-    return False
 
 
 class InlineNorm(torch.nn.Module):

@@ -261,6 +261,14 @@ class Trace:
         finally:
             self.paused = False
 
+    def ancestors(self, call: int | None) -> set[int]:
+        """A module call and every call it runs inside (empty for None: outside every module)."""
+        out = set()
+        while call is not None:
+            out.add(call)
+            call = self.calls[call].parent
+        return out
+
     def tensor(self, v: int) -> torch.Tensor | None:
         """The tensor that held value ``v``, while it still holds it (not written in place since) and until
         :meth:`release`; None otherwise."""

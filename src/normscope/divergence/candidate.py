@@ -4,7 +4,8 @@
 - :class:`CopyCandidate` — a private copy (of the candidate, or of the reference itself) cast to a dtype;
 - :class:`AutocastCandidate` — a torch module (the reference itself when none is given) under ``torch.autocast``;
 - :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes;
-- :class:`OpenVinoCandidate` — a model as OpenVINO runs it, mapped the same way (propagated errors only).
+- :class:`OpenVinoCandidate` — a model as OpenVINO runs it, mapped the same way;
+- :class:`MlxCandidate` — an MLX module tree (an mlx-lm port), its module calls recorded and aligned by name.
 
 Each runs its own forward once (:meth:`Candidate.run`: the primary output of every call, where it raised), aligns
 those records with the reference's module paths (:meth:`Candidate.align`) and, during the reference's forward,
@@ -23,8 +24,8 @@ import torch
 
 from ..dtypes import dtype_name
 from ..model import private_copy, untouched
-from . import metrics, onnxsites, openvino_sites
-from .execution import Autocast, Hooks, Memo, Record, cast, device_type, model_dtype, primary, site_name, stateless
+from . import metrics, mlx_sites, onnxsites, openvino_sites
+from .execution import Autocast, Hooks, Memo, Record, cast, device_type, input_of, model_dtype, primary, site_name, stateless
 
 WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 
@@ -70,6 +71,7 @@ class Candidate:
 
     graph = False  # a runtime's graph mapped to the sites by scopes (ONNX, OpenVINO): sites without an own error
                    # are judged on their propagated error
+    torch_modules = True  # its records' modules are torch modules (their parameters tell their dtype)
     model: torch.nn.Module | None = None
     twin: torch.nn.Module | None = None  # the reference's modules at the candidate's dtype (None: not needed)
     torch_dtype: torch.dtype | None = None  # what the reference's inputs are cast to before a candidate call
@@ -83,6 +85,8 @@ class Candidate:
         self.error: str | None = None  # what its own forward raised
         self.failed: tuple[str, int] | None = None  # the innermost module call that raised, (path, number)
         self.cache_bytes = 0
+        self.notes: list[str] = []  # what the run says about itself (inputs it could not take)
+        self._twin_modules: dict[str, torch.nn.Module] | None = None
 
     @property
     def self_copy(self) -> bool:
@@ -110,9 +114,34 @@ class Candidate:
         """The site's output on the reference's inputs, the dtype it ran at, and the module that ran it."""
         raise NotImplementedError
 
+    def recorded_input(self, r: Record) -> torch.Tensor | None:
+        """The input the candidate's own forward gave this call, where its record keeps it (None: not kept)."""
+        return None
+
+    @property
+    def twin_modules(self) -> dict[str, torch.nn.Module]:
+        if self._twin_modules is None:
+            self._twin_modules = dict(self.twin.named_modules(remove_duplicate=False)) if self.twin is not None else {}
+        return self._twin_modules
+
     def twin_error(self, path: str, r: Record, site_dtype: str, ref_dtype: str, own_error: float, args, kw,
                    y: torch.Tensor, memo: Memo) -> tuple[float | None, str | None]:
-        return None, None
+        """The reference's module at the candidate's dtype on the same inputs: the error precision alone makes."""
+        if self.twin is None or path not in self.twin_modules or site_dtype == ref_dtype:
+            return None, None
+        if self.twin is self.model and r.module is self.twin_modules[path]:
+            tw = own_error
+        else:
+            try:
+                with torch.no_grad(), self.ac(), memo.on():
+                    yt = primary(self.twin_modules[path](*memo.cast(args, self.torch_dtype),
+                                                         **memo.cast(kw, self.torch_dtype, True)))
+                tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+            except Exception:
+                tw = None
+        if tw is not None and not math.isfinite(tw):
+            return None, "the reference's module at the candidate's dtype is not finite here"
+        return tw, None
 
 
 class TorchCandidate(Candidate):
@@ -122,13 +151,6 @@ class TorchCandidate(Candidate):
         super().__init__(desc, dtype)
         self.model = model
         self.torch_dtype = getattr(torch, dtype) if dtype != ref_dtype and not self.ac else None
-        self._twin_modules: dict[str, torch.nn.Module] | None = None
-
-    @property
-    def twin_modules(self) -> dict[str, torch.nn.Module]:
-        if self._twin_modules is None:
-            self._twin_modules = dict(self.twin.named_modules(remove_duplicate=False)) if self.twin is not None else {}
-        return self._twin_modules
 
     def run(self, args, kwargs) -> None:
         """One forward; the primary output of every module call, in completion order, and where it raised."""
@@ -170,24 +192,6 @@ class TorchCandidate(Candidate):
         # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
         site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else self.dtype
         return yc, site_dtype, r.module
-
-    def twin_error(self, path, r, site_dtype, ref_dtype, own_error, args, kw, y, memo):
-        """The reference's module at the candidate's dtype on the same inputs: the error precision alone makes."""
-        if self.twin is None or path not in self.twin_modules or site_dtype == ref_dtype:
-            return None, None
-        if self.twin is self.model and r.module is self.twin_modules[path]:
-            tw = own_error
-        else:
-            try:
-                with torch.no_grad(), self.ac(), memo.on():
-                    yt = primary(self.twin_modules[path](*memo.cast(args, self.torch_dtype),
-                                                         **memo.cast(kw, self.torch_dtype, True)))
-                tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
-            except Exception:
-                tw = None
-        if tw is not None and not math.isfinite(tw):
-            return None, "the reference's module at the candidate's dtype is not finite here"
-        return tw, None
 
 
 class ModuleCandidate(TorchCandidate):
@@ -244,6 +248,7 @@ class GraphCandidate(Candidate):
     ``scopes`` and ``final``) and say how a site runs alone (:meth:`own`)."""
 
     graph = True
+    torch_modules = False
     scopes_label = "onnx scopes"  # how the alignment is named in the result
 
     def __init__(self, desc: str, dtype: str):
@@ -322,6 +327,64 @@ class OpenVinoCandidate(GraphCandidate):
             raise NotMeasured(None, missing=f"OpenVINO: this module alone could not be converted ({exc})") from None
 
 
+class MlxCandidate(Candidate):
+    """A model as MLX runs it on the CPU (:mod:`.mlx_sites`): an ``mlx.nn.Module`` with the reference's module
+    names (an mlx-lm port), or ``"mlx"``, the reference ported here by mlx-lm. Each site's own output is its MLX
+    module called on the reference's input; at a dtype below the reference's, the twin is the reference's module
+    at that dtype."""
+
+    runner = " on MLX"
+    torch_modules = False
+    bound_suffix = " (MLX: the site's module on the reference's input)"
+
+    def __init__(self, model, reference: torch.nn.Module, ref_dtype: str):
+        from ..extras import require
+
+        mx = require("mlx.core", "mlx")
+        ported = isinstance(model, str)
+        self.mlx_model = mlx_sites.port(reference) if ported else model
+        dtype = mlx_sites.model_dtype(self.mlx_model)
+        what = "the reference ported by mlx-lm" if ported else type(model).__name__
+        super().__init__(f"MLX {mx.__version__} CPU ({what})", dtype)
+        if dtype != ref_dtype:
+            self.torch_dtype = getattr(torch, dtype)
+            self.twin = private_copy(reference, dtype=self.torch_dtype)
+
+    def private_models(self):
+        return [self.twin] if self.twin is not None else []
+
+    def run(self, args, kwargs) -> None:
+        def record(path, number, call, out):
+            y = mlx_sites.output(out)
+            kept = mlx_sites.to_torch(y) if y is not None and mlx_sites.dtype_of(y) is not None else None
+            self.records.append(Record(path, number, call, kept))
+
+        self.error, self.failed, self.notes = mlx_sites.run_candidate(self.mlx_model, args, kwargs, record)
+        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in self.records
+                               if r.output is not None)
+
+    def recorded_input(self, r: Record) -> torch.Tensor | None:
+        x = mlx_sites.first_array(r.module.args)
+        return mlx_sites.to_torch(x) if x is not None and mlx_sites.dtype_of(x) is not None else None
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        x = input_of(args, kw, None)
+        if x is None:  # an embedding's token ids
+            x = next((a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            raise NotMeasured("own error not measured: the reference's call has no tensor input")
+        try:
+            yc = mlx_sites.teacher_forced(r.module, x)
+        except ValueError as exc:
+            raise NotMeasured(f"own error not measured: {exc}") from None
+        except Exception as exc:
+            raise NotMeasured(f"own error not measured: the candidate's {type(r.module.module).__name__} raised on "
+                              f"the reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
+        if yc is None or mlx_sites.dtype_of(yc) is None:
+            raise NotMeasured("the candidate's module returned no floating array on the reference's input")
+        return mlx_sites.to_torch(yc), mlx_sites.dtype_of(yc), r.module.module
+
+
 def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,
                   ref_dtype: str, stack: contextlib.ExitStack) -> Candidate:
     """The strategy for what the user gave (arguments already validated)."""
@@ -329,6 +392,8 @@ def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | 
         return OnnxCandidate(candidate)
     if candidate is not None and openvino_sites.is_openvino(candidate):
         return OpenVinoCandidate(candidate, reference)
+    if candidate is not None and mlx_sites.is_mlx(candidate):
+        return MlxCandidate(candidate, reference, ref_dtype)
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

@@ -39,6 +39,7 @@ from ..sites.dataflow import block_modules
 from . import verdict
 from .candidate import Candidate, candidate_for
 from .execution import Hooks, Memo, model_dtype
+from .mlx_sites import is_mlx
 from .onnxsites import is_onnx as _is_onnx
 from .openvino_sites import is_openvino
 from .result import Diff
@@ -63,6 +64,8 @@ def _runtime(candidate) -> str | None:
         return None
     if _is_onnx(candidate):
         return "ONNX"
+    if is_mlx(candidate):
+        return "MLX"
     return "OpenVINO" if is_openvino(candidate) else None
 
 
@@ -72,7 +75,7 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
         raise InputError(f"diff takes a torch.nn.Module as the reference; got a {type(reference).__name__}")
     if candidate_dtype is not None:
         candidate_dtype = _dtype_argument("candidate_dtype", candidate_dtype, _LOW)
-    runtime = _runtime(candidate)  # "ONNX" or "OpenVINO": a model as a runtime runs it
+    runtime = _runtime(candidate)  # "ONNX", "OpenVINO" or "MLX": a model as a runtime runs it
     onnx_cand = runtime is not None
     if autocast is not None:
         if candidate_dtype is not None:
@@ -83,12 +86,13 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
         if onnx_cand:
             raise InputError(f"an {runtime} candidate runs as exported; autocast applies to torch candidates only")
     if candidate is None and candidate_dtype is None and autocast is None:
-        raise InputError("diff needs a candidate: another module, an ONNX or OpenVINO model, or candidate_dtype= (or "
+        raise InputError("diff needs a candidate: another module, an ONNX, OpenVINO or MLX model, or candidate_dtype= (or "
                          "autocast=) to compare the reference with itself at a lower precision (e.g. "
                          "candidate_dtype='bfloat16')")
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto), an "
-                         f"OpenVINO model (openvino.Model or an IR .xml) or None; got a {type(candidate).__name__}")
+                         f"OpenVINO model (openvino.Model or an IR .xml), an MLX module ('mlx': the reference "
+                         f"ported by mlx-lm) or None; got a {type(candidate).__name__}")
     if onnx_cand and grad:
         raise InputError(f"grad=True compares two torch executions; an {runtime} candidate has no backward here")
     if loss_fn is not None and not callable(loss_fn):
@@ -161,6 +165,7 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
         say(f"running the candidate{cand.runner}")
         cand.run(args, kwargs)
+        notes.extend(cand.notes)
         if cand.error:
             notes.append(cand.error)
         alignment = cand.align([p for p, _ in reference.named_modules()])
@@ -191,6 +196,7 @@ def _verdict(reference, cand: Candidate, mode: str, walk: Walk, errors: list[str
              say) -> dict:
     """The first divergent site (explained), what was left unmatched, and why a run without one is inconclusive."""
     sites = walk.sites
+    walk.regroup()
     notes.extend(f"comparison failed at {e}" for e in errors[:5])
     unmatched_ref = [s.name for s in sites if s.status == "unmatched"]
     unmatched_cand = walk.alignment.unmatched()

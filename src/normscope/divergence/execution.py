@@ -53,15 +53,15 @@ def cast(obj, dtype: torch.dtype | None, clamp: bool = False):
     return obj
 
 
-def stateless(obj, depth: int = 0) -> bool:
-    """Only tensors and plain values: an argument that can be handed to another module without sharing state
-    (a KV cache object would be written to)."""
-    if isinstance(obj, (torch.Tensor, *SAFE)):
+def stateless(obj, values: tuple[type, ...] = (torch.Tensor, *SAFE), depth: int = 0) -> bool:
+    """Only tensors (arrays of another framework: ``values``) and plain values, in tuples, lists and dicts: an
+    argument that can be handed to another module without sharing state (a KV cache object would be written to)."""
+    if isinstance(obj, values):
         return True
     if depth < 3 and isinstance(obj, tuple | list):
-        return all(stateless(o, depth + 1) for o in obj)
+        return all(stateless(o, values, depth + 1) for o in obj)
     if depth < 3 and isinstance(obj, dict):
-        return all(stateless(v, depth + 1) for v in obj.values())
+        return all(stateless(v, values, depth + 1) for v in obj.values())
     return False
 
 

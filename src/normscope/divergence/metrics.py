@@ -152,3 +152,19 @@ def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple
         return b, f"{FLOOR:g}·u·√n at {dtype} (u={u:.3g}, n={n})"
     b = MARGIN * twin + SLACK * u
     return b, f"{MARGIN:g} × the reference's own module at {dtype} ({twin:.3g}) + {SLACK:g}·u"
+
+
+def constant_factor(yc: torch.Tensor, y: torch.Tensor, tolerance: float) -> float | None:
+    """c when ``yc`` is ``c·y`` for one constant c ≠ 1 (the rest, ‖yc − c·y‖/‖c·y‖, within ``tolerance``, and c
+    further from 1 than that), else None: a scale applied in another place, not another computation."""
+    a, b = yc.detach().double().flatten(), y.detach().double().flatten()
+    if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    yy = float(b @ b)
+    if yy == 0.0:
+        return None
+    c = float(a @ b) / yy
+    if c == 0.0 or abs(c - 1.0) <= 10 * tolerance:
+        return None
+    rest = float(torch.linalg.vector_norm(a - c * b)) / (abs(c) * math.sqrt(yy))
+    return c if rest <= tolerance else None

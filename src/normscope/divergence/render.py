@@ -13,7 +13,7 @@ from rich.table import Table
 from ..report.console import fmt
 from .result import Diff
 
-_STYLE = {"within": "green", "diverged": "bold red", "raised": "bold red", "shape": "bold red",
+_STYLE = {"within": "green", "regrouped": "cyan", "diverged": "bold red", "raised": "bold red", "shape": "bold red",
           "propagated": "dim", "unmatched": "yellow", "reference_not_finite": "yellow"}
 
 
@@ -106,6 +106,8 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
         console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
                       "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
                       "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
+    for s in [s for s in d.sites if s.status == "regrouped"][:3]:
+        console.print(f"[cyan]regrouped:[/] {escape(s.name)}: {escape(s.note)}")
     for n in d.notes[:5]:
         console.print(f"[yellow]note:[/] {escape(n)}")
     if len(d.notes) > 5:
@@ -130,6 +132,8 @@ def _verdict(d: Diff, console: Console) -> None:
         console.print(f"  contract: {escape(line)}")
     if v.get("differences_note"):
         console.print(f"  contract: {escape(v['differences_note'])}")
+    if v.get("offset_note"):
+        console.print(f"  contract: {escape(v['offset_note'])}")
     if v.get("contracts_error"):
         console.print(f"  [yellow]contracts not inferred:[/] {escape(v['contracts_error'])}")
 
@@ -145,17 +149,20 @@ def _ratio(s) -> float:
 
 def _rows(d: Diff) -> list:
     """The sites that tell the verdict, in execution order: the first divergence and the two compared sites before
-    it; every site not compared (up to a few); else the sites whose own error came nearest their bound."""
+    it; every site not compared (up to a few); without a divergence, the sites whose own error came nearest their
+    bound."""
     picked: dict[int, object] = {}
     if d.first_divergence is not None:
         culprit = d.site(d.first_divergence)
         before = [s for s in d.sites if s.order < culprit.order and s.own is not None][-2:]
         for s in [*before, culprit]:
             picked[s.order] = s
-    for s in [s for s in d.sites if s.status in ("unmatched", "raised", "shape") or s.own_missing][:SHOWN // 2]:
+    for s in [s for s in d.sites if s.status in ("unmatched", "raised", "shape", "regrouped")
+              or s.own_missing][:SHOWN // 2]:
         picked[s.order] = s
-    if len(picked) < 3:
-        for s in sorted((s for s in d.sites if s.own is not None), key=_ratio, reverse=True)[:SHOWN - len(picked)]:
+    if d.first_divergence is None:  # the evidence of a pass: the compared sites nearest their bound
+        for s in sorted((s for s in d.sites if s.own is not None), key=_ratio, reverse=True)[:max(3, SHOWN -
+                                                                                                   len(picked))]:
             picked[s.order] = s
     return [picked[k] for k in sorted(picked)]
 

@@ -18,8 +18,9 @@ SCHEMA = "normscope.diff/1"
 
 #: Site statuses. ``diverged``: the site's own error exceeds its bound (or the candidate raised there, or its
 #: output has another shape); ``within``: own error measured and within bound; ``propagated``: only the
-#: propagated error was measured (no teacher-forced run at this site).
-STATUSES = ("within", "diverged", "propagated", "raised", "shape", "reference_not_finite", "unmatched")
+#: propagated error was measured (no teacher-forced run at this site); ``regrouped``: the candidate's output here is
+#: the reference's times a constant and every consumer of it agrees (a scale the candidate applies elsewhere).
+STATUSES = ("within", "diverged", "propagated", "raised", "shape", "reference_not_finite", "unmatched", "regrouped")
 
 
 def _num(v):
@@ -76,6 +77,7 @@ class SiteDiff:
     # why the own error was not measured where the site would get one (an ONNX site whose subgraph cannot be
     # extracted or fed): the row says "n/a" with it
     own_missing: str = ""
+    factor: float | None = None  # the candidate's output is the reference's times this constant (see ``regrouped``)
 
     @property
     def own_error(self) -> float | None:

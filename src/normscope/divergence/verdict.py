@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NormscopeError
+from ..targets.mlx_target import is_mlx_module
 from . import onnxsites
 from .contracts import infer_module
 from .result import SiteDiff
@@ -72,19 +73,22 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
 
 def infer_contract(module, shape):
     """The site's full inference (contract and recovered γ/β) at infer's own dtypes: an ONNX site's subgraph as
-    onnxruntime runs it, a torch module through :func:`.contracts.infer_module`."""
-    if isinstance(module, onnxsites.Site):
-        from ..probe.infer import infer
+    onnxruntime runs it, an MLX module as MLX runs it, a torch module through :func:`.contracts.infer_module`."""
+    from ..probe.infer import infer
 
+    if isinstance(module, onnxsites.Site):
         return infer(module.proto(), shape=shape, seed=0)
+    if is_mlx_module(module):
+        return infer(module, shape=shape, seed=0)
     return infer_module(module, shape)
 
 
 def parameter_differences(ref, cand, cand_module) -> list[str]:
-    """Where the effective γ/β (as probed from outside) of two sites with one contract differ beyond the rounding
-    of the candidate's parameter dtype: a parameter difference, not precision."""
+    """Where the effective γ/β (as probed from outside; γ with each side's own offset added) of two sites differ
+    beyond the rounding of the candidate's parameter dtype: a parameter difference, not precision."""
     u = 2.0 ** -24
-    params = [p for p in getattr(cand_module, "parameters", lambda: [])() if p.is_floating_point()]
+    params = [p for p in getattr(cand_module, "parameters", lambda: [])()
+              if hasattr(p, "is_floating_point") and p.is_floating_point()]  # a torch module's (MLX's: a dict)
     if params:
         from ..dtypes import UNIT_ROUNDOFF
 
@@ -96,6 +100,8 @@ def parameter_differences(ref, cand, cand_module) -> list[str]:
         if a is None or b is None or np.shape(a) != np.shape(b):
             continue
         a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+        if field == "gamma":
+            a, b = a + ref.spec.gamma_offset, b + cand.spec.gamma_offset
         scale = max(float(np.max(np.abs(a))), 1e-12)
         off = np.flatnonzero(np.abs(b - a) > tol * np.maximum(np.abs(a), 1e-3 * scale))
         if off.size:
@@ -137,17 +143,33 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
         return out
     # the reference's contract as the error model judged it (inferred once per site), else as inferred here
     ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else ref.spec
+    cand_spec = _offset_unseen(ref_spec, cand, out)
     ndim = len(info["shape"])
-    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand.spec.to_dict()}
-    out["differences"] = differences(cand.spec, ref_spec, ndim, shape=info["shape"])
+    out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
+    out["differences"] = differences(cand_spec, ref_spec, ndim, shape=info["shape"])
+    params = parameter_differences(ref, cand, info["cand"])
+    if params:
+        out["parameter_differences"] = params
+        out["differences"] += params
     if not out["differences"]:
-        params = parameter_differences(ref, cand, info["cand"])
-        if params:
-            out["parameter_differences"] = params
-            out["differences_note"] = ("the two contracts are the same, but their parameters are not: "
-                                       + "; ".join(params))
-        else:
-            out["differences_note"] = ("the two contracts are equivalent and so are their parameters: the error "
-                                       "comes from how the candidate computes it (precision, order), not from what "
-                                       "it computes")
+        out["differences_note"] = ("the two contracts are equivalent and so are their parameters: the error comes "
+                                   "from how the candidate computes it (precision, order), not from what it computes")
+    elif params and len(params) == len(out["differences"]):
+        out["differences_note"] = "the two contracts are the same, but their parameters are not"
     return out
+
+
+def _offset_unseen(ref_spec, cand, out: dict[str, Any]):
+    """The candidate's spec to compare. A black box's γ offset is not observable (``1+w`` and ``γ = 1+w`` are one
+    function): when the candidate's was not probed, its spec takes the reference's offset, and its γ (the
+    effective one) is compared with the reference's effective γ (:func:`parameter_differences`), so a doubled
+    offset shows as a γ that differs by 1, not as an offset the candidate lacks."""
+    from ..results.inference import Confidence
+
+    ev = cand.evidence.get("gamma_offset")
+    if not (ref_spec.gamma and cand.spec.gamma and ref_spec.gamma_offset and ev is not None
+            and ev.confidence == Confidence.NOT_PROBED):
+        return cand.spec
+    out["offset_note"] = (f"the candidate's γ offset cannot be seen from outside (1+w and γ = 1+w are one function): "
+                          f"its effective γ is compared with the reference's ({ref_spec.gamma_offset:g}+w)")
+    return cand.spec.replace(gamma_offset=ref_spec.gamma_offset)

@@ -32,10 +32,13 @@ class Walk:
         self.input_errors: dict[str, float] = {}  # site → the propagated error of its input
         self.frames = CallStack()
         self.first: dict[str, Any] = {}
+        self.first_sites: list[SiteDiff] = []  # the sites whose explanation is kept in ``first``
         self.nonfinite: str | None = None  # the first site where the reference itself is not finite
         self.recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
         self.site_contracts = contracts.Contracts()
         self.model_inputs = model_inputs  # the model's own arguments: their error is known (none)
+        # sites whose candidate output is the reference's times a constant: (their output, the site, its consumers)
+        self.scaled: list[tuple[torch.Tensor, SiteDiff, list[tuple[SiteDiff, str, float | None]]]] = []
 
     # ------------------------------------------------------------------ hook callbacks
     def pre(self, module, path, number, a) -> None:
@@ -86,6 +89,7 @@ class Walk:
             return
         r.used = True
         s.counterpart = site_name(r.path, r.number)
+        self._consumes(s, r, f["args"], kw)
         if self.cand.failed is not None and (r.path, r.number) == self.cand.failed:
             s.status, s.note = "raised", self.cand.error  # where the candidate's own forward stopped
             self._remember(s, module, r.module, f["args"], y, None)
@@ -176,7 +180,7 @@ class Walk:
             self._remember(s, module, cand_ref, args, y, yc)
             return
         if s.kind == "norm":
-            v = contracts.judge(self.site_contracts, module, None if self.cand.graph else r.module, x_in, y, yc,
+            v = contracts.judge(self.site_contracts, module, r.module if self.cand.torch_modules else None, x_in, y, yc,
                                 self.ref_dtype, site_dtype) if x_in is not None else {"error": "no floating tensor input"}
             if judge.norm_contract(s, v, site_dtype):
                 if s.status == "diverged":
@@ -190,6 +194,41 @@ class Walk:
                         twin_expected=self.cand.twin is not None, n=n, suffix=self.cand.bound_suffix)
         if s.status == "diverged":
             self._remember(s, module, cand_ref, args, y, yc)
+            factor = metrics.constant_factor(yc, y, s.bound)
+            if factor is not None:
+                s.factor = factor
+                self.scaled.append((y, s, []))
+
+    def _consumes(self, s: SiteDiff, r, args, kw) -> None:
+        """When this call takes the output of a site the candidate scaled: how far the candidate's own input here
+        (when its record keeps it) is from the reference's, else this site's propagated error (judged later)."""
+        for out, _, consumers in self.scaled:
+            if not any(a is out for a in (*args, *kw.values())):
+                continue
+            xc = self.cand.recorded_input(r)
+            err = metrics.errors(xc, out).get("normalized") if xc is not None else None
+            consumers.append((s, "input" if err is not None else "output", err))
+
+    def regroup(self) -> None:
+        """A site whose candidate output is the reference's times a constant, while what consumes that output
+        agrees — the candidate's own input to each consumer (else each consumer's output) within the site's bound
+        of the reference's — is a scale the candidate applies elsewhere (an mlx-lm port scales Gemma's embedding
+        after the embedding): ``regrouped``, not a divergence. Without a consumer that agrees, it stays diverged (a
+        scale lost, not moved)."""
+        for _, s, consumers in self.scaled:
+            judged = [(c, what, err if what == "input" else (c.propagated or {}).get("normalized"))
+                      for c, what, err in consumers if what == "input" or c.propagated is not None]
+            if not judged or not all(isinstance(e, float) and e <= s.bound for _, _, e in judged):
+                continue
+            s.status = "regrouped"
+            names = ", ".join(c.name for c, _, _ in judged[:3])
+            what = "their inputs in the candidate's forward" if all(w == "input" for _, w, _ in judged) else \
+                "their outputs"
+            s.note = (f"the candidate's output here is ×{s.factor:.6g} the reference's (own error "
+                      f"{s.own['normalized']:.3g}), and what consumes it agrees ({names}: {what} within "
+                      f"{max(e for _, _, e in judged):.3g} of the reference's, this site's bound {s.bound:.3g}): the "
+                      "candidate applies that factor outside this module")
+            self.first.pop(s.name, None)
 
     def _error_of(self, x: torch.Tensor | None) -> float | None:
         """The propagated error of a recent reference output (None: not one of them)."""
@@ -198,9 +237,12 @@ class Walk:
         return next((e for t, e in reversed(self.outputs) if t is x), None)
 
     def _remember(self, s: SiteDiff, ref_module, cand_module, args, y, yc) -> None:
-        """The first divergent site's modules (and, with ``keep``, its tensors), for its explanation."""
-        if self.first:
+        """The first divergent site's modules (and, with ``keep``, its tensors), for its explanation; sites before it
+        that may turn out to be a regrouping (:meth:`regroup`) do not count as the first yet."""
+        scaled = {id(site) for _, site, _ in self.scaled}
+        if any(id(site) not in scaled for site in self.first_sites):
             return
+        self.first_sites.append(s)
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         self.first[s.name] = {"ref": ref_module, "cand": cand_module, "shape": tuple(x.shape) if x is not None else None,
                               "tensors": {"input": x, "reference": y.detach().clone(),

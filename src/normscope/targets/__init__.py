@@ -1,7 +1,7 @@
 """Adapters that turn any normalization implementation into a :class:`Target`.
 
 ``as_target(obj, framework=None)`` picks the adapter from the object's type, importing a framework only
-when it is needed: torch modules, ONNX models (a ``.onnx`` path, bytes or an ``onnx.ModelProto``) and
+when it is needed: torch modules, ONNX models (a ``.onnx`` path, bytes or an ``onnx.ModelProto``), MLX modules and
 existing targets need no hint; a plain callable is ambiguous and needs ``framework=`` or a wrapper
 (``normscope.targets.torch(fn)``, ``.numpy(fn)``, ``.jax(fn)``).
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from ..errors import TargetError
 from .base import Capabilities, Outputs, Target
 
-FRAMEWORKS = ("torch", "numpy", "jax", "onnx")
+FRAMEWORKS = ("torch", "numpy", "jax", "onnx", "mlx")
 
-__all__ = ["FRAMEWORKS", "Capabilities", "Outputs", "Target", "as_target", "jax", "numpy", "onnx", "torch"]
+__all__ = ["FRAMEWORKS", "Capabilities", "Outputs", "Target", "as_target", "jax", "mlx", "numpy", "onnx", "torch"]
 
 
 def torch(fn_or_module: Callable, description: str | None = None, *, inputs: Sequence[str] = ("x",),
@@ -52,6 +52,14 @@ def jax(fn: Callable, description: str | None = None, *, inputs: Sequence[str] =
     return JaxTarget(fn, description, inputs, outputs)
 
 
+def mlx(fn_or_module: Callable, description: str | None = None, *, inputs: Sequence[str] = ("x",),
+        outputs: Sequence[str] = ("y",)) -> Target:
+    """An ``mlx.nn.Module`` or a function of ``mx.array`` (one per name in ``inputs``; extra ``mlx``)."""
+    from .mlx_target import MlxTarget
+
+    return MlxTarget(fn_or_module, description, inputs, outputs)
+
+
 def onnx(model, description: str | None = None) -> Target:
     """An ONNX model: path, bytes or onnx.ModelProto (extra ``onnx``); its inputs and outputs are the graph's."""
     from .onnx_target import OnnxTarget
@@ -59,7 +67,7 @@ def onnx(model, description: str | None = None) -> Target:
     return OnnxTarget(model, description)
 
 
-_WRAPPERS = {"torch": torch, "numpy": numpy, "jax": jax, "onnx": onnx}
+_WRAPPERS = {"torch": torch, "numpy": numpy, "jax": jax, "onnx": onnx, "mlx": mlx}
 
 
 def as_target(obj, framework: str | None = None) -> Target:
@@ -75,6 +83,10 @@ def as_target(obj, framework: str | None = None) -> Target:
 
         if isinstance(obj, _t.nn.Module):
             return torch(obj)
+    from .mlx_target import is_mlx_module
+
+    if is_mlx_module(obj):
+        return mlx(obj)
     if isinstance(obj, str | os.PathLike) and str(obj).lower().endswith(".onnx"):
         return onnx(obj)
     if isinstance(obj, bytes | bytearray):

@@ -354,8 +354,13 @@ def run_with_deadline(target: Target, inputs: dict[str, np.ndarray], dtype: str)
 
 def dtype_of(value) -> str | None:
     """The dtype name of an array-like output (None when it has no floating dtype normscope knows)."""
+    dtype = getattr(value, "dtype", None)
     try:
-        return dtype_name(getattr(value, "dtype", None) or np.asarray(value).dtype)
+        return dtype_name(dtype if dtype is not None else np.asarray(value).dtype)
+    except (InputError, TypeError, ValueError):
+        pass
+    try:  # a framework's own dtype object, named after the framework ("mlx.core.float32")
+        return dtype_name(str(dtype).rsplit(".", 1)[-1]) if dtype is not None else None
     except (InputError, TypeError, ValueError):
         return None
 

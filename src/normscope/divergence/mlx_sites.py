@@ -1,0 +1,223 @@
+"""An MLX candidate in ``diff``: a model as MLX runs it, its module calls mapped to the torch sites by name.
+
+The candidate is an ``mlx.nn.Module`` (an mlx-lm port: its module names follow the Hugging Face ones), or
+``"mlx"``: the reference ported here by mlx-lm from its own config and weights (``save_pretrained`` to a temporary
+directory, ``mlx_lm.utils.load_model``). MLX has no hooks: for the candidate's forward, ``__call__`` of each class
+in its module tree is wrapped (and restored after, even when the forward raises), and each call's output and
+arguments are kept. Everything runs on MLX's CPU device.
+
+Own errors (teacher forcing): a site's MLX module is called again with its first array argument replaced by the
+reference's input to that site (converted at the module boundary, at the dtype the candidate's own call had);
+its other arguments — an attention mask, which MLX builds from shapes — are the candidate's own. A call that
+took a stateful argument (a KV cache object) is not run again.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InputError, TargetError
+from ..extras import require
+from ..targets.mlx_target import cpu_stream, is_mlx_module, to_numpy
+from .execution import stateless
+
+_PLAIN = (type(None), bool, int, float, str)
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def is_mlx(obj) -> bool:
+    return (isinstance(obj, str) and obj == "mlx") or is_mlx_module(obj)
+
+
+def dtype_of(value) -> str | None:
+    """The dtype name of an ``mx.array`` (None for an integer one)."""
+    name = str(value.dtype).rsplit(".", 1)[-1]
+    return name if name in _TORCH else None
+
+
+def model_dtype(model) -> str:
+    """The dtype of the MLX model's first floating parameter (float32 without any)."""
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        name = dtype_of(p)
+        if name is not None:
+            return name
+    return "float32"
+
+
+def port(reference: torch.nn.Module):
+    """The reference as mlx-lm ports it: its config and weights written as a Hugging Face checkpoint, loaded by
+    ``mlx_lm.utils.load_model``. Raises InputError when the reference is not a Hugging Face model mlx-lm has a
+    port of."""
+    require("mlx_lm", "mlx")
+    from mlx_lm.utils import load_model
+
+    config = getattr(reference, "config", None)
+    if config is None or not hasattr(reference, "save_pretrained"):
+        raise InputError(f"the candidate 'mlx' ports a Hugging Face model with mlx-lm; a {type(reference).__name__} "
+                         "has no Hugging Face config: give an mlx.nn.Module as the candidate")
+    with tempfile.TemporaryDirectory(prefix="normscope-mlx-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference.save_pretrained(tmp, safe_serialization=True)
+        try:
+            model, _ = load_model(Path(tmp))
+        except ValueError as exc:  # mlx-lm names an architecture it has no port of with a ValueError
+            raise InputError(f"mlx-lm could not port model_type {config.model_type!r}: {exc}") from None
+        except Exception as exc:
+            raise TargetError(f"mlx-lm could not load the reference's weights: {type(exc).__name__}: {exc}") from None
+        require("mlx.core", "mlx").eval(model.parameters())  # read now: the directory goes away
+    return model
+
+
+class Call:
+    """One MLX module call of the candidate's forward: its arguments (for teacher forcing) and output."""
+
+    __slots__ = ("module", "args", "kwargs")
+
+    def __init__(self, module, args, kwargs):
+        self.module, self.args, self.kwargs = module, args, kwargs
+
+
+def to_torch(value, dtype: str | None = None) -> torch.Tensor:
+    """An ``mx.array`` as a torch tensor, at its own dtype (16-bit floats exactly, through float32)."""
+    t = torch.from_numpy(np.ascontiguousarray(to_numpy(value)))
+    name = dtype or dtype_of(value)
+    return t.to(_TORCH[name]) if name in _TORCH and t.is_floating_point() else t
+
+
+def to_mlx(t: torch.Tensor, like):
+    """A torch tensor as an ``mx.array`` at the dtype of ``like`` (the candidate's own argument there)."""
+    mx = require("mlx.core", "mlx")
+    a = t.detach().cpu()
+    a = a.float() if a.is_floating_point() else a
+    return mx.array(a.numpy()).astype(like.dtype)
+
+
+def run_candidate(model, args, kwargs, record) -> tuple[str | None, tuple[str, int] | None, list[str]]:
+    """The MLX model's forward on the reference's inputs with each module call recorded:
+    ``record(path, number, Call, output)`` in completion order (children before parents). Returns what the
+    forward raised (or None), the innermost call that raised, and notes on the inputs it was given."""
+    mx = require("mlx.core", "mlx")
+    feeds, kw, notes = feeds_for(model, args, kwargs)
+    paths = {id(m): p for p, m in model.named_modules()}
+    counts: dict[str, int] = defaultdict(int)
+    failed: list[tuple[str, int]] = []
+    classes = {type(m) for _, m in model.named_modules()}
+    originals = {cls: (cls.__dict__.get("__call__"), cls.__call__) for cls in classes}
+
+    def wrap(call):
+        def recorded(self, *a, **k):
+            path = paths.get(id(self))
+            if path is None:
+                return call(self, *a, **k)
+            number = counts[path]
+            counts[path] += 1
+            try:
+                out = call(self, *a, **k)
+            except Exception:
+                if not failed:
+                    failed.append((path, number))
+                raise
+            record(path, number, Call(self, a, k), out)
+            return out
+        return recorded
+
+    with mx.stream(cpu_stream()):
+        try:
+            for cls, (_, resolved) in originals.items():
+                cls.__call__ = wrap(resolved)
+            try:
+                model(*feeds, **kw)
+            except Exception as exc:
+                where = f"{failed[0][0] or '(model)'}" if failed else "(model)"
+                return f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}", \
+                    (failed[0] if failed else None), notes
+        finally:
+            for cls, (own, _) in originals.items():
+                if own is None:
+                    del cls.__call__
+                else:
+                    cls.__call__ = own
+    return None, None, notes
+
+
+_MAIN_INPUTS = ("input_ids", "inputs", "x", "hidden_states", "pixel_values")  # an HF model's main input, by name
+
+
+def feeds_for(model, args, kwargs) -> tuple[list, dict, list[str]]:
+    """The reference's arguments as the MLX model's ``__call__`` takes them: an HF keyword main input
+    (``input_ids=``) becomes its first positional argument (mlx-lm's ``inputs``); a keyword it does not take is
+    left out, and a tensor left out is named in a note (an attention mask with padding would change the
+    result)."""
+    import inspect
+
+    try:
+        params = dict(inspect.signature(type(model).__call__).parameters)
+        params.pop("self", None)
+    except (TypeError, ValueError):
+        params = {}
+    anything = not params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    feeds, kw, notes = [_feed(a) for a in args], {}, []
+    first = next(iter(params), None)
+    rest = dict(kwargs)
+    if not feeds and first is not None and first not in rest:
+        main = next((k for k in _MAIN_INPUTS if isinstance(rest.get(k), torch.Tensor)), None)
+        if main is not None:
+            feeds.append(_feed(rest.pop(main)))
+    for k, v in rest.items():
+        if anything or k in params:
+            kw[k] = _feed(v)
+        elif isinstance(v, torch.Tensor) and not (k == "attention_mask" and bool((v == 1).all())):
+            notes.append(f"the MLX model takes no {k!r}: it ran without it")
+    return feeds, kw, notes
+
+
+def _feed(value):
+    mx = require("mlx.core", "mlx")
+    if isinstance(value, torch.Tensor):
+        a = value.detach().cpu()
+        return mx.array((a.float() if a.is_floating_point() else a).numpy())
+    return value
+
+
+def output(value) -> Any:
+    """The primary array of an MLX call's output (an array, or the first array of a tuple/list)."""
+    mx = require("mlx.core", "mlx")
+    if isinstance(value, mx.array):
+        return value
+    if isinstance(value, list | tuple):
+        return next((v for v in value if isinstance(v, mx.array)), None)
+    return None
+
+
+def first_array(args) -> Any:
+    """The first ``mx.array`` among a call's positional arguments (None without one)."""
+    mx = require("mlx.core", "mlx")
+    return next((a for a in args if isinstance(a, mx.array)), None)
+
+
+def teacher_forced(call: Call, x: torch.Tensor) -> Any:
+    """The call's module on the reference's input ``x`` in place of its first array argument; the other
+    arguments its own. Raises ValueError with the reason when that cannot be done."""
+    mx = require("mlx.core", "mlx")
+    values = (mx.array, *_PLAIN)
+    if not (stateless(call.args, values) and stateless(call.kwargs, values)):
+        raise ValueError("the call takes a stateful argument (a cache object)")
+    args = list(call.args)
+    at = next((i for i, a in enumerate(args) if isinstance(a, mx.array)), None)
+    if at is None:
+        raise ValueError("the MLX call had no array argument to replace")
+    if tuple(args[at].shape) != tuple(x.shape):
+        raise ValueError(f"the MLX call's input {list(args[at].shape)} is not the reference's {list(x.shape)}")
+    args[at] = to_mlx(x, args[at])
+    with mx.stream(cpu_stream()):
+        return output(call.module(*args, **call.kwargs))

@@ -84,3 +84,50 @@ def test_triton_and_numba_agree_with_residual_and_gradients(dtype):
     tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
     for a, c in ((y_t, y_n), (dx_t, dx_n), (dw_t, dw_n), (db_t, db_n)):
         assert (a.float() - c.float()).abs().max() <= 4 * tol * max(1.0, c.float().abs().max().item())
+
+
+def test_a_row_offset_past_2_to_the_31_is_addressed_in_64_bits():
+    """Three rows 2³⁰ + 64 elements apart — a row stride that fits 32 bits, a third row's offset that does not —
+    as a strided view into a 4 GiB float16 buffer that is reserved, not touched (only the rows' pages are
+    written). With 32-bit offsets the third row's address wraps (in the interpreter: a read outside the buffer)."""
+    n, gap = 64, 2 ** 30 + 64
+    try:
+        big = torch.empty(2 * gap + n, dtype=torch.float16)
+    except RuntimeError as exc:  # a machine that cannot reserve 4 GiB of address space
+        pytest.skip(f"4 GiB of address space not available: {exc}")
+    x = big.as_strided((3, n), (gap, 1))
+    g = torch.Generator().manual_seed(3)
+    x.copy_(torch.randn(3, n, generator=g).to(torch.float16))
+    spec = NormSpec.preset("torch_layernorm")
+    w = (1 + 0.3 * torch.randn(n, generator=g)).to(torch.float16)
+    y = norm(x, spec, w, None, backend="triton")
+    expect = torch.nn.functional.layer_norm(x.float(), (n,), w.float()).to(torch.float16)
+    assert (y.float() - expect.float()).abs().max() <= 2 ** -8 * 4
+    assert x.stride(0) == gap  # the view was used as it is, not copied to contiguous rows
+
+
+def test_param_grads_are_summed_over_row_blocks_deterministically():
+    """dγ/dβ over 100 rows: four row blocks of 25 (the last one short of none) written as partial sums, then
+    added in a fixed order — equal to the float64 sum and bitwise equal from run to run."""
+    from normscope.kernels import triton_gpu
+
+    rows, n = 100, 48
+    assert triton_gpu.row_blocks(rows) == (4, 25)
+    assert triton_gpu.row_blocks(70) == (3, 24)  # a short last block
+    spec = NormSpec.preset("torch_layernorm")
+    g = torch.Generator().manual_seed(5)
+    for r in (rows, 70):
+        x = torch.randn(r, n, generator=g, dtype=torch.float32).requires_grad_()
+        w = (1 + 0.3 * torch.randn(n, generator=g)).requires_grad_()
+        b = (0.2 * torch.randn(n, generator=g)).requires_grad_()
+        dy = torch.randn(r, n, generator=g)
+        runs = []
+        for _ in range(2):
+            y = norm(x, spec, w, b, backend="triton")
+            runs.append(torch.autograd.grad(y, [w, b], dy))
+        assert all(torch.equal(a, c) for a, c in zip(runs[0], runs[1], strict=True))
+        xd = x.detach().double()
+        xhat = (xd - xd.mean(-1, keepdim=True)) / torch.sqrt(xd.var(-1, unbiased=False, keepdim=True) + 1e-5)
+        dw, db = runs[0]
+        assert torch.allclose(dw.double(), (dy.double() * xhat).sum(0), rtol=1e-5, atol=1e-4)
+        assert torch.allclose(db.double(), dy.double().sum(0), rtol=1e-5, atol=1e-4)

@@ -3,8 +3,10 @@
 One program normalizes one row, walking it in blocks of ``BLOCK`` columns (so any hidden size fits: a block
 is at most 4096 wide and masked at the row's end, and masked lanes never enter a statistic). Statistics are
 float32; outputs are rounded to the input dtype; ``cast_then_scale`` rounds x̂, the product and the sum to
-the input dtype one after another, as the contract says. dγ/dβ come from a column-parallel kernel that
-reads the rows again with the saved statistics (no atomics, deterministic).
+the input dtype one after another, as the contract says. dγ/dβ come from a kernel over (column block, row
+block) pairs that reads its rows again with the saved statistics and writes one partial sum per row block; the
+partial sums are added in a fixed order (no atomics, deterministic). Element offsets are 64-bit: a row's offset
+(row × stride) passes 2³¹ elements in a large activation or a strided view of one.
 
 On CUDA tensors these are dispatched by :func:`normscope.kernels.norm`; with ``TRITON_INTERPRET=1`` (set
 before triton is imported) they run on CPU tensors in Triton's interpreter, which is how the tests run them.
@@ -54,7 +56,7 @@ def _forward_kernel(X, x_rs, R, r_rs, Y, H, STATS, W, B, n, eps,
                     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CENTER: tl.constexpr,
                     ONE_PASS: tl.constexpr, UNBIASED: tl.constexpr, PLACEMENT: tl.constexpr,
                     CAST_THEN_SCALE: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row × stride passes 2³¹ in a large tensor
     cols = tl.arange(0, BLOCK)
     xrow = X + row * x_rs
     hrow = H + row * n
@@ -121,7 +123,7 @@ def _forward_kernel(X, x_rs, R, r_rs, Y, H, STATS, W, B, n, eps,
 def _backward_kernel(Hx, DY, DH, DX, STATS, W, n, eps,
                      HAS_DH: tl.constexpr, HAS_W: tl.constexpr, CENTER: tl.constexpr, ONE_PASS: tl.constexpr,
                      UNBIASED: tl.constexpr, PLACEMENT: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     base = row * n
     mean = tl.load(STATS + row * 3)
@@ -172,25 +174,42 @@ def _backward_kernel(Hx, DY, DH, DX, STATS, W, n, eps,
 
 
 @triton.jit
-def _param_grad_kernel(Hx, DY, STATS, DG, DB, rows, n, WANT_DG: tl.constexpr, WANT_DB: tl.constexpr,
+def _param_grad_kernel(Hx, DY, STATS, DG, DB, rows, n, rows_per, WANT_DG: tl.constexpr, WANT_DB: tl.constexpr,
                        BLOCK: tl.constexpr):
-    """dγ_j = Σ_i dy_ij · x̂_ij and dβ_j = Σ_i dy_ij for a block of columns, over every row."""
+    """For one block of columns and one block of ``rows_per`` rows: Σ dy_ij · x̂_ij and Σ dy_ij over those rows,
+    written to the row block's line of the partial sums DG/DB (row blocks × n)."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    part = tl.program_id(1).to(tl.int64)
     m = c < n
     dg = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, rows):
-        g = tl.load(DY + i * n + c, mask=m, other=0.0).to(tl.float32)
+    first = part * rows_per
+    for r in range(0, tl.minimum(rows - first, rows_per)):  # the last block may be short
+        i = first + r
+        off = i * n
+        g = tl.load(DY + off + c, mask=m, other=0.0).to(tl.float32)
         if WANT_DG:
             mean = tl.load(STATS + i * 3)
             inv = 1.0 / tl.load(STATS + i * 3 + 2)
-            dg += g * ((tl.load(Hx + i * n + c, mask=m, other=0.0).to(tl.float32) - mean) * inv)
+            dg += g * ((tl.load(Hx + off + c, mask=m, other=0.0).to(tl.float32) - mean) * inv)
         if WANT_DB:
             db += g
     if WANT_DG:
-        tl.store(DG + c, dg, mask=m)
+        tl.store(DG + part * n + c, dg, mask=m)
     if WANT_DB:
-        tl.store(DB + c, db, mask=m)
+        tl.store(DB + part * n + c, db, mask=m)
+
+
+#: the row blocks of dγ/dβ: enough programs to fill a GPU (columns/256 alone gave 16 for a 4096-wide norm), each
+#: at least ``MIN_ROWS_PER_BLOCK`` rows, at most ``MAX_ROW_BLOCKS`` partial lines (their memory is blocks × n)
+MIN_ROWS_PER_BLOCK, MAX_ROW_BLOCKS = 32, 1024
+
+
+def row_blocks(rows: int) -> tuple[int, int]:
+    """(row blocks, rows per block) of the dγ/dβ kernel for ``rows`` rows."""
+    blocks = max(1, min(MAX_ROW_BLOCKS, triton.cdiv(rows, MIN_ROWS_PER_BLOCK)))
+    per = triton.cdiv(rows, blocks)
+    return triton.cdiv(rows, per), per
 
 
 def _dummy(device) -> torch.Tensor:
@@ -222,6 +241,7 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
     dg = torch.zeros(n if want_dg else 1, dtype=torch.float32, device=dev)
     db = torch.zeros(n if want_db else 1, dtype=torch.float32, device=dev)
     if rows and n:
+        blocks, per = row_blocks(rows)
         d = _dummy(dev)
         dy2 = dy2.to(h2.dtype)
         _backward_kernel[(rows,)](
@@ -231,6 +251,12 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
             PLACEMENT=rc.placement, BF16=fmt == 1, BLOCK=_block(n))
         if want_dg or want_db:
             block = min(256, triton.next_power_of_2(n))
-            _param_grad_kernel[(triton.cdiv(n, block),)](h2, dy2, stats, dg, db, rows, n, WANT_DG=want_dg,
-                                                          WANT_DB=want_db, BLOCK=block)
+            pg = torch.empty((blocks, n) if want_dg else (1,), dtype=torch.float32, device=dev)
+            pb = torch.empty((blocks, n) if want_db else (1,), dtype=torch.float32, device=dev)
+            _param_grad_kernel[(triton.cdiv(n, block), blocks)](h2, dy2, stats, pg, pb, rows, n, per,
+                                                                 WANT_DG=want_dg, WANT_DB=want_db, BLOCK=block)
+            if want_dg:
+                dg = pg.sum(0)  # the partial sums in a fixed order: deterministic
+            if want_db:
+                db = pb.sum(0)
     return dx, (dg if want_dg else None), (db if want_db else None)

@@ -5,7 +5,8 @@
 - :class:`AutocastCandidate` — a torch module (the reference itself when none is given) under ``torch.autocast``;
 - :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes;
 - :class:`OpenVinoCandidate` — a model as OpenVINO runs it, mapped the same way;
-- :class:`MlxCandidate` — an MLX module tree (an mlx-lm port), its module calls recorded and aligned by name.
+- :class:`MlxCandidate` — an MLX module tree (an mlx-lm port), its module calls recorded and aligned by name;
+- :class:`LlamaCppCandidate` — a GGUF as llama.cpp runs it, its named graph tensors mapped to the sites.
 
 Each runs its own forward once (:meth:`Candidate.run`: the primary output of every call, where it raised), aligns
 those records with the reference's module paths (:meth:`Candidate.align`) and, during the reference's forward,
@@ -17,15 +18,30 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..dtypes import dtype_name
+from ..errors import InputError
 from ..model import private_copy, untouched
-from . import metrics, mlx_sites, onnxsites, openvino_sites
-from .execution import Autocast, Hooks, Memo, Record, cast, device_type, input_of, model_dtype, primary, site_name, stateless
+from . import llamacpp_sites, metrics, mlx_sites, onnxsites, openvino_sites
+from .execution import (
+    Autocast,
+    Hooks,
+    Memo,
+    Record,
+    cast,
+    device_type,
+    input_at,
+    input_of,
+    model_dtype,
+    primary,
+    site_name,
+    stateless,
+)
 
 WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 
@@ -49,7 +65,7 @@ class Alignment:
         self.pointer = 0
 
     def counterpart(self, path: str, number: int, shape: list[int]) -> Record | None:
-        if self.mode == "name" or self.mode.endswith("scopes"):
+        if self.mode == "name" or self.mode.endswith(("scopes", "names")):
             r = self.by_key.get((path, number))
             return r if r is not None and not r.used else None
         for i in range(self.pointer, min(len(self.records), self.pointer + WINDOW)):
@@ -61,7 +77,7 @@ class Alignment:
 
     def unmatched(self) -> list[str]:
         """The candidate's calls no reference call took (a graph's values outside every scope are not counted)."""
-        if self.mode.endswith("scopes"):
+        if self.mode.endswith(("scopes", "names")):
             return []
         return [site_name(r.path, r.number) for r in self.records if not r.used and r.output is not None]
 
@@ -385,6 +401,92 @@ class MlxCandidate(Candidate):
         return mlx_sites.to_torch(yc), mlx_sites.dtype_of(yc), r.module.module
 
 
+class LlamaCppCandidate(Candidate):
+    """A GGUF as llama.cpp runs it on the CPU (:mod:`.llamacpp_sites`): ``"llama.cpp"`` (the reference written as a
+    GGUF here) or a ``.gguf`` path. Its named graph tensors are the sites; where a site's input is named too (a
+    norm reads the residual stream), its own error is the candidate's output against the reference's module on the
+    candidate's own input; elsewhere the site is judged on its propagated error."""
+
+    graph = True
+    torch_modules = False
+    runner = " on llama.cpp"
+    scopes_label = "llama.cpp tensor names"
+    bound_suffix = " (llama.cpp: its output against the reference's module on the candidate's own input)"
+
+    def __init__(self, source, reference: torch.nn.Module, stack: contextlib.ExitStack):
+        from ..extras import require
+
+        require("llama_cpp", "llamacpp")
+        super().__init__("", "float32")
+        self.reference = reference
+        self.modules = dict(reference.named_modules())
+        if isinstance(source, str) and source == "llama.cpp":
+            import tempfile
+
+            from ..artifacts.gguf_write import write_gguf
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="normscope-gguf-"))
+            self.path = write_gguf(reference, Path(folder) / "reference.gguf")
+            self.written_here = True
+        else:
+            self.path = Path(source)
+            if not self.path.is_file():
+                raise InputError(f"{source}: no such GGUF file")
+            self.written_here = False
+        self.values: dict = {}
+        self.arch = "?"
+
+    def run(self, args, kwargs) -> None:
+        ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                    and not a.is_floating_point() and not a.is_complex()), None)
+        if ids is None or ids.dim() not in (1, 2):
+            raise InputError("a llama.cpp candidate runs on token ids: give input_ids (batch × tokens) as the inputs")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
+            self.notes.append("the attention mask has padding; llama.cpp decoded every token of each sample")
+        self.values, self.arch, self.desc = llamacpp_sites.run_candidate(self.path, ids.reshape(-1, ids.shape[-1]))
+        if self.written_here:
+            self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
+
+    def align(self, ref_paths: list[str]) -> Alignment:
+        cfg = getattr(self.reference, "config", None)
+        heads = None
+        if cfg is not None and getattr(cfg, "num_attention_heads", None):
+            heads = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        stated = llamacpp_sites.stated_contracts(self.path)
+        self.records = llamacpp_sites.records(self.values, self.arch, ref_paths, heads, Record, stated)
+        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in self.records)
+        self.values = {}
+        return Alignment(self.records, self.scopes_label)
+
+    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+        site = r.module
+        module = self.modules.get(r.path)
+        if site.input is None or module is None:
+            raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
+        if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
+            return site.output, "float32", site.stated
+        if not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
+            raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
+                                            "object), so its module is not run again on the candidate's input")
+        at = input_at(args, kw, None)
+        if at is None:
+            raise NotMeasured(None, missing="llama.cpp: the reference's call has no tensor input")
+        x_ref = (args if at[0] == "arg" else kw)[at[1]]
+        if tuple(site.input.shape) != tuple(x_ref.shape):
+            raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
+                                            f"{list(x_ref.shape)}")
+        x_cand = site.input.to(x_ref.dtype)
+        swapped = list(args), dict(kw)
+        swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
+        with torch.no_grad():
+            y_ref = primary(module(*args, **kw))
+            y_on_cand = primary(module(*swapped[0], **swapped[1]))
+        # the candidate's own error at this site, carried onto the reference's output to be judged like any other
+        yc = y_ref.float() + (site.output.to(y_ref.device) - y_on_cand.float())
+        return yc.to(y_ref.dtype), "float32", site.stated
+
+
 def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,
                   ref_dtype: str, stack: contextlib.ExitStack) -> Candidate:
     """The strategy for what the user gave (arguments already validated)."""
@@ -394,6 +496,8 @@ def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | 
         return OpenVinoCandidate(candidate, reference)
     if candidate is not None and mlx_sites.is_mlx(candidate):
         return MlxCandidate(candidate, reference, ref_dtype)
+    if candidate is not None and llamacpp_sites.is_gguf(candidate):
+        return LlamaCppCandidate(candidate, reference, stack)
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

@@ -2,7 +2,8 @@
 
 REFERENCE and CANDIDATE are what ``normscope scan`` takes (``package.module:factory``, a Hugging Face model
 directory, a ``config.json``); CANDIDATE may also be an ``.onnx`` file, an OpenVINO IR ``.xml``, ``openvino`` (REFERENCE
-as OpenVINO runs it), ``mlx`` (REFERENCE ported by mlx-lm, run by MLX), or be left out with
+as OpenVINO runs it), ``mlx`` (REFERENCE ported by mlx-lm, run by MLX), a ``.gguf`` or ``llama.cpp`` (REFERENCE
+written as a GGUF, run by llama.cpp), or be left out with
 ``--candidate-dtype`` or ``--autocast`` (the reference against itself at that precision). Exit codes: 0 no divergence,
 5 diverged (the first divergent site is printed), 2 usage or input error (one line on stderr).
 """
@@ -26,7 +27,8 @@ def add_parser(subparsers) -> Any:
         "diff",
         help="compare two executions of one model site by site, down to the first site that is itself wrong",
         description="Run REFERENCE and CANDIDATE (another module, an .onnx file, an OpenVINO IR .xml, 'openvino' — "
-                    "REFERENCE as OpenVINO runs it —, 'mlx' — REFERENCE ported by mlx-lm —, or REFERENCE itself at "
+                    "REFERENCE as OpenVINO runs it —, 'mlx' — REFERENCE ported by mlx-lm —, a .gguf or 'llama.cpp' — "
+                    "REFERENCE written as a GGUF — run by llama.cpp, or REFERENCE itself at "
                     "--candidate-dtype or under --autocast) on the same inputs; per site, the candidate's own "
                     "error (its module on the reference's input) and the propagated error; the first site whose own "
                     "error exceeds what a faithful execution at the candidate's dtype is allowed. Exit 0 no "
@@ -37,7 +39,9 @@ def add_parser(subparsers) -> Any:
                    help="the same forms, an .onnx file, an OpenVINO IR .xml, or 'openvino' (REFERENCE converted by "
                         "openvino.convert_model and run by OpenVINO on the CPU; pip install 'normscope[openvino]'), "
                         "or 'mlx' (REFERENCE, a Hugging Face model, ported by mlx-lm and run by MLX on the CPU; "
-                        "pip install 'normscope[mlx]'); omit with --candidate-dtype or --autocast")
+                        "pip install 'normscope[mlx]'), a .gguf or 'llama.cpp' (REFERENCE written as a GGUF) run by "
+                        "llama.cpp on the CPU (pip install 'normscope[llamacpp]': builds llama.cpp, minutes); omit "
+                        "with --candidate-dtype or --autocast")
     p.add_argument("--inputs", help=INPUTS_HELP)
     p.add_argument("--candidate-dtype", dest="candidate_dtype",
                    help="bfloat16, float16 or float32 (no more precise than REFERENCE): the candidate (or REFERENCE "
@@ -61,6 +65,7 @@ def run(args, console: Console) -> int:
     from ..model_options import deadline, model_inputs
     from ..sources import load_model
     from .core import diff
+    from .llamacpp_sites import is_gguf
     from .mlx_sites import is_mlx
     from .onnxsites import is_onnx
     from .openvino_sites import is_openvino
@@ -72,7 +77,7 @@ def run(args, console: Console) -> int:
     reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
     candidate = None
     if args.candidate is not None:
-        if is_onnx(args.candidate) or is_openvino(args.candidate) or is_mlx(args.candidate):
+        if any(is_(args.candidate) for is_ in (is_onnx, is_openvino, is_mlx, is_gguf)):
             candidate = args.candidate
         else:
             candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)

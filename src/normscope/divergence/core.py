@@ -39,6 +39,7 @@ from ..sites.dataflow import block_modules
 from . import verdict
 from .candidate import Candidate, candidate_for
 from .execution import Hooks, Memo, model_dtype
+from .llamacpp_sites import is_gguf
 from .mlx_sites import is_mlx
 from .onnxsites import is_onnx as _is_onnx
 from .openvino_sites import is_openvino
@@ -66,6 +67,8 @@ def _runtime(candidate) -> str | None:
         return "ONNX"
     if is_mlx(candidate):
         return "MLX"
+    if is_gguf(candidate):
+        return "llama.cpp"
     return "OpenVINO" if is_openvino(candidate) else None
 
 
@@ -92,7 +95,8 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):
         raise InputError(f"the candidate must be a torch.nn.Module, an ONNX model (path, bytes or ModelProto), an "
                          f"OpenVINO model (openvino.Model or an IR .xml), an MLX module ('mlx': the reference "
-                         f"ported by mlx-lm) or None; got a {type(candidate).__name__}")
+                         f"ported by mlx-lm), a GGUF ('llama.cpp': the reference written as one) or None; got a "
+                         f"{type(candidate).__name__}")
     if onnx_cand and grad:
         raise InputError(f"grad=True compares two torch executions; an {runtime} candidate has no backward here")
     if loss_fn is not None and not callable(loss_fn):

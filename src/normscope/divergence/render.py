@@ -132,8 +132,9 @@ def _verdict(d: Diff, console: Console) -> None:
         console.print(f"  contract: {escape(line)}")
     if v.get("differences_note"):
         console.print(f"  contract: {escape(v['differences_note'])}")
-    if v.get("offset_note"):
-        console.print(f"  contract: {escape(v['offset_note'])}")
+    for key in ("offset_note", "stated_note"):
+        if v.get(key):
+            console.print(f"  contract: {escape(v[key])}")
     if v.get("contracts_error"):
         console.print(f"  [yellow]contracts not inferred:[/] {escape(v['contracts_error'])}")
 

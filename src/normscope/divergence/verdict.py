@@ -45,7 +45,8 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
     why = []
     align = {"name": "module names", "order": "execution order and output shapes",
              "onnx scopes": "the exporter's node-name scopes",
-             "openvino scopes": "OpenVINO's node-name scopes"}.get(mode, mode)
+             "openvino scopes": "OpenVINO's node-name scopes",
+             "llama.cpp tensor names": "llama.cpp's graph tensor names"}.get(mode, mode)
     if errors:
         why.append(f"the comparison raised at {len(errors)} site(s), which were not judged (first: {errors[0]}); "
                    "what would decide it: that site compared (report the error; inputs it can take)")
@@ -137,12 +138,16 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
 
     try:
         ref = infer_contract(info["ref"], info["shape"])
-        cand = infer_contract(info["cand"], info["shape"])
+        stated = hasattr(info["cand"], "as_inference")  # a contract the candidate's file states (a GGUF)
+        cand = None if stated else infer_contract(info["cand"], info["shape"])
     except (NormscopeError, Exception) as exc:  # inference is an explanation; its failure is reported, not raised
         out["contracts_error"] = f"{type(exc).__name__}: {exc}"
         return out
     # the reference's contract as the error model judged it (inferred once per site), else as inferred here
     ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else ref.spec
+    if stated:
+        cand = info["cand"].as_inference(ref_spec)
+        out["stated_note"] = "the candidate's contract as its file states it (not probed: llama.cpp runs the whole graph)"
     cand_spec = _offset_unseen(ref_spec, cand, out)
     ndim = len(info["shape"])
     out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
@@ -168,7 +173,7 @@ def _offset_unseen(ref_spec, cand, out: dict[str, Any]):
 
     ev = cand.evidence.get("gamma_offset")
     if not (ref_spec.gamma and cand.spec.gamma and ref_spec.gamma_offset and ev is not None
-            and ev.confidence == Confidence.NOT_PROBED):
+            and (ev.confidence == Confidence.NOT_PROBED or ev.measured.get("effective_gamma"))):
         return cand.spec
     out["offset_note"] = (f"the candidate's γ offset cannot be seen from outside (1+w and γ = 1+w are one function): "
                           f"its effective γ is compared with the reference's ({ref_spec.gamma_offset:g}+w)")

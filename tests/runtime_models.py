@@ -1,0 +1,33 @@
+"""Tiny random-weight Hugging Face causal LMs for the runtime diffs (MLX, llama.cpp): 2 layers, 64 wide, norms
+with trained-looking γ (their initial value perturbed), and the token ids they run on."""
+
+from __future__ import annotations
+
+import torch
+
+SIZE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_causal_lm(family: str):
+    """``family``: llama, qwen3 or gemma3 (one sliding and one global layer, as mlx-lm reads the pattern)."""
+    import transformers
+
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**SIZE, rms_norm_eps=1e-5),
+        "qwen3": lambda: transformers.Qwen3Config(**SIZE, head_dim=16),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**SIZE, head_dim=16, sliding_window=8,
+                                                        sliding_window_pattern=2,
+                                                        layer_types=["sliding_attention", "full_attention"]),
+    }
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs[family](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def token_ids() -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))}

@@ -1,7 +1,8 @@
-"""Fused norm kernels against memcpy and eager torch, as same-run ratios (CPU, numba; GPU when there is one).
+"""Fused norm kernels against a copy, eager torch and torch.compile, as same-run ratios (CPU: numba; CUDA: Triton).
 
     PYTHONPATH=src python bench/kernels.py                    # 2 threads, 8192 × 4096 float32, N sweep, plot
     PYTHONPATH=src python bench/kernels.py --threads 2 --no-compile --plot docs/kernels_gbps.png
+    PYTHONPATH=src python bench/kernels.py --device cuda --dtype bfloat16   # the Triton kernels on a GPU
 
 The process re-runs itself with glibc's malloc told to keep freed memory (``MALLOC_MMAP_MAX_=0``,
 ``MALLOC_TRIM_THRESHOLD_``): otherwise every fresh 128 MiB output (of every implementation alike) is a new
@@ -9,7 +10,9 @@ mmap whose first touch page-faults, which costs more than the kernel (measured: 
 
 Every number is measured in this run: the median of ``--repeat`` timed calls after a warm-up. Bandwidth is
 the bytes a call must move (read x [and the residual], write y [and h]; backward: read x and dy, write dx)
-over its time. The targets (issue: fused norm kernels) are printed with each ratio, met or not.
+over its time. A norm's output is a fresh tensor, so its fair limit is an allocating copy (``x.clone()``), printed
+beside ``dst.copy_(x)``. The targets are printed with each ratio, met or not; on CUDA every call is timed to a
+``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -33,12 +36,16 @@ RMS = NormSpec.preset("torch_rmsnorm", eps=1e-6)
 LN = NormSpec.preset("torch_layernorm")
 
 
-def timed(fn, repeat: int) -> float:
+def timed(fn, repeat: int, sync=None) -> float:
     fn()  # warm-up (compiles, caches, pages in)
+    if sync:
+        sync()
     times = []
     for _ in range(repeat):
         t = time.perf_counter()
         fn()
+        if sync:
+            sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -47,11 +54,25 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+#: the targets of the kernel issue, as same-run ratios (name → (target, how it is computed))
+TARGETS = {
+    "RMS forward / x.clone() bandwidth": 0.9,
+    "LN forward / x.clone() bandwidth": 0.9,
+    "LN forward vs eager F.layer_norm": 1.5,
+    "RMS forward vs torch.compile(F.rms_norm)": 1.5,
+    "fused add + RMS vs unfused eager": 2.0,
+    "RMS fwd + bwd vs eager autograd": 4.0,
+}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: the Triton kernels against eager, torch.compile and a device-to-device copy")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C++ compiler)")
     ap.add_argument("--no-sweep", action="store_true")
@@ -59,47 +80,59 @@ def main(argv=None) -> int:
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default mmap/trim behaviour")
     args = ap.parse_args(argv)
     keep = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
-    if not args.system_malloc and any(os.environ.get(k) != v for k, v in keep.items()) and argv is None:
+    if args.device == "cpu" and not args.system_malloc and any(os.environ.get(k) != v for k, v in keep.items()) \
+            and argv is None:
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **keep})
 
-    import numba
+    dev = torch.device(args.device)
+    sync = None
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: no CUDA device here")
+        sync = torch.cuda.synchronize
+        where = f"CUDA {torch.cuda.get_device_name()}, Triton kernels"
+    else:
+        import numba
 
-    torch.set_num_threads(args.threads)
-    numba.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
+        where = f"CPU, {args.threads} threads (torch and numba), load average {os.getloadavg()[0]:.1f}"
     torch.manual_seed(0)
     m, n = args.rows, args.hidden
-    x = torch.randn(m, n)
-    r = torch.randn(m, n)
-    w = 1 + 0.1 * torch.randn(n)
-    b = 0.1 * torch.randn(n)
-    dy = torch.randn(m, n)
+    dt = getattr(torch, args.dtype)
+    x = torch.randn(m, n, device=dev).to(dt)
+    r = torch.randn(m, n, device=dev).to(dt)
+    w = (1 + 0.1 * torch.randn(n, device=dev)).to(dt)
+    b = (0.1 * torch.randn(n, device=dev)).to(dt)
+    dy = torch.randn(m, n, device=dev).to(dt)
     nb = x.numel() * x.element_size()
-    print(f"CPU, {args.threads} threads (torch and numba), {m} × {n} float32, median of {args.repeat}")
+    print(f"{where}, {m} × {n} {args.dtype}, median of {args.repeat}")
+
+    def t(fn):
+        return timed(fn, args.repeat, sync)
 
     dst = torch.empty_like(x)
-    t_copy = timed(lambda: dst.copy_(x), args.repeat)
-    bw_copy = gbps(2 * nb, t_copy)
-    t_clone = timed(lambda: x.clone(), args.repeat)
-    rows = [("memcpy (dst.copy_(x))", t_copy, bw_copy), ("memcpy into a new tensor (x.clone())", t_clone,
-                                                          gbps(2 * nb, t_clone))]
+    t_copy = t(lambda: dst.copy_(x))
+    t_clone = t(lambda: x.clone())
+    bw_clone = gbps(2 * nb, t_clone)
+    rows = [("copy into an existing tensor (dst.copy_(x))", t_copy, gbps(2 * nb, t_copy)),
+            ("copy into a new tensor (x.clone())", t_clone, bw_clone)]
 
-    def fwd_rms():
-        return norm(x, RMS, w)
-
-    def fwd_ln():
-        return norm(x, LN, w, b)
-
-    t_rms = timed(fwd_rms, args.repeat)
-    t_ln = timed(fwd_ln, args.repeat)
-    t_rms_eager = timed(lambda: F.rms_norm(x, (n,), w, 1e-6), args.repeat)
-    t_ln_eager = timed(lambda: F.layer_norm(x, (n,), w, b, 1e-5), args.repeat)
-    t_add = timed(lambda: norm(x, RMS, w, residual=r), args.repeat)
+    t_rms = t(lambda: norm(x, RMS, w))
+    t_ln = t(lambda: norm(x, LN, w, b))
+    t_rms_eager = t(lambda: F.rms_norm(x, (n,), w, 1e-6))
+    t_ln_eager = t(lambda: F.layer_norm(x, (n,), w, b, 1e-5))
+    t_rms_compiled = None
+    if not args.no_compile:
+        compiled = torch.compile(lambda a, g: F.rms_norm(a, (a.shape[-1],), g, 1e-6), dynamic=False)
+        t_rms_compiled = t(lambda: compiled(x, w))
+    t_add = t(lambda: norm(x, RMS, w, residual=r))
 
     def add_eager():
         h = x + r
         return F.rms_norm(h, (n,), w, 1e-6), h
 
-    t_add_eager = timed(add_eager, args.repeat)
+    t_add_eager = t(add_eager)
 
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
@@ -112,12 +145,13 @@ def main(argv=None) -> int:
         xg.grad = wg.grad = None
         F.rms_norm(xg, (n,), wg, 1e-6).backward(dy)
 
-    t_fb = timed(fb_ns, args.repeat)
-    t_fb_eager = timed(fb_eager, args.repeat)
+    t_fb = t(fb_ns)
+    t_fb_eager = t(fb_eager)
 
     rows += [
         ("normscope RMS forward", t_rms, gbps(2 * nb, t_rms)),
         ("eager F.rms_norm", t_rms_eager, gbps(2 * nb, t_rms_eager)),
+        *([("torch.compile(F.rms_norm)", t_rms_compiled, gbps(2 * nb, t_rms_compiled))] if t_rms_compiled else []),
         ("normscope LN forward", t_ln, gbps(2 * nb, t_ln)),
         ("eager F.layer_norm", t_ln_eager, gbps(2 * nb, t_ln_eager)),
         ("normscope add + RMS (fused)", t_add, gbps(4 * nb, t_add)),
@@ -125,21 +159,28 @@ def main(argv=None) -> int:
         ("normscope RMS fwd + bwd", t_fb, gbps(5 * nb, t_fb)),
         ("eager autograd RMS fwd + bwd", t_fb_eager, gbps(5 * nb, t_fb_eager)),
     ]
-    print(f"{'':38}{'ms':>9}{'GB/s':>9}")
-    for name, t, bw in rows:
-        print(f"{name:38}{t * 1e3:9.2f}{bw:9.2f}")
+    print(f"{'':46}{'ms':>9}{'GB/s':>9}")
+    for name, sec, bw in rows:
+        print(f"{name:46}{sec * 1e3:9.3f}{bw:9.2f}")
 
-    def verdict(value, target):
-        return f"{value:6.2f}  target ≥ {target:<5g} {'met' if value >= target else 'NOT met'}"
-
+    ratios = {
+        "RMS forward / x.clone() bandwidth": gbps(2 * nb, t_rms) / bw_clone,
+        "LN forward / x.clone() bandwidth": gbps(2 * nb, t_ln) / bw_clone,
+        "LN forward vs eager F.layer_norm": t_ln_eager / t_ln,
+        "RMS forward vs torch.compile(F.rms_norm)": t_rms_compiled / t_rms if t_rms_compiled else None,
+        "fused add + RMS vs unfused eager": t_add_eager / t_add,
+        "RMS fwd + bwd vs eager autograd": t_fb_eager / t_fb,
+    }
     print("\nsame-run ratios")
-    print("  RMS forward / memcpy bandwidth  ", verdict(gbps(2 * nb, t_rms) / bw_copy, 0.8))
-    print("  LN forward / memcpy bandwidth   ", verdict(gbps(2 * nb, t_ln) / bw_copy, 0.8))
-    print("  RMS forward vs eager F.rms_norm ", verdict(t_rms_eager / t_rms, 5))
-    print("  LN forward vs eager F.layer_norm", verdict(t_ln_eager / t_ln, 2))
-    print("  fused add + RMS vs unfused eager", verdict(t_add_eager / t_add, 1.5))
-    print("  RMS fwd + bwd vs eager autograd ", verdict(t_fb_eager / t_fb, 3))
+    for name, value in ratios.items():
+        target = TARGETS[name]
+        if value is None:
+            print(f"  {name:42} not measured (--no-compile)")
+        else:
+            print(f"  {name:42} {value:6.2f}  target ≥ {target:<4g} {'met' if value >= target else 'NOT met'}")
 
+    if args.device == "cuda":
+        return 0
     if args.no_sweep:
         return 0
     total = m * n

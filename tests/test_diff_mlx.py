@@ -137,3 +137,29 @@ def test_cli_diff_against_mlx(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PASS" in out and "MLX" in out
+
+
+def test_a_quantized_mlx_port_is_refused_with_the_reason():
+    import mlx.nn as mnn
+
+    model = _model("llama")
+    port_ = port(model)
+    mnn.quantize(port_, group_size=32, bits=8)
+    with pytest.raises(InputError, match="quantized layers"):
+        diff(model, port_, _ids(), progress=False)
+
+
+def test_a_bf16_port_that_loses_the_embedding_scale_is_not_a_pass():
+    """At bfloat16 without a twin, 16·u·√n passes 1 over a long axis: the bound is capped, so a port that loses
+    Gemma's embedding scale still fails; the clean bf16 port against a bf16 reference passes."""
+    import mlx.core as mx
+
+    model = _model("gemma3").to(torch.bfloat16)
+    port_ = port(model)
+    port_.set_dtype(mx.bfloat16)
+    d = diff(model, port_, _ids(), progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert d.site("model.embed_tokens").status == "regrouped"
+    port_.model.args.hidden_size = 1
+    d = diff(model, port_, _ids(), progress=False)
+    assert d.first_divergence == "model.embed_tokens", d.summary()

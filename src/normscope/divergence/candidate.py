@@ -359,6 +359,7 @@ class MlxCandidate(Candidate):
         mx = require("mlx.core", "mlx")
         ported = isinstance(model, str)
         self.mlx_model = mlx_sites.port(reference) if ported else model
+        mlx_sites.refuse_quantized(self.mlx_model)
         dtype = mlx_sites.model_dtype(self.mlx_model)
         what = "the reference ported by mlx-lm" if ported else type(model).__name__
         super().__init__(f"MLX {mx.__version__} CPU ({what})", dtype)

@@ -140,6 +140,13 @@ def errors(candidate: torch.Tensor, reference: torch.Tensor) -> dict[str, Any]:
     return _summary(out, n, rn, cn, dn, dot, max_abs, mean_abs, max_rel)
 
 
+#: the largest bound a faithful execution gets without a twin: 16·u·√n passes 1 at bfloat16 once n ≥ 256, which
+#: would call any output faithful
+CAP = 0.1
+#: the most a scaled output may differ from c·y and still be "the same computation, scaled"
+FACTOR_REST = 0.02
+
+
 def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple[float, str]:
     """The normalised error a faithful execution at ``dtype`` may show at a site, and how it was derived.
 
@@ -149,14 +156,17 @@ def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple
     u = UNIT_ROUNDOFF[dtype]
     if twin is None:
         b = FLOOR * u * math.sqrt(max(n, 1))
+        if b > CAP:  # bf16 over a long axis: 16·u·√n passes 1, and every output would be "faithful"
+            return CAP, f"{CAP:g} (16·u·√n at {dtype} is {b:.3g}: above what rounding can explain)"
         return b, f"{FLOOR:g}·u·√n at {dtype} (u={u:.3g}, n={n})"
     b = MARGIN * twin + SLACK * u
     return b, f"{MARGIN:g} × the reference's own module at {dtype} ({twin:.3g}) + {SLACK:g}·u"
 
 
 def constant_factor(yc: torch.Tensor, y: torch.Tensor, tolerance: float) -> float | None:
-    """c when ``yc`` is ``c·y`` for one constant c ≠ 1 (the rest, ‖yc − c·y‖/‖c·y‖, within ``tolerance``, and c
-    further from 1 than that), else None: a scale applied in another place, not another computation."""
+    """c when ``yc`` is ``c·y`` for one constant c clearly ≠ 1 (the rest, ‖yc − c·y‖/‖c·y‖, within ``tolerance`` and
+    within :data:`FACTOR_REST`, and c further from 1 than ten times the rest and than 10⁻³), else None: a scale
+    applied in another place, not another computation."""
     a, b = yc.detach().double().flatten(), y.detach().double().flatten()
     if a.shape != b.shape or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return None
@@ -164,7 +174,9 @@ def constant_factor(yc: torch.Tensor, y: torch.Tensor, tolerance: float) -> floa
     if yy == 0.0:
         return None
     c = float(a @ b) / yy
-    if c == 0.0 or abs(c - 1.0) <= 10 * tolerance:
+    if c == 0.0:
         return None
     rest = float(torch.linalg.vector_norm(a - c * b)) / (abs(c) * math.sqrt(yy))
-    return c if rest <= tolerance else None
+    if rest > min(tolerance, FACTOR_REST) or abs(c - 1.0) <= max(10 * rest, 1e-3):
+        return None
+    return c

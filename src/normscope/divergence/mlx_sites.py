@@ -54,6 +54,17 @@ def model_dtype(model) -> str:
     return "float32"
 
 
+def refuse_quantized(model) -> None:
+    """An MLX model with quantized layers (``nn.quantize``, a 4-bit mlx-lm port) is refused with the reason: the
+    rounding of a quantized block has no bound in the error model, so no site could be judged against one."""
+    quantized = sorted({type(m).__name__ for _, m in model.named_modules() if type(m).__name__.startswith("Quantized")
+                        or hasattr(m, "bits") and hasattr(m, "group_size")})
+    if quantized:
+        raise InputError(f"the MLX model has quantized layers ({', '.join(quantized)}): a quantized weight's rounding "
+                         "has no bound in normscope's error model, so no site could be judged against one; diff a "
+                         "float port (float32, float16 or bfloat16) of the same model")
+
+
 def port(reference: torch.nn.Module):
     """The reference as mlx-lm ports it: its config and weights written as a Hugging Face checkpoint, loaded by
     ``mlx_lm.utils.load_model``. Raises InputError when the reference is not a Hugging Face model mlx-lm has a
@@ -111,22 +122,27 @@ def run_candidate(model, args, kwargs, record) -> tuple[str | None, tuple[str, i
     paths = {id(m): p for p, m in model.named_modules()}
     counts: dict[str, int] = defaultdict(int)
     failed: list[tuple[str, int]] = []
+    inside: set[int] = set()  # modules whose call is in flight: a subclass's __call__ calling super() is one call
     classes = {type(m) for _, m in model.named_modules()}
     originals = {cls: (cls.__dict__.get("__call__"), cls.__call__) for cls in classes}
+    patched: list[type] = []
 
     def wrap(call):
         def recorded(self, *a, **k):
             path = paths.get(id(self))
-            if path is None:
+            if path is None or id(self) in inside:
                 return call(self, *a, **k)
             number = counts[path]
             counts[path] += 1
+            inside.add(id(self))
             try:
                 out = call(self, *a, **k)
             except Exception:
                 if not failed:
                     failed.append((path, number))
                 raise
+            finally:
+                inside.discard(id(self))
             record(path, number, Call(self, a, k), out)
             return out
         return recorded
@@ -135,6 +151,7 @@ def run_candidate(model, args, kwargs, record) -> tuple[str | None, tuple[str, i
         try:
             for cls, (_, resolved) in originals.items():
                 cls.__call__ = wrap(resolved)
+                patched.append(cls)
             try:
                 model(*feeds, **kw)
             except Exception as exc:
@@ -142,7 +159,8 @@ def run_candidate(model, args, kwargs, record) -> tuple[str | None, tuple[str, i
                 return f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}", \
                     (failed[0] if failed else None), notes
         finally:
-            for cls, (own, _) in originals.items():
+            for cls in patched:  # only the classes patched: a failure half-way restores what it changed
+                own = originals[cls][0]
                 if own is None:
                     del cls.__call__
                 else:

@@ -88,11 +88,15 @@ def parameter_differences(ref, cand, cand_module) -> list[str]:
     """Where the effective γ/β (as probed from outside; γ with each side's own offset added) of two sites differ
     beyond the rounding of the candidate's parameter dtype: a parameter difference, not precision."""
     u = 2.0 ** -24
-    params = [p for p in getattr(cand_module, "parameters", lambda: [])()
-              if hasattr(p, "is_floating_point") and p.is_floating_point()]  # a torch module's (MLX's: a dict)
-    if params:
-        from ..dtypes import UNIT_ROUNDOFF
+    from ..dtypes import UNIT_ROUNDOFF
 
+    if is_mlx_module(cand_module):
+        from .mlx_sites import model_dtype
+
+        u = UNIT_ROUNDOFF.get(model_dtype(cand_module), u)
+    params = [p for p in getattr(cand_module, "parameters", lambda: [])()
+              if hasattr(p, "is_floating_point") and p.is_floating_point()]  # a torch module's
+    if params:
         u = UNIT_ROUNDOFF.get(str(params[0].dtype).replace("torch.", ""), u)
     tol = max(8 * u, 1e-5)
     out = []

@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from runtime_models import tiny_causal_lm, token_ids
+from runtime_models import SIZE, tiny_causal_lm, token_ids
 
 from normscope import diff
 from normscope.errors import InputError
@@ -133,3 +133,49 @@ def test_cli_diff_against_a_gguf(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 5, out
     assert "first divergence" in out and "ε=1e-06" in out
+
+
+def test_projections_with_a_bias_are_read_after_their_bias_qwen2(tmp_path):
+    """Qwen 2's q/k/v projections have a bias: llama.cpp names the sum, not the product, as the projection."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SIZE)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # a bias the comparison cannot miss
+    d = diff(model, str(write_gguf(model, tmp_path / "qwen2.gguf")), _ids(), progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert d.site("model.layers.0.self_attn.q_proj").status == "within"
+
+
+def test_an_f16_gguf_is_judged_at_float16_and_passes(tmp_path):
+    model = _model("llama")
+    d = diff(model, str(write_gguf(model, tmp_path / "f16.gguf", dtype="float16")), _ids(), progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert d.candidate_dtype == "float16"
+    q = d.site("model.layers.0.self_attn.q_proj")
+    assert q.dtype == "float16" and q.status == "within"
+    assert d.site("model.layers.0.input_layernorm").dtype == "float32"  # its γ is stored at float32
+
+
+def test_inputs_are_read_by_name_and_a_single_token_keeps_its_axis(tmp_path):
+    model = _model("llama")
+    path = str(write_gguf(model, tmp_path / "m.gguf"))
+    ids = _ids()["input_ids"]
+    d = diff(model, path, {"attention_mask": torch.ones_like(ids), "input_ids": ids}, progress=False)
+    assert d.verdict == "pass", d.summary()
+    d = diff(model, path, {"input_ids": ids[:, :1]}, progress=False)
+    assert d.verdict == "pass", d.summary()
+
+
+def test_what_cannot_be_compared_is_refused_with_the_reason(tmp_path):
+    model = _model("llama")
+    with pytest.raises(InputError, match="less precise reference"):
+        diff(copy.deepcopy(model).to(torch.bfloat16), "llama.cpp", _ids(), progress=False)
+    with pytest.raises(InputError, match="vocabulary of 128"):
+        diff(model, "llama.cpp", {"input_ids": torch.full((1, 4), 500)}, progress=False)
+    scaled = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **SIZE, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 32}))
+    with pytest.raises(InputError, match="rotary embedding is scaled"):
+        write_gguf(scaled, tmp_path / "scaled.gguf")

@@ -1,10 +1,10 @@
 """A Hugging Face decoder written as a GGUF file llama.cpp runs: every tensor under llama.cpp's names, the
 hyperparameters under its keys, and a placeholder vocabulary (``diff`` feeds token ids, never text).
 
-What llama.cpp's own converter does for these architectures, and so this writer: Llama's query and key
-projections are permuted from Hugging Face's rotate-half layout to the interleaved pairs llama.cpp's rotary
-embedding reads; Qwen 3 (rotate-half in both) is written as it is, with its per-head query and key norms. Weights
-are stored as float32 (``dtype="float16"``: the matrices at float16, norms and embeddings' γ at float32, as the
+What llama.cpp's own converter does for these architectures (Llama, Qwen 2, Qwen 3), and so this writer: Llama's
+query and key projections are permuted from Hugging Face's rotate-half layout to the interleaved pairs llama.cpp's
+rotary embedding reads; Qwen (rotate-half in both) is written as it is, Qwen 3 with its per-head query and key norms.
+Weights are stored as float32 (``dtype="float16"``: the matrices at float16, norms and embeddings' γ at float32, as the
 converter's ``--outtype f16`` does). ``eps=`` overrides the file's RMSNorm ε (the historical converter bug, for
 tests and demonstrations).
 """
@@ -19,8 +19,7 @@ from ..errors import InputError
 from ..extras import require
 
 #: model_type → (llama.cpp architecture, whether Q/K are permuted to interleaved rotary pairs)
-ARCHITECTURES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen3": ("qwen3", False),
-                 "qwen2": ("qwen2", False)}
+ARCHITECTURES = {"llama": ("llama", True), "qwen3": ("qwen3", False), "qwen2": ("qwen2", False)}
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -29,7 +28,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model, path: str | Path, *, dtype: str = "float32", eps: float | None = None) -> Path:
-    """``model`` (a Hugging Face causal LM: Llama, Mistral, Qwen 2, Qwen 3) as a GGUF at ``path``."""
+    """``model`` (a Hugging Face causal LM: Llama, Qwen 2, Qwen 3) as a GGUF at ``path``. A model whose rotary
+    embedding is scaled (Llama 3's ``rope_type="llama3"``, YaRN…) or whose attention uses a sliding window is
+    refused: the keys and tensors that state those are not written here."""
     gguf = require("gguf", "gguf")
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
@@ -39,6 +40,13 @@ def write_gguf(model, path: str | Path, *, dtype: str = "float32", eps: float | 
     if dtype not in ("float32", "float16"):
         raise InputError(f"dtype must be float32 or float16; got {dtype!r}")
     arch, permute = ARCHITECTURES[kind]
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise InputError(f"the model's rotary embedding is scaled (rope_type={rope.get('rope_type', rope.get('type'))!r})"
+                         ": write_gguf states plain RoPE only; convert it with llama.cpp's convert_hf_to_gguf.py")
+    if getattr(cfg, "use_sliding_window", False) or (getattr(cfg, "sliding_window", None) and kind == "llama"):
+        raise InputError("the model's attention uses a sliding window, which write_gguf does not state; convert it "
+                         "with llama.cpp's convert_hf_to_gguf.py")
     layers = cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -54,7 +62,6 @@ def write_gguf(model, path: str | Path, *, dtype: str = "float32", eps: float | 
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps if eps is None else eps))
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType.MOSTLY_F16)

@@ -418,6 +418,11 @@ class LlamaCppCandidate(Candidate):
         from ..extras import require
 
         require("llama_cpp", "llamacpp")
+        ref_dtype = model_dtype(reference)
+        if ref_dtype not in ("float32", "float64"):
+            raise InputError(f"the reference is {ref_dtype}; llama.cpp computes in float32 (from the file's weights at "
+                             "their own types), so a less precise reference would be the suspect, not the judge: "
+                             "give a float32 reference (model.float())")
         super().__init__("", "float32")
         self.reference = reference
         self.modules = dict(reference.named_modules())
@@ -435,27 +440,27 @@ class LlamaCppCandidate(Candidate):
                 raise InputError(f"{source}: no such GGUF file")
             self.written_here = False
         self.values: dict = {}
-        self.arch = "?"
+        self.info = None
 
     def run(self, args, kwargs) -> None:
-        ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
-                    and not a.is_floating_point() and not a.is_complex()), None)
-        if ids is None or ids.dim() not in (1, 2):
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                        and not a.is_floating_point() and not a.is_complex()), None)
+        if ids is None or ids.dim() not in (1, 2) or ids.is_floating_point():
             raise InputError("a llama.cpp candidate runs on token ids: give input_ids (batch × tokens) as the inputs")
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
             self.notes.append("the attention mask has padding; llama.cpp decoded every token of each sample")
-        self.values, self.arch, self.desc = llamacpp_sites.run_candidate(self.path, ids.reshape(-1, ids.shape[-1]))
+        self.values, self.info, self.desc = llamacpp_sites.run_candidate(self.path,
+                                                                         ids.reshape(-1, ids.shape[-1]).cpu())
+        self.dtype = self.info.matrix_dtype
         if self.written_here:
             self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
 
     def align(self, ref_paths: list[str]) -> Alignment:
-        cfg = getattr(self.reference, "config", None)
-        heads = None
-        if cfg is not None and getattr(cfg, "num_attention_heads", None):
-            heads = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         stated = llamacpp_sites.stated_contracts(self.path)
-        self.records = llamacpp_sites.records(self.values, self.arch, ref_paths, heads, Record, stated)
+        self.records = llamacpp_sites.records(self.values, self.info, ref_paths, Record, stated)
         self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in self.records)
         self.values = {}
         return Alignment(self.records, self.scopes_label)
@@ -466,7 +471,7 @@ class LlamaCppCandidate(Candidate):
         if site.input is None or module is None:
             raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
         if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
-            return site.output, "float32", site.stated
+            return site.output, site.dtype, site.stated
         if not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
             raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
                                             "object), so its module is not run again on the candidate's input")
@@ -477,15 +482,15 @@ class LlamaCppCandidate(Candidate):
         if tuple(site.input.shape) != tuple(x_ref.shape):
             raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
                                             f"{list(x_ref.shape)}")
-        x_cand = site.input.to(x_ref.dtype)
+        x_cand = site.input.to(x_ref.device, x_ref.dtype)
         swapped = list(args), dict(kw)
         swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
         with torch.no_grad():
             y_ref = primary(module(*args, **kw))
             y_on_cand = primary(module(*swapped[0], **swapped[1]))
         # the candidate's own error at this site, carried onto the reference's output to be judged like any other
-        yc = y_ref.float() + (site.output.to(y_ref.device) - y_on_cand.float())
-        return yc.to(y_ref.dtype), "float32", site.stated
+        yc = y_ref.double() + (site.output.to(y_ref.device).double() - y_on_cand.double())
+        return yc.to(y_ref.dtype), site.dtype, site.stated
 
 
 def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,

@@ -29,29 +29,39 @@ import torch
 from ..errors import InputError, TargetError
 from ..extras import require
 
-#: llama.cpp's tensor (name pattern, which of the tensors so named, its op) → the Hugging Face module whose output it
-#: is, the tensor that holds that module's input (None: not in the graph) and, at a norm, the GGUF tensor of its γ.
-#: ``{i}``: the layer; ``{p}``: the layer before (the embedding for layer 0); ``{last}``: the last layer.
+#: llama.cpp's tensor (name pattern, which of the tensors so named, its rank) → the Hugging Face module whose output
+#: it is, the tensor that holds that module's input (None: not in the graph) and, at a norm, the GGUF tensor of its
+#: γ. ``{i}``: the layer; ``{p}``: the layer before (the embedding for layer 0); ``{last}``: the last layer. Which
+#: tensor: ``first``; ``proj`` — a projection with its bias, the last matrix product or addition so named before its
+#: reshape into heads; ``heads`` — that reshape.
 SITES = (
-    ("embd", 0, "GET_ROWS", "model.embed_tokens", "ids", None),
-    ("attn_norm-{i}", 0, None, "model.layers.{i}.input_layernorm", "{p}", "blk.{i}.attn_norm"),
-    ("Qcur-{i}", 0, "MUL_MAT", "model.layers.{i}.self_attn.q_proj", ("attn_norm-{i}", 0), None),
-    ("Kcur-{i}", 0, "MUL_MAT", "model.layers.{i}.self_attn.k_proj", ("attn_norm-{i}", 0), None),
-    ("Vcur-{i}", 0, "MUL_MAT", "model.layers.{i}.self_attn.v_proj", ("attn_norm-{i}", 0), None),
-    ("Qcur_normed-{i}", 0, None, "model.layers.{i}.self_attn.q_norm", ("Qcur-{i}", 1), "blk.{i}.attn_q_norm"),
-    ("Kcur_normed-{i}", 0, None, "model.layers.{i}.self_attn.k_norm", ("Kcur-{i}", 1), "blk.{i}.attn_k_norm"),
-    ("attn_out-{i}", 0, None, "model.layers.{i}.self_attn.o_proj", ("kqv_out-{i}", 0), None),
-    ("attn_out-{i}", 0, None, "model.layers.{i}.self_attn", ("attn_norm-{i}", 0), None),
-    ("ffn_norm-{i}", 0, None, "model.layers.{i}.post_attention_layernorm", ("ffn_inp-{i}", 0), "blk.{i}.ffn_norm"),
-    ("ffn_gate-{i}", 0, None, "model.layers.{i}.mlp.gate_proj", ("ffn_norm-{i}", 0), None),
-    ("ffn_up-{i}", 0, None, "model.layers.{i}.mlp.up_proj", ("ffn_norm-{i}", 0), None),
-    ("ffn_out-{i}", 0, None, "model.layers.{i}.mlp.down_proj", ("ffn_swiglu-{i}", 0), None),
-    ("ffn_out-{i}", 0, None, "model.layers.{i}.mlp", ("ffn_norm-{i}", 0), None),
-    ("l_out-{i}", 0, None, "model.layers.{i}", "{p}", None),
-    ("result_norm", 0, None, "model.norm", ("l_out-{last}", 0), "output_norm"),
-    ("result_output", 0, None, "lm_head", ("result_norm", 0), None),
-    ("result_output", 0, None, "", None, None),
+    ("embd", "first", 2, "model.embed_tokens", "ids", None),
+    ("attn_norm-{i}", "first", 2, "model.layers.{i}.input_layernorm", "{p}", "blk.{i}.attn_norm"),
+    ("Qcur-{i}", "proj", 2, "model.layers.{i}.self_attn.q_proj", ("attn_norm-{i}", "first"), None),
+    ("Kcur-{i}", "proj", 2, "model.layers.{i}.self_attn.k_proj", ("attn_norm-{i}", "first"), None),
+    ("Vcur-{i}", "proj", 2, "model.layers.{i}.self_attn.v_proj", ("attn_norm-{i}", "first"), None),
+    ("Qcur_normed-{i}", "first", 3, "model.layers.{i}.self_attn.q_norm", ("Qcur-{i}", "heads"),
+     "blk.{i}.attn_q_norm"),
+    ("Kcur_normed-{i}", "first", 3, "model.layers.{i}.self_attn.k_norm", ("Kcur-{i}", "heads"),
+     "blk.{i}.attn_k_norm"),
+    ("attn_out-{i}", "first", 2, "model.layers.{i}.self_attn.o_proj", ("kqv_out-{i}", "first"), None),
+    ("attn_out-{i}", "first", 2, "model.layers.{i}.self_attn", ("attn_norm-{i}", "first"), None),
+    ("ffn_norm-{i}", "first", 2, "model.layers.{i}.post_attention_layernorm", ("ffn_inp-{i}", "first"),
+     "blk.{i}.ffn_norm"),
+    ("ffn_gate-{i}", "first", 2, "model.layers.{i}.mlp.gate_proj", ("ffn_norm-{i}", "first"), None),
+    ("ffn_up-{i}", "first", 2, "model.layers.{i}.mlp.up_proj", ("ffn_norm-{i}", "first"), None),
+    ("ffn_out-{i}", "first", 2, "model.layers.{i}.mlp.down_proj", ("ffn_swiglu-{i}", "first"), None),
+    ("ffn_out-{i}", "first", 2, "model.layers.{i}.mlp", ("ffn_norm-{i}", "first"), None),
+    ("l_out-{i}", "first", 2, "model.layers.{i}", "{p}", None),
+    ("result_norm", "first", 2, "model.norm", ("l_out-{last}", "first"), "output_norm"),
+    ("result_output", "first", 2, "lm_head", ("result_norm", "first"), None),
+    ("result_output", "first", 2, "", None, None),
 )
+#: the tensor names (without their layer) the callback reads; everything else (attention scores, views, the
+#: cache) is left in llama.cpp
+WANTED = {"embd", "attn_norm", "Qcur", "Kcur", "Vcur", "Qcur_normed", "Kcur_normed", "kqv_out", "attn_out",
+          "ffn_inp", "ffn_norm", "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out", "l_out", "result_norm",
+          "result_output"}
 #: weight types with a bound here: a 16-bit float's rounding (quantized blocks have none in the error model)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 PERMUTED = ("llama",)  # architectures whose converter permutes Q/K to interleaved rotary pairs
@@ -63,22 +73,36 @@ def is_gguf(obj) -> bool:
 
 
 def _layer_names(layers: int) -> list[tuple]:
-    """Every (tensor, occurrence) the mapping reads, with its op filter, site path, input tensor and γ tensor."""
+    """Every (tensor, selector) the mapping reads, with its rank, site path, input tensor and γ tensor."""
     out = []
-    for pattern, occurrence, op, path, source, gamma in SITES:
+    for pattern, selector, rank, path, source, gamma in SITES:
         for i in range(layers) if "{i}" in pattern else [None]:
-            fill = {"i": i, "last": layers - 1}
-            name = pattern.format(**fill) if i is not None else pattern.format(last=layers - 1)
+            name = pattern.format(i=i, last=layers - 1)
             inp = None
             if source == "ids":
                 inp = "ids"  # the token ids: the reference's own input
             elif source == "{p}":
-                inp = ("embd", 0) if i == 0 else (f"l_out-{i - 1}", 0)
+                inp = ("embd", "first") if i == 0 else (f"l_out-{i - 1}", "first")
             elif source is not None:
                 inp = (source[0].format(i=i, last=layers - 1), source[1])
-            out.append(((name, occurrence), op, path.format(i=i) if i is not None else path, inp,
+            out.append(((name, selector), rank, path.format(i=i) if i is not None else path, inp,
                         gamma.format(i=i) if gamma and i is not None else gamma))
     return out
+
+
+def select(values: dict, name: str, selector: str):
+    """The tensor ``selector`` names among those called ``name`` (``values``: (name, occurrence) → (array, op)), or
+    None."""
+    found = [values[(name, k)] for k in range(len(values)) if (name, k) in values]
+    if not found:
+        return None
+    if selector == "first":
+        return found[0]
+    cut = next((k for k, (_, op) in enumerate(found) if op == "RESHAPE"), len(found))
+    if selector == "heads":
+        return found[cut] if cut < len(found) else None
+    proj = [v for v in found[:cut] if v[1] in ("MUL_MAT", "ADD")]  # "proj": its bias added where there is one
+    return proj[-1] if proj else None
 
 
 class _Ggml:
@@ -105,8 +129,8 @@ class _Ggml:
         self.get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 
     def read(self, t: int) -> np.ndarray | None:
-        """A computed tensor's values as float32, shaped (ne3, ne2, ne1, ne0) without its unit dims; None when it
-        is not a contiguous f32/f16 tensor. ``type`` and ``ne`` are read at their fixed offsets of ggml_tensor
+        """A computed tensor's values as float32, shaped (ne3, ne2, ne1, ne0); None when it is not a contiguous
+        f32/f16 tensor. ``type`` and ``ne`` are read at their fixed offsets of ggml_tensor
         (an enum, then the buffer pointer, then ne[4])."""
         kind = ctypes.c_int32.from_address(t).value
         if kind not in (_GGML_F32, _GGML_F16) or not self.contiguous(t):
@@ -116,10 +140,7 @@ class _Ggml:
         if out.nbytes != self.nbytes(t):
             return None
         self.get(t, out.ctypes.data, 0, out.nbytes)
-        shape = [d for d in reversed(ne)]
-        while len(shape) > 1 and shape[0] == 1:
-            shape.pop(0)
-        return out.reshape(shape).astype(np.float32)
+        return out.reshape(tuple(reversed(ne))).astype(np.float32)
 
 
 _LOG_SINK = None
@@ -134,37 +155,56 @@ def _quiet(lc) -> None:
         lc.llama_backend_init()
 
 
-def weight_types(path: Path) -> tuple[str, dict[str, int]]:
-    """(architecture, weight type → how many tensors) of a GGUF, read with the ``gguf`` package."""
-    gguf = require("gguf", "gguf")
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:
-        raise InputError(f"{path}: not a readable GGUF ({type(exc).__name__}: {exc})") from None
-    field = reader.get_field("general.architecture")
-    arch = field.contents() if field is not None else None
-    types: dict[str, int] = {}
-    for t in reader.tensors:
-        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-    return arch or "?", types
+class FileInfo:
+    """What the GGUF says of itself: its architecture, head counts, each tensor's storage type and how many of each."""
+
+    def __init__(self, path: Path):
+        gguf = require("gguf", "gguf")
+        try:
+            reader = gguf.GGUFReader(str(path), "r")
+        except Exception as exc:
+            raise InputError(f"{path}: not a readable GGUF ({type(exc).__name__}: {exc})") from None
+
+        def field(key):
+            f = reader.get_field(key)
+            try:
+                return f.contents() if f is not None else None
+            except (ValueError, IndexError, UnicodeDecodeError):
+                return None
+
+        self.arch = field("general.architecture") or "?"
+        self.heads = field(f"{self.arch}.attention.head_count")
+        self.kv_heads = field(f"{self.arch}.attention.head_count_kv") or self.heads
+        self.tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
+        self.counts: dict[str, int] = {}
+        for kind in self.tensor_types.values():
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+        matrices = {t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2}
+        #: the dtype the file's matrix products round their weights to: the least precise float type of its matrices
+        self.matrix_dtype = ("bfloat16" if "BF16" in matrices else "float16" if "F16" in matrices else "float32")
+
+    def norm_dtype(self, gamma: str | None) -> str:
+        """The dtype a norm's γ is stored at (llama.cpp computes the norm in float32 and multiplies by it)."""
+        kind = self.tensor_types.get(f"{gamma}.weight") if gamma else None
+        return {"F16": "float16", "BF16": "bfloat16"}.get(kind, "float32")
 
 
 class Site:
     """A llama.cpp site: the candidate's output there and, when the graph names it, its input (``"ids"``: the token
     ids, the reference's own input)."""
 
-    __slots__ = ("output", "input", "stated")
+    __slots__ = ("output", "input", "stated", "dtype")
 
-    def __init__(self, output: torch.Tensor, inp: torch.Tensor | None, stated=None):
-        self.output, self.input, self.stated = output, inp, stated
+    def __init__(self, output: torch.Tensor, inp, stated=None, dtype: str = "float32"):
+        self.output, self.input, self.stated, self.dtype = output, inp, stated, dtype
 
 
-def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, str, str]:
-    """Each sample of ``ids`` (batch × tokens) decoded by llama.cpp; every (tensor name, occurrence) → the
-    per-sample arrays stacked on a batch axis; the architecture; and a description."""
+def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, FileInfo, str]:
+    """Each sample of ``ids`` (batch × tokens) decoded by llama.cpp; every (tensor name, occurrence) the mapping
+    reads → (the per-sample arrays stacked on a batch axis, its op); what the file says of itself; a description."""
     lc = require("llama_cpp.llama_cpp", "llamacpp")
-    arch, types = weight_types(path)
-    other = sorted(t for t in types if t not in FLOAT_TYPES)
+    info = FileInfo(path)
+    other = sorted(t for t in info.counts if t not in FLOAT_TYPES)
     if other:
         raise InputError(f"{path}: weights stored as {', '.join(other)}: a quantized GGUF's rounding has no bound "
                          "in normscope's error model, so no site could be judged against one; diff a float "
@@ -173,44 +213,65 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, str, str]:
     ggml = _Ggml()
     model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
     if not model:
-        raise TargetError(f"llama.cpp could not load {path} (architecture {arch!r}; its log is silenced: run "
+        raise TargetError(f"llama.cpp could not load {path} (architecture {info.arch!r}; its log is silenced: run "
                           "llama.cpp on it to see why)")
-    n_tok = int(ids.shape[-1])
-    seen: dict[str, list[np.ndarray]] = {}
-    ops: dict[str, list[str]] = {}
-    order: list[tuple[str, int]] = []  # (name, occurrence) in the order computed
-
-    @lc.ggml_backend_sched_eval_callback
-    def callback(t, ask, user_data):
-        if ask:
-            return True  # every tensor: the names are only known once computed
-        name = ggml.name(t).decode(errors="replace")
-        if " (" in name or name.startswith("cache_"):
-            return True  # views and the K/V cache
-        value = ggml.read(t)
-        if value is not None:
-            order.append((name, len(seen.get(name, ()))))
-            seen.setdefault(name, []).append(value)
-            ops.setdefault(name, []).append(ggml.op_of(t).decode())
-        return True
-
-    params = lc.llama_context_default_params()
-    params.n_ctx = params.n_batch = params.n_ubatch = max(n_tok, 8)
-    params.n_threads = params.n_threads_batch = max(1, torch.get_num_threads())
-    params.cb_eval = callback
-    params.type_k = params.type_v = _GGML_F32  # an f16 cache would round every attention site of an fp32 model
-    params.flash_attn_type = 0  # disabled
-    ctx = lc.llama_init_from_model(model, params)
-    if not ctx:
-        lc.llama_model_free(model)
-        raise TargetError(f"llama.cpp could not create a context for {path}")
-    per_sample: list[dict[tuple[str, int], np.ndarray]] = []
-    batch = lc.llama_batch_init(n_tok, 0, 1)
+    ctx = batch = None
     try:
+        vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InputError(f"token ids from {int(ids.min())} to {int(ids.max())}: {path} has a vocabulary of "
+                             f"{vocab}")
+        n_tok = int(ids.shape[-1])
+        seen: dict[str, list[np.ndarray]] = {}
+        ops: dict[str, list[str]] = {}
+        order: list[tuple[str, int]] = []  # (name, occurrence) in the order computed
+        renamed: dict[str, str] = {}  # an unnamed output the mapping needs → the name it stands for
+        pending: list[str] = []  # a kqv_out seen, its output projection not yet
+
+        def wanted(name: str, op: str) -> bool:
+            if " (" in name:
+                return False  # views
+            if name.startswith("node_"):
+                if pending and op == "MUL_MAT":  # Qwen 3 leaves its output projection unnamed
+                    renamed[name] = "attn_out-" + pending.pop()
+                    return True
+                return False
+            base = name.rsplit("-", 1)[0] if re.search(r"-\d+$", name) else name
+            if base == "kqv_out":
+                pending[:] = [name.rsplit("-", 1)[1]]
+            elif op == "MUL_MAT":
+                pending.clear()
+            return base in WANTED
+
+        @lc.ggml_backend_sched_eval_callback
+        def callback(t, ask, user_data):
+            name = ggml.name(t).decode(errors="replace")
+            if ask:
+                return wanted(name, ggml.op_of(t).decode())
+            name = renamed.get(name, name) if name.startswith("node_") else name
+            value = ggml.read(t)
+            if value is not None:
+                order.append((name, len(seen.get(name, ()))))
+                seen.setdefault(name, []).append(value)
+                ops.setdefault(name, []).append(ggml.op_of(t).decode())
+            return True
+
+        params = lc.llama_context_default_params()
+        params.n_ctx = params.n_batch = params.n_ubatch = max(n_tok, 8)
+        params.n_threads = params.n_threads_batch = max(1, torch.get_num_threads())
+        params.cb_eval = callback
+        params.type_k = params.type_v = _GGML_F32  # an f16 cache would round every attention site of an fp32 model
+        params.flash_attn_type = 0  # disabled
+        ctx = lc.llama_init_from_model(model, params)
+        if not ctx:
+            raise TargetError(f"llama.cpp could not create a context for {path}")
+        per_sample: list[dict] = []
+        batch = lc.llama_batch_init(n_tok, 0, 1)
         for row in ids.reshape(-1, n_tok).tolist():
-            seen.clear()
-            ops.clear()
+            for store in (seen, ops, renamed):
+                store.clear()
             order.clear()
+            pending.clear()
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
             for j, tok in enumerate(row):
                 batch.token[j], batch.pos[j], batch.n_seq_id[j] = int(tok), j, 1
@@ -218,35 +279,21 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, str, str]:
             batch.n_tokens = n_tok
             code = lc.llama_decode(ctx, batch)
             if code != 0:
-                raise TargetError(f"llama.cpp's decode returned {code} on {path}")
-            sample = {}
-            for name, values in seen.items():
-                for k, v in enumerate(values):
-                    sample[(name, k)] = (v, ops[name][k])
-            _unnamed_outputs(sample, order)
-            per_sample.append(sample)
+                raise TargetError(f"llama.cpp's decode returned {code} on {path} ({n_tok} tokens)")
+            per_sample.append({(name, k): (v, ops[name][k]) for name, values in seen.items()
+                               for k, v in enumerate(values)})
     finally:
-        lc.llama_batch_free(batch)
-        lc.llama_free(ctx)
+        if batch is not None:
+            lc.llama_batch_free(batch)
+        if ctx is not None:
+            lc.llama_free(ctx)
         lc.llama_model_free(model)
     keys = set.intersection(*(set(s) for s in per_sample)) if per_sample else set()
     stacked = {k: (np.stack([s[k][0] for s in per_sample]), per_sample[0][k][1]) for k in keys}
-    weights = ", ".join(f"{n} {t}" for t, n in sorted(types.items()))
+    weights = ", ".join(f"{n} {t}" for t, n in sorted(info.counts.items()))
     desc = (f"llama.cpp (llama-cpp-python {require('llama_cpp', 'llamacpp').__version__}) CPU, {path.name} "
-            f"({arch}; tensors: {weights}), f32 K/V cache, flash attention off")
-    return stacked, arch, desc
-
-
-def _unnamed_outputs(sample: dict, order: list[tuple[str, int]]) -> None:
-    """Outputs some architectures leave unnamed (Qwen 3's output projection is ``node_32``): the first matrix
-    product computed after ``kqv_out-{i}`` is that layer's ``attn_out-{i}``."""
-    for at, key in enumerate(order):
-        m = re.fullmatch(r"kqv_out-(\d+)", key[0])
-        if m is None or (f"attn_out-{m.group(1)}", 0) in sample:
-            continue
-        nxt = next((k for k in order[at + 1:] if sample[k][1] == "MUL_MAT"), None)
-        if nxt is not None and nxt[0].startswith("node_"):
-            sample[(f"attn_out-{m.group(1)}", 0)] = sample[nxt]
+            f"({info.arch}; tensors: {weights}), f32 K/V cache, flash attention off")
+    return stacked, info, desc
 
 
 def unpermute(value: np.ndarray, heads: int) -> np.ndarray:
@@ -256,31 +303,40 @@ def unpermute(value: np.ndarray, heads: int) -> np.ndarray:
     return np.swapaxes(v, -1, -2).reshape(value.shape)
 
 
-def records(values: dict, arch: str, ref_paths: list[str], heads: tuple[int, int] | None, record_type,
-            stated) -> list:
+def _shaped(value: np.ndarray, rank: int) -> np.ndarray:
+    """(batch, ne3, ne2, ne1, ne0) → (batch, tokens, features) for a rank-2 tensor, (batch, tokens, heads, head
+    size) for rank 3: the token axis kept even for a single token."""
+    b, ne3, ne2, ne1, ne0 = value.shape
+    return value.reshape(b, ne2 * ne3, ne1, ne0) if rank == 3 else value.reshape(b, ne1 * ne2 * ne3, ne0)
+
+
+def records(values: dict, info: FileInfo, ref_paths: list[str], record_type, stated) -> list:
     """The sites the graph's tensors give, as records aligned to the reference's module paths (its ``model.``
-    prefix found, or not), each with the candidate's input where the graph names it and, at a norm, the contract
-    the file states there (``stated(γ tensor name)``)."""
+    prefix found, or not), each with the candidate's input where the graph names it, the dtype it is judged at and,
+    at a norm, the contract the file states there (``stated(γ tensor name)``)."""
     layers = 1 + max((int(m.group(1)) for k in values for m in [re.fullmatch(r"l_out-(\d+)", k[0])] if m),
                      default=-1)
     prefix = "" if any(p.startswith("model.") for p in ref_paths) else "model."
     paths = set(ref_paths)
     out = []
-    for key, op, path, inp, gamma in _layer_names(layers):
-        if key not in values:
-            continue
-        value, got_op = values[key]
-        if op is not None and got_op != op:
+    for (name, selector), rank, path, inp, gamma in _layer_names(layers):
+        got = select(values, name, selector)
+        if got is None:
             continue
         path = path.removeprefix(prefix) if path else path
         if path and path not in paths:
             continue
-        if heads is not None and arch in PERMUTED and path.endswith(("q_proj", "k_proj")):
-            value = unpermute(value, heads[0] if path.endswith("q_proj") else heads[1])
-        x = values.get(inp, (None,))[0] if inp not in (None, "ids") else None
+        value = _shaped(got[0], rank)
+        if info.arch in PERMUTED and info.heads and path.endswith(("q_proj", "k_proj")):
+            value = unpermute(value, int(info.heads if path.endswith("q_proj") else info.kv_heads))
+        x = None
+        if inp not in (None, "ids"):
+            src = select(values, *inp)
+            rank_in = 3 if inp[1] == "heads" else 2
+            x = None if src is None else torch.from_numpy(np.ascontiguousarray(_shaped(src[0], rank_in)))
         y = torch.from_numpy(np.ascontiguousarray(value))
-        site = Site(y, "ids" if inp == "ids" else None if x is None else torch.from_numpy(np.ascontiguousarray(x)),
-                    stated(gamma) if gamma else None)
+        dtype = info.norm_dtype(gamma) if gamma else info.matrix_dtype
+        site = Site(y, "ids" if inp == "ids" else x, stated(gamma) if gamma else None, dtype)
         out.append(record_type(path, 0, site, y))
     return out
 

@@ -745,3 +745,30 @@ def test_a_norm_site_contract_is_the_one_infer_reports():
     found = infer(zoo.randomize(zoo.InputDtypeStatsRMSNorm(64, eps=1e-6)), shape=(2, 8, 64)).spec
     assert found.stats_dtype == "input"
     assert d.divergence["contracts"]["reference"]["stats_dtype"] == "input", d.divergence["contracts"]
+
+
+def test_a_scale_only_a_norm_consumes_is_not_called_a_regrouping():
+    """A candidate whose projection is ×2 the reference's, read only by an RMSNorm (which cancels a scale): the norm's
+    agreement proves nothing about where the scale went, so the projection stays the first divergence."""
+
+    class Net(torch.nn.Module):
+        def __init__(self, factor=1.0):
+            super().__init__()
+            self.proj, self.norm, self.factor = torch.nn.Linear(16, 16), torch.nn.RMSNorm(16), factor
+
+        def forward(self, x):
+            return self.norm(self.proj(x))
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    ref = Net().eval()
+    cand = copy.deepcopy(ref)
+    scaled = Scaled(16, 16)
+    scaled.load_state_dict(ref.proj.state_dict())
+    cand.proj = scaled
+    d = diff(ref, cand, torch.randn(4, 16), progress=False)
+    assert d.first_divergence == "proj", d.summary()
+    assert d.site("proj").factor == pytest.approx(2.0)

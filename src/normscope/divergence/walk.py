@@ -220,6 +220,8 @@ class Walk:
                       for c, what, err in consumers if what == "input" or c.propagated is not None]
             if not judged or not all(isinstance(e, float) and e <= s.bound for _, _, e in judged):
                 continue
+            if all(w == "output" and c.kind == "norm" for c, w, _ in judged):
+                continue  # a norm's output does not see a scale of its input: its agreement shows nothing
             s.status = "regrouped"
             names = ", ".join(c.name for c, _, _ in judged[:3])
             what = "their inputs in the candidate's forward" if all(w == "input" for _, w, _ in judged) else \

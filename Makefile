@@ -22,8 +22,9 @@ $(VENV)/.dev: $(BIN)/python pyproject.toml
 demo: $(VENV)/.base
 	$(BIN)/python examples/demo.py
 
+# the suite on up to 4 worker processes (pytest-xdist; each imports torch, so not one per core on a large machine)
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 bench: $(VENV)/.dev
 	$(BIN)/python bench/run_all.py

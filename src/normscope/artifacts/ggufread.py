@@ -231,9 +231,9 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
             axes=(-1,), size=dims[0] if dims else None, gamma=True, beta=bias is not None, gamma_offset=0.0,
             param_shape=tuple(reversed(dims)),
         )
-        if bias is not None and (b := _values(bias, gguf)) is not None:
+        if bias is not None and (b := tensor_values(bias, gguf)) is not None:
             site.beta_stats = value_stats(b)
-        values = _values(weight, gguf)
+        values = tensor_values(weight, gguf)
         if values is None:
             site.notes.append(f"γ stored as {weight.tensor_type.name}: statistics not read")
         else:
@@ -252,7 +252,7 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
     return out
 
 
-def _values(tensor, gguf) -> np.ndarray | None:
+def tensor_values(tensor, gguf) -> np.ndarray | None:
     """A norm tensor's values as float64 (a small copy), or None for quantized storage."""
     t = gguf.GGMLQuantizationType
     if tensor.tensor_type in (t.F32, t.F16, t.F64):

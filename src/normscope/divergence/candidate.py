@@ -46,6 +46,11 @@ from .execution import (
 WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
 
 
+def kept_bytes(records: list[Record]) -> int:
+    """The bytes of the candidate's outputs its records keep."""
+    return sum(r.output.numel() * r.output.element_size() for r in records if r.output is not None)
+
+
 class NotMeasured(Exception):
     """A site's own error cannot be measured; ``note`` says why. ``missing``: the site is still judged on its
     propagated error (an ONNX site whose nodes cannot be extracted as a subgraph)."""
@@ -57,15 +62,16 @@ class NotMeasured(Exception):
 
 class Alignment:
     """Which candidate record is the counterpart of a reference module call: by path and call number when the
-    names match (or the ONNX scopes say so), else by execution order and output shape within a window."""
+    names match or a runtime's graph was mapped to the paths (``graph``: ONNX/OpenVINO scopes, llama.cpp tensor
+    names), else by execution order and output shape within a window."""
 
-    def __init__(self, records: list[Record], mode: str):
-        self.records, self.mode = records, mode
+    def __init__(self, records: list[Record], mode: str, graph: bool = False):
+        self.records, self.mode, self.graph = records, mode, graph
         self.by_key = {(r.path, r.number): r for r in records}
         self.pointer = 0
 
     def counterpart(self, path: str, number: int, shape: list[int]) -> Record | None:
-        if self.mode == "name" or self.mode.endswith(("scopes", "names")):
+        if self.mode == "name" or self.graph:
             r = self.by_key.get((path, number))
             return r if r is not None and not r.used else None
         for i in range(self.pointer, min(len(self.records), self.pointer + WINDOW)):
@@ -77,7 +83,7 @@ class Alignment:
 
     def unmatched(self) -> list[str]:
         """The candidate's calls no reference call took (a graph's values outside every scope are not counted)."""
-        if self.mode.endswith(("scopes", "names")):
+        if self.graph:
             return []
         return [site_name(r.path, r.number) for r in self.records if not r.used and r.output is not None]
 
@@ -277,10 +283,10 @@ class GraphCandidate(Candidate):
         records = onnxsites.records(self.values, self.scopes, ref_paths, Record)
         if self.final is not None and np.asarray(self.final).dtype.kind == "f":  # the model's output
             records.append(Record("", 0, None, torch.from_numpy(np.asarray(self.final).copy())))
-        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in records)
+        self.cache_bytes = kept_bytes(records)
         self.values, self.final = {}, None
         self.records = records
-        return Alignment(records, self.scopes_label)
+        return Alignment(records, self.scopes_label, graph=True)
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         onnxsites.choose(r, y)
@@ -372,17 +378,13 @@ class MlxCandidate(Candidate):
 
     def run(self, args, kwargs) -> None:
         def record(path, number, call, out):
-            y = mlx_sites.output(out)
-            kept = mlx_sites.to_torch(y) if y is not None and mlx_sites.dtype_of(y) is not None else None
-            self.records.append(Record(path, number, call, kept))
+            self.records.append(Record(path, number, call, mlx_sites.floating(mlx_sites.output(out))))
 
         self.error, self.failed, self.notes = mlx_sites.run_candidate(self.mlx_model, args, kwargs, record)
-        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in self.records
-                               if r.output is not None)
+        self.cache_bytes = kept_bytes(self.records)
 
     def recorded_input(self, r: Record) -> torch.Tensor | None:
-        x = mlx_sites.first_array(r.module.args)
-        return mlx_sites.to_torch(x) if x is not None and mlx_sites.dtype_of(x) is not None else None
+        return mlx_sites.floating(mlx_sites.first_array(r.module.args))
 
     def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
         x = input_of(args, kw, None)
@@ -397,9 +399,10 @@ class MlxCandidate(Candidate):
         except Exception as exc:
             raise NotMeasured(f"own error not measured: the candidate's {type(r.module.module).__name__} raised on "
                               f"the reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
-        if yc is None or mlx_sites.dtype_of(yc) is None:
+        y = mlx_sites.floating(yc)
+        if y is None:
             raise NotMeasured("the candidate's module returned no floating array on the reference's input")
-        return mlx_sites.to_torch(yc), mlx_sites.dtype_of(yc), r.module.module
+        return y, mlx_sites.dtype_of(yc), r.module.module
 
 
 class LlamaCppCandidate(Candidate):
@@ -459,11 +462,11 @@ class LlamaCppCandidate(Candidate):
             self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
 
     def align(self, ref_paths: list[str]) -> Alignment:
-        stated = llamacpp_sites.stated_contracts(self.path)
+        stated = llamacpp_sites.stated_contracts(self.path, self.info)
         self.records = llamacpp_sites.records(self.values, self.info, ref_paths, Record, stated)
-        self.cache_bytes = sum(r.output.numel() * r.output.element_size() for r in self.records)
+        self.cache_bytes = kept_bytes(self.records)
         self.values = {}
-        return Alignment(self.records, self.scopes_label)
+        return Alignment(self.records, self.scopes_label, graph=True)
 
     def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
         site = r.module

@@ -78,7 +78,7 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
         raise InputError(f"diff takes a torch.nn.Module as the reference; got a {type(reference).__name__}")
     if candidate_dtype is not None:
         candidate_dtype = _dtype_argument("candidate_dtype", candidate_dtype, _LOW)
-    runtime = _runtime(candidate)  # "ONNX", "OpenVINO" or "MLX": a model as a runtime runs it
+    runtime = _runtime(candidate)  # "ONNX", "OpenVINO", "MLX" or "llama.cpp": a model as a runtime runs it
     onnx_cand = runtime is not None
     if autocast is not None:
         if candidate_dtype is not None:
@@ -89,7 +89,8 @@ def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_f
         if onnx_cand:
             raise InputError(f"an {runtime} candidate runs as exported; autocast applies to torch candidates only")
     if candidate is None and candidate_dtype is None and autocast is None:
-        raise InputError("diff needs a candidate: another module, an ONNX, OpenVINO or MLX model, or candidate_dtype= (or "
+        raise InputError("diff needs a candidate: another module, an ONNX, OpenVINO or MLX model, a GGUF, or "
+                         "candidate_dtype= (or "
                          "autocast=) to compare the reference with itself at a lower precision (e.g. "
                          "candidate_dtype='bfloat16')")
     if candidate is not None and not onnx_cand and not isinstance(candidate, torch.nn.Module):

@@ -93,7 +93,9 @@ def _layer_names(layers: int) -> list[tuple]:
 def select(values: dict, name: str, selector: str):
     """The tensor ``selector`` names among those called ``name`` (``values``: (name, occurrence) → (array, op)), or
     None."""
-    found = [values[(name, k)] for k in range(len(values)) if (name, k) in values]
+    found = []
+    while (name, len(found)) in values:
+        found.append(values[(name, len(found))])
     if not found:
         return None
     if selector == "first":
@@ -116,8 +118,6 @@ class _Ggml:
         base = ctypes.CDLL(str(candidates[0]))
         self.name = base.ggml_get_name
         self.name.restype, self.name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-        self.op = base.ggml_op_name
-        self.op.restype, self.op.argtypes = ctypes.c_char_p, [ctypes.c_int]
         self.op_of = base.ggml_op_desc
         self.op_of.restype, self.op_of.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
         self.contiguous = base.ggml_is_contiguous
@@ -172,6 +172,7 @@ class FileInfo:
             except (ValueError, IndexError, UnicodeDecodeError):
                 return None
 
+        self.reader = reader
         self.arch = field("general.architecture") or "?"
         self.heads = field(f"{self.arch}.attention.head_count")
         self.kv_heads = field(f"{self.arch}.attention.head_count_kv") or self.heads
@@ -224,7 +225,6 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, FileInfo, str]:
         n_tok = int(ids.shape[-1])
         seen: dict[str, list[np.ndarray]] = {}
         ops: dict[str, list[str]] = {}
-        order: list[tuple[str, int]] = []  # (name, occurrence) in the order computed
         renamed: dict[str, str] = {}  # an unnamed output the mapping needs → the name it stands for
         pending: list[str] = []  # a kqv_out seen, its output projection not yet
 
@@ -251,7 +251,6 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, FileInfo, str]:
             name = renamed.get(name, name) if name.startswith("node_") else name
             value = ggml.read(t)
             if value is not None:
-                order.append((name, len(seen.get(name, ()))))
                 seen.setdefault(name, []).append(value)
                 ops.setdefault(name, []).append(ggml.op_of(t).decode())
             return True
@@ -268,10 +267,8 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, FileInfo, str]:
         per_sample: list[dict] = []
         batch = lc.llama_batch_init(n_tok, 0, 1)
         for row in ids.reshape(-1, n_tok).tolist():
-            for store in (seen, ops, renamed):
+            for store in (seen, ops, renamed, pending):
                 store.clear()
-            order.clear()
-            pending.clear()
             lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
             for j, tok in enumerate(row):
                 batch.token[j], batch.pos[j], batch.n_seq_id[j] = int(tok), j, 1
@@ -347,6 +344,8 @@ class Stated:
     computes the norm in float32). The fields that only matter at 16-bit inputs (statistics, cast order, output
     and parameter dtypes) are not stated: they are taken as the reference's."""
 
+    note = "the candidate's contract as its file states it (not probed: llama.cpp runs the whole graph)"
+
     def __init__(self, eps: float, gamma: np.ndarray):
         self.eps, self.gamma = eps, gamma
 
@@ -370,21 +369,18 @@ class _Inference:
         self.spec, self.params, self.evidence = spec, params, evidence
 
 
-def stated_contracts(path: Path):
-    """γ tensor name → :class:`Stated` for the norms of a GGUF (its ε from the metadata)."""
-    from ..artifacts.ggufread import read_gguf
+def stated_contracts(path: Path, info: FileInfo):
+    """γ tensor name → :class:`Stated` for the norms of a GGUF (its ε as :func:`~normscope.artifacts.contract`
+    reads it)."""
+    from ..artifacts.ggufread import read_gguf, tensor_values
 
     gguf = require("gguf", "gguf")
-    contract = read_gguf(path)
-    reader = gguf.GGUFReader(str(path), "r")
-    tensors = {t.name.removesuffix(".weight"): t for t in reader.tensors if t.name.endswith(".weight")}
+    eps = read_gguf(path).eps
+    tensors = {t.name.removesuffix(".weight"): t for t in info.reader.tensors if t.name.endswith(".weight")}
 
     def stated(name: str):
         t = tensors.get(name)
-        if t is None or contract.eps is None or t.tensor_type.name not in FLOAT_TYPES:
-            return None
-        values = np.asarray(t.data, dtype=np.float64).ravel() if t.tensor_type.name != "BF16" else (
-            (np.asarray(t.data).view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64).ravel())
-        return Stated(float(contract.eps), values)
+        values = tensor_values(t, gguf) if t is not None and eps is not None else None
+        return None if values is None else Stated(float(eps), values)
 
     return stated

@@ -98,19 +98,24 @@ class Call:
         self.module, self.args, self.kwargs = module, args, kwargs
 
 
-def to_torch(value, dtype: str | None = None) -> torch.Tensor:
-    """An ``mx.array`` as a torch tensor, at its own dtype (16-bit floats exactly, through float32)."""
-    t = torch.from_numpy(np.ascontiguousarray(to_numpy(value)))
-    name = dtype or dtype_of(value)
-    return t.to(_TORCH[name]) if name in _TORCH and t.is_floating_point() else t
+def floating(value) -> torch.Tensor | None:
+    """A floating ``mx.array`` as a torch tensor at its own dtype (16-bit floats exactly, through float32); None for
+    anything else (an integer array, no array)."""
+    name = dtype_of(value) if value is not None else None
+    if name is None:
+        return None
+    return torch.from_numpy(np.ascontiguousarray(to_numpy(value))).to(_TORCH[name])
 
 
-def to_mlx(t: torch.Tensor, like):
-    """A torch tensor as an ``mx.array`` at the dtype of ``like`` (the candidate's own argument there)."""
+def to_mlx(value, like=None):
+    """A torch tensor as an ``mx.array`` (at the dtype of ``like``, the candidate's own argument there, when
+    given); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
     mx = require("mlx.core", "mlx")
-    a = t.detach().cpu()
-    a = a.float() if a.is_floating_point() else a
-    return mx.array(a.numpy()).astype(like.dtype)
+    a = value.detach().cpu()
+    out = mx.array((a.float() if a.is_floating_point() else a).numpy())
+    return out.astype(like.dtype) if like is not None else out
 
 
 def run_candidate(model, args, kwargs, record) -> tuple[str | None, tuple[str, int] | None, list[str]]:
@@ -184,27 +189,19 @@ def feeds_for(model, args, kwargs) -> tuple[list, dict, list[str]]:
     except (TypeError, ValueError):
         params = {}
     anything = not params or any(p.kind == p.VAR_KEYWORD for p in params.values())
-    feeds, kw, notes = [_feed(a) for a in args], {}, []
+    feeds, kw, notes = [to_mlx(a) for a in args], {}, []
     first = next(iter(params), None)
     rest = dict(kwargs)
     if not feeds and first is not None and first not in rest:
         main = next((k for k in _MAIN_INPUTS if isinstance(rest.get(k), torch.Tensor)), None)
         if main is not None:
-            feeds.append(_feed(rest.pop(main)))
+            feeds.append(to_mlx(rest.pop(main)))
     for k, v in rest.items():
         if anything or k in params:
-            kw[k] = _feed(v)
+            kw[k] = to_mlx(v)
         elif isinstance(v, torch.Tensor) and not (k == "attention_mask" and bool((v == 1).all())):
             notes.append(f"the MLX model takes no {k!r}: it ran without it")
     return feeds, kw, notes
-
-
-def _feed(value):
-    mx = require("mlx.core", "mlx")
-    if isinstance(value, torch.Tensor):
-        a = value.detach().cpu()
-        return mx.array((a.float() if a.is_floating_point() else a).numpy())
-    return value
 
 
 def output(value) -> Any:
@@ -217,10 +214,15 @@ def output(value) -> Any:
     return None
 
 
+def _first_array_at(args) -> int | None:
+    mx = require("mlx.core", "mlx")
+    return next((i for i, a in enumerate(args) if isinstance(a, mx.array)), None)
+
+
 def first_array(args) -> Any:
     """The first ``mx.array`` among a call's positional arguments (None without one)."""
-    mx = require("mlx.core", "mlx")
-    return next((a for a in args if isinstance(a, mx.array)), None)
+    at = _first_array_at(args)
+    return None if at is None else args[at]
 
 
 def teacher_forced(call: Call, x: torch.Tensor) -> Any:
@@ -231,7 +233,7 @@ def teacher_forced(call: Call, x: torch.Tensor) -> Any:
     if not (stateless(call.args, values) and stateless(call.kwargs, values)):
         raise ValueError("the call takes a stateful argument (a cache object)")
     args = list(call.args)
-    at = next((i for i, a in enumerate(args) if isinstance(a, mx.array)), None)
+    at = _first_array_at(args)
     if at is None:
         raise ValueError("the MLX call had no array argument to replace")
     if tuple(args[at].shape) != tuple(x.shape):

@@ -151,7 +151,7 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     ref_spec = NormSpec.from_dict(s.elementwise["contract"]) if s.elementwise is not None else ref.spec
     if stated:
         cand = info["cand"].as_inference(ref_spec)
-        out["stated_note"] = "the candidate's contract as its file states it (not probed: llama.cpp runs the whole graph)"
+        out["stated_note"] = info["cand"].note
     cand_spec = _offset_unseen(ref_spec, cand, out)
     ndim = len(info["shape"])
     out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}

@@ -32,7 +32,6 @@ class Walk:
         self.input_errors: dict[str, float] = {}  # site → the propagated error of its input
         self.frames = CallStack()
         self.first: dict[str, Any] = {}
-        self.first_sites: list[SiteDiff] = []  # the sites whose explanation is kept in ``first``
         self.nonfinite: str | None = None  # the first site where the reference itself is not finite
         self.recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
         self.site_contracts = contracts.Contracts()
@@ -241,10 +240,8 @@ class Walk:
     def _remember(self, s: SiteDiff, ref_module, cand_module, args, y, yc) -> None:
         """The first divergent site's modules (and, with ``keep``, its tensors), for its explanation; sites before it
         that may turn out to be a regrouping (:meth:`regroup`) do not count as the first yet."""
-        scaled = {id(site) for _, site, _ in self.scaled}
-        if any(id(site) not in scaled for site in self.first_sites):
+        if any(name not in {site.name for _, site, _ in self.scaled} for name in self.first):
             return
-        self.first_sites.append(s)
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         self.first[s.name] = {"ref": ref_module, "cand": cand_module, "shape": tuple(x.shape) if x is not None else None,
                               "tensors": {"input": x, "reference": y.detach().clone(),

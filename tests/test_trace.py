@@ -427,11 +427,16 @@ def test_hugging_face_llama_left_padding(tmp_path):
 
 
 def _sdpa_stats(args, kwargs) -> dict:
-    """The tracer's statistics of one SDPA call, recomputed as at the end of a forward."""
+    """The tracer's statistics of one SDPA call by torch's path from the whole logit matrix: the maximum and the
+    entropy on the sampled query rows, the fully masked rows on every row."""
     from normscope.tracing import attention
 
     logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
-    return attention.logit_stats(logits, masked, owned=True)
+    m = masked.expand(logits.shape)
+    stride = attention.sampling_stride(logits.shape[-2])
+    every = attention.logit_stats(logits.clone(), m)
+    st = attention.logit_stats(logits[..., ::stride, :], m[..., ::stride, :], stride=1)
+    return {**st, "masked_rows": every["masked_rows"], "rows": every["rows"]}
 
 
 def test_fused_statistics_match_brute_force():
@@ -590,7 +595,8 @@ def test_logit_entropy_exact_and_float_masks():
         want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
         assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
         assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
-        assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)
+        want = full.masked_fill(m, 0)[:, :, rows].abs().amax(dim=(0, 2, 3))  # on the sampled rows
+        assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-5)
 
 
 def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp_path):
@@ -750,12 +756,14 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
     assert got[2]["max_logit"][2] == math.inf or got[2]["nonfinite"] > 0
 
 
-def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_path():
+def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_path(monkeypatch):
     """The one-pass attention kernel (logits row by row, never the whole matrix) gives torch's numbers on
     layouts and masks it treats differently: q and k as strided views of one fused projection (read in place),
     grouped-query keys, a head size and key count that are not multiples of its vector width, queries fewer than
     keys under a causal mask, a left-padding mask (masked keys before unmasked ones), a random mask with a fully
-    masked row, and a bias; a query layout with a strided last dimension is copied first, same numbers."""
+    masked row, and a bias; a query layout with a strided last dimension is copied first, same numbers. The
+    group's own torch path (no kernel, as on a GPU) recomputes the sampled rows only and gives the same numbers,
+    its fully masked rows counted over every row."""
     from normscope.tracing import attention, fused
 
     if not fused.available():
@@ -781,13 +789,17 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         assert group.array is not None
         copied = []
         direct = fused.attention_summary(call.q, call.k, call.scale, group.bias, group.array,
-                                         max(1, call.q.shape[-2] // attention.ENTROPY_ROWS),
+                                         attention.sampling_stride(call.q.shape[-2]),
                                          lambda x, name, seen=copied: seen.append(name) or x.float().contiguous())
         assert direct is not None  # the kernel's numbers, not torch's fallback
         assert copied == ([] if call.q.stride(-1) == 1 else ["attention q"])  # strided views read in place
         alone = _sdpa_stats(args, kw)
+        with monkeypatch.context() as mp:
+            mp.setattr(fused, "attention_summary", lambda *a, **k: None)
+            by_torch = attention.Group().stats(call)
         for name, value in alone.items():
             assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
+            assert by_torch[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
     assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h
 
 

@@ -213,8 +213,10 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
         return out
     if st == "attention_logits":
         ent = [s / r if r else None for s, r in zip(e["entropy_sum"], e["entropy_rows"], strict=False)]
+        heads = e.get("nonfinite_heads")  # per head where recorded (a run written before: one count for all)
+        ok = isinstance(heads, list) and len(heads) == len(e["max_logit"])
         return {"max_logit": e["max_logit"], "masked_rows": e["masked_rows"], "entropy": ent,
-                "nonfinite": e["nonfinite"]}
+                "nonfinite": heads if ok else e["nonfinite"]}
     if st == "loss":
         return {"loss": e["sum"] / max(e["count"], 1), "nonfinite": e["nonfinite"]}
     if st == "update":

@@ -255,7 +255,7 @@ def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
     if max(top) >= INF_BITS:
         return None
     return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "rows": [n * tq] * h,
-            "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0}
+            "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0, "nonfinite_heads": [0] * h}
 
 
 def _rows(x: torch.Tensor, name: str, copy) -> torch.Tensor | None:

@@ -16,14 +16,16 @@ tag                                             value
 ``max/<stage>/layer<i>/<site>``                 max |x| of an activation
 ``scale_rms/norm_output/layer<i>/<site>``       RMS of the norm's scale γ
 ``min_row_rms/norm_input/layer<i>/<site>``      the smallest per-row RMS of a norm's input
-``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries
-``entropy/layer<i>/head<h>``                    mean softmax entropy of a head
+``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries (on the
+                                                sampled query rows where SDPA's logits are recomputed)
+``entropy/layer<i>/head<h>``                    mean softmax entropy of a head (sampled query rows)
 ``masked_rows/layer<i>/head<h>``                fully masked query rows of a head
+``nonfinite/attention_logits/layer<i>/head<h>`` non-finite logits of a head
 ``grad_rms/layer<i>/<group>``, ``grad_max/…``   gradient RMS and max |g| per parameter group
 ``update_ratio/layer<i>/<group>``               RMS(Δparameter) / RMS(parameter) per parameter group
 ``update_lr/layer<i>/<group>``                  the learning rate the group was stepped with
-``nonfinite/<stage>/layer<i>/<site>``           non-finite fraction (activations, gradients, updates), count
-                                                (attention logits) or 0/1 (loss)
+``nonfinite/<stage>/layer<i>/<site>``           non-finite fraction (activations, gradients, updates) or 0/1
+                                                (loss)
 ``samples/<name>/rms``, ``samples/<name>/max``  histograms over the samples of the step (``data``: the model's
                                                 input or its embedding), finite values only
 ``samples/loss``                                histogram of the per-sample losses (where ``losses=`` is given)

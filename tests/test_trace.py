@@ -427,16 +427,11 @@ def test_hugging_face_llama_left_padding(tmp_path):
 
 
 def _sdpa_stats(args, kwargs) -> dict:
-    """The tracer's statistics of one SDPA call by torch's path from the whole logit matrix: the maximum and the
-    entropy on the sampled query rows, the fully masked rows on every row."""
+    """The tracer's statistics of one SDPA call, recomputed as at the end of a forward."""
     from normscope.tracing import attention
 
     logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
-    m = masked.expand(logits.shape)
-    stride = attention.sampling_stride(logits.shape[-2])
-    every = attention.logit_stats(logits.clone(), m)
-    st = attention.logit_stats(logits[..., ::stride, :], m[..., ::stride, :], stride=1)
-    return {**st, "masked_rows": every["masked_rows"], "rows": every["rows"]}
+    return attention.logit_stats(logits, masked, owned=True)
 
 
 def test_fused_statistics_match_brute_force():
@@ -595,8 +590,7 @@ def test_logit_entropy_exact_and_float_masks():
         want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
         assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
         assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
-        want = full.masked_fill(m, 0)[:, :, rows].abs().amax(dim=(0, 2, 3))  # on the sampled rows
-        assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-5)
+        assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)
 
 
 def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp_path):
@@ -762,8 +756,7 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
     grouped-query keys, a head size and key count that are not multiples of its vector width, queries fewer than
     keys under a causal mask, a left-padding mask (masked keys before unmasked ones), a random mask with a fully
     masked row, and a bias; a query layout with a strided last dimension is copied first, same numbers. The
-    group's own torch path (no kernel, as on a GPU) recomputes the sampled rows only and gives the same numbers,
-    its fully masked rows counted over every row."""
+    group's own torch path (no kernel, as on a GPU) gives the same numbers."""
     from normscope.tracing import attention, fused
 
     if not fused.available():
@@ -789,7 +782,7 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         assert group.array is not None
         copied = []
         direct = fused.attention_summary(call.q, call.k, call.scale, group.bias, group.array,
-                                         attention.sampling_stride(call.q.shape[-2]),
+                                         max(1, call.q.shape[-2] // attention.ENTROPY_ROWS),
                                          lambda x, name, seen=copied: seen.append(name) or x.float().contiguous())
         assert direct is not None  # the kernel's numbers, not torch's fallback
         assert copied == ([] if call.q.stride(-1) == 1 else ["attention q"])  # strided views read in place

@@ -1,16 +1,12 @@
 """Attention statistics for the tracer: per head, max |logit| over the unmasked entries, fully masked query rows,
-and the softmax entropy on sampled query rows.
+non-finite logits, and the softmax entropy on sampled query rows.
 
-Eager attention hands the tracer its logits (the softmax input): the maximum and the masked rows cover every
-query row, the entropy ``ENTROPY_ROWS`` evenly spaced rows per sample and head. ``F.scaled_dot_product_attention``
-never materialises them, so they are recomputed from the call's q and k when the call is made, for the sampled
-rows only (rows 0, s, 2s, … with s = Tq // ``ENTROPY_ROWS``): the maximum and the entropy are taken on those
-rows, the masked rows (from the mask alone) on every row. The recompute then costs ``ENTROPY_ROWS`` rows per
-sample and head instead of the Tq² logits, which on the CPU were the tracer's largest cost at every recorded
-step. On the CPU (numba) the rows are computed inside one kernel that also takes every statistic, so no logit
-matrix is written and a causal row stops at its query; elsewhere with torch into one buffer the tracer reuses.
-The calls of one forward that share shapes, mask and scale (every layer of a transformer, as a rule) form a
-:class:`Group` that prepares the mask once.
+Eager attention hands the tracer its logits (the softmax input). ``F.scaled_dot_product_attention`` never
+materialises them, so they are recomputed from the call's q and k when the call is made: on the CPU (numba) row
+by row inside one kernel that also takes every statistic, so the (Tq, Tk) matrix is never written and a causal
+row stops at its query; elsewhere with torch into one buffer the tracer reuses. The calls of one forward that
+share shapes, mask and scale (every layer of a transformer, as a rule) form a :class:`Group` that prepares the
+mask once.
 """
 
 from __future__ import annotations
@@ -56,18 +52,16 @@ class SdpaCall:
         return self.k if self.kv_group == 1 else self.k.repeat_interleave(self.kv_group, dim=-3)
 
 
-def sdpa_logits(call: SdpaCall, buffer=None, mask=None,
-                stride: int = 1) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
+def sdpa_logits(call: SdpaCall, buffer=None, mask=None) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
     """The logits of one SDPA call (a private float32 tensor, in ``buffer("attention logits", shape, dtype,
-    device)`` when given, memory the tracer reuses) on every ``stride``-th query row, and the whole call's mask in
-    its own broadcastable shape (not expanded).
+    device)`` when given, memory the tracer reuses) and their mask in its own broadcastable shape (not expanded).
 
     A boolean ``attn_mask`` masks its False entries; a float one is added to the logits, and its entries at or
     below ``MASK_BIAS`` (``-inf``, ``finfo.min``, the ``-10000`` of older code) count as masked keys.
     Returns the logits and ``(masked, bias)``, which a call of the same group may pass as ``mask`` to skip
     building them again.
     """
-    q, k = call.q[..., ::stride, :], call.keys()
+    q, k = call.q, call.keys()
 
     def memory(name, shape):
         return buffer(name, torch.Size(shape), torch.float32, q.device) if buffer is not None else torch.empty(
@@ -79,10 +73,10 @@ def sdpa_logits(call: SdpaCall, buffer=None, mask=None,
     ks = memory("attention k", k.shape).copy_(k)
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     logits = torch.matmul(qs, ks.transpose(-2, -1), out=memory("attention logits", (*lead, q.shape[-2], k.shape[-2])))
-    masked, bias = mask if mask is not None else _mask(call, call.q.shape[-2], k.shape[-2])
-    if bias is not None:  # a real bias (ALiBi, relative positions) on the unmasked keys, on the rows computed
-        b = bias[..., ::stride, :] if bias.dim() >= 2 and bias.shape[-2] > 1 else bias
-        logits = logits.add_(b) if torch.broadcast_shapes(b.shape, logits.shape) == logits.shape else logits + b
+    masked, bias = mask if mask is not None else _mask(call, logits.shape[-2], logits.shape[-1])
+    if bias is not None:  # a real bias (ALiBi, relative positions) on the unmasked keys
+        logits = logits.add_(bias) if torch.broadcast_shapes(bias.shape, logits.shape) == logits.shape \
+            else logits + bias
     return logits, (masked, bias)
 
 
@@ -112,11 +106,10 @@ class Group:
     """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule):
     the mask is prepared once for all of them.
 
-    A call's logits are recomputed on its sampled query rows (:func:`sampling_stride`). On the CPU with numba they
-    are computed and summarised row by row in one kernel when the call is made (:func:`.fused.attention_summary`:
-    no logit matrix, a causal row only up to its query, its q and k still in cache). Elsewhere, or when a logit is
-    not finite, with torch (:func:`sdpa_logits`), then :func:`logit_stats`; the fully masked rows are counted over
-    every query row, from the mask.
+    On the CPU with numba, a call's logits are computed and summarised row by row in one kernel when the call is
+    made (:func:`.fused.attention_summary`: no (Tq, Tk) matrix, a causal row only up to its query, its q and k
+    still in cache). Elsewhere, or when a logit is not finite, the call's logits are recomputed with torch
+    (:func:`sdpa_logits`) and get :func:`logit_stats`.
     """
 
     def __init__(self, buffer=None):
@@ -132,24 +125,20 @@ class Group:
                 shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
                 self.array = fused.mask_array(self.mask[0], shape)
                 self.bias = _bias_array(self.mask[1], shape)
-        tq = q.shape[-2]
-        stride = sampling_stride(tq)
         if self.array is not None and self.bias is not False:
-            got = fused.attention_summary(q, k, call.scale, self.bias, self.array, stride, self._float)
+            tq = q.shape[-2]
+            # q and k split from one fused projection are strided views: copied first (one pass, many loads in
+            # flight), since the kernel reading their rows, each a few hundred bytes kilobytes apart, waited on
+            # memory for longer than the copy takes (20-25 % of the attention probe)
+            q, k = (x if x.is_contiguous() else self._float(x, name) for x, name in ((q, "attention q"),
+                                                                                     (k, "attention k")))
+            got = fused.attention_summary(q, k, call.scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS),
+                                          self._float)
             if got is not None:  # finite logits: nothing left out
                 return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
                         "nonfinite_heads": [0] * q.shape[1]}
-        logits, self.mask = sdpa_logits(call, self.buffer, self.mask, stride)
-        masked = self.mask[0]
-        st = logit_stats(logits, masked[..., ::stride, :] if masked.dim() >= 2 and masked.shape[-2] > 1 else masked,
-                         owned=True, stride=1)
-        lead = q.shape[:-1] if q.dim() >= 2 else (1,)  # (…, heads, Tq): the query rows
-        full = masked.all(-1)
-        full = full.expand(torch.broadcast_shapes(full.shape, lead))
-        full = full.reshape(-1, *full.shape[-2:]) if full.dim() >= 2 else full.reshape(1, 1, -1)
-        st["masked_rows"] = full.sum(dim=(0, 2)).tolist()
-        st["rows"] = [full.shape[0] * tq] * full.shape[1]
-        return st
+        logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
+        return logit_stats(logits, self.mask[0], owned=True)
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
@@ -167,21 +156,14 @@ def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):
     return False if b is None else b.contiguous()
 
 
-def sampling_stride(tq: int) -> int:
-    """The spacing of the sampled query rows (0, s, 2s, …): about ``ENTROPY_ROWS`` of ``tq``."""
-    return max(1, tq // ENTROPY_ROWS)
-
-
-def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False,
-                stride: int | None = None) -> dict[str, Any]:
+def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:
     """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows,
     non-finite entries — torch's path.
 
     ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
     or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
-    entropy (a mean) is taken on every ``stride``-th query row (by default :func:`sampling_stride`: about
-    ``ENTROPY_ROWS`` rows per sample and head), which bounds its cost on long sequences. ``owned``: the logits are
-    the tracer's own copy and may be overwritten.
+    entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
+    its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
     """
     lg = logits.detach()
     if lg.dim() < 3:
@@ -208,7 +190,7 @@ def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False,
         live = live.masked_fill(nan, 0)
         mx = absmax(live, dim=(0, 2, 3))
     full = m.all(-1).expand(lg.shape[:3])  # (N, H, Tq), a view when the mask is shared
-    stride = sampling_stride(tq) if stride is None else stride
+    stride = max(1, tq // ENTROPY_ROWS)
     msub = m[:, :, ::stride] if m.shape[2] > 1 else m
     sub = live[:, :, ::stride].float()  # masked entries are 0 here
     # entropy H = lse - sum(p * z) with lse = top + log(sum(e)), e = exp(z - top) on the unmasked keys, top their
@@ -231,7 +213,7 @@ def eager_logit_stats(logits: torch.Tensor) -> dict:
     ``-inf`` or ``finfo.min`` a mask fills in) are masked. On the CPU with numba, float32 logits are read once per
     row by one kernel (:func:`.fused.logits_summary`); elsewhere, or when a logit is not finite, torch's path."""
     if logits.dim() == 4 and logits.dtype == torch.float32:
-        got = fused.logits_summary(logits.detach(), sampling_stride(logits.shape[2]))
+        got = fused.logits_summary(logits.detach(), max(1, logits.shape[2] // ENTROPY_ROWS))
         if got is not None:
             return got
     return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)

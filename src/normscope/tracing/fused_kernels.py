@@ -220,8 +220,6 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
         if end == 0:
             full += 1
             continue
-        if i % stride != 0:  # a row that is not sampled: its logits are not computed
-            continue
         query = numba.carray(_f32_at(q + 4 * (a * qs[0] + b * qs[1] + i * qs[2])), (d,))
         for c in range(d):
             qi[c] = query[c] * scale
@@ -245,10 +243,13 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
             brow = bias[a if bn else 0, b if bh else 0, i if bq else 0]
             for j in range(end):
                 row[j] += brow[j]
+        sample = i % stride == 0
         top = np.float32(-np.inf)
         if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
             for j in range(end):
                 m = max(m, bits[j] & _ABS)
+            if not sample:
+                continue
             for j in range(end):
                 top = max(top, row[j])
             _exp_shifted(row, top, ex, end)
@@ -256,6 +257,8 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
             mrow = masked[ma, mb, mi]  # the key at end - 1 is unmasked: the row has a live key
             for j in range(end):
                 m = max(m, (bits[j] & _ABS) * (np.int32(1) - np.int32(mrow[j])))  # a masked entry (even NaN): 0
+            if not sample:
+                continue
             for j in range(end):
                 if mrow[j] == 0:
                     top = max(top, row[j])

@@ -16,8 +16,7 @@ tag                                             value
 ``max/<stage>/layer<i>/<site>``                 max |x| of an activation
 ``scale_rms/norm_output/layer<i>/<site>``       RMS of the norm's scale γ
 ``min_row_rms/norm_input/layer<i>/<site>``      the smallest per-row RMS of a norm's input
-``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries (on the
-                                                sampled query rows where SDPA's logits are recomputed)
+``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries
 ``entropy/layer<i>/head<h>``                    mean softmax entropy of a head (sampled query rows)
 ``masked_rows/layer<i>/head<h>``                fully masked query rows of a head
 ``nonfinite/attention_logits/layer<i>/head<h>`` non-finite logits of a head

@@ -65,7 +65,7 @@ class Decoder(nn.Module):
 def hf_gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=L, n_head=H)
+    cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=D, n_layer=L, n_head=H, bos_token_id=V - 1, eos_token_id=V - 1)
     cfg._attn_implementation = "eager"
     return GPT2LMHeadModel(cfg)
 

@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import InputError
 from ..jsonable import jsonable
 from ..results.verdict import Verdict, verdict_of
-from .store import read_run
+from .store import is_number, read_run
 from .trend import departures, fit, gaussian_tail_quantile, log_values
 
 DIAGNOSIS_SCHEMA = "normscope.diagnosis/2"
@@ -214,8 +214,7 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
     if st == "attention_logits":
         ent = [s / r if r else None for s, r in zip(e["entropy_sum"], e["entropy_rows"], strict=False)]
         heads = e.get("nonfinite_heads")  # per head where recorded (a run written before: one count for all)
-        ok = (isinstance(heads, list) and len(heads) == len(e["max_logit"])
-              and all(isinstance(c, int | float) and not isinstance(c, bool) for c in heads))
+        ok = isinstance(heads, list) and len(heads) == len(e["max_logit"]) and all(map(is_number, heads))
         return {"max_logit": e["max_logit"], "masked_rows": e["masked_rows"], "entropy": ent,
                 "nonfinite": heads if ok else e["nonfinite"]}
     if st == "loss":

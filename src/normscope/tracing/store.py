@@ -72,7 +72,8 @@ _REQUIRED = {"attention_logits": (("nonfinite",), ("max_logit", "masked_rows", "
              "update": (("sumsq", "n", "param_sumsq", "nonfinite"), ())}
 
 
-def _number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A JSON number of a record (a bool is not one)."""
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
@@ -82,15 +83,15 @@ def _entry_ok(e: Any) -> bool:
             and (e.get("layer") is None or isinstance(e.get("layer"), int))):
         return False
     numbers, lists = _REQUIRED.get(e["stage"], (_NUMBERS, ()))
-    return (all(_number(e.get(k)) for k in numbers)
-            and all(isinstance(e.get(k), list) and all(_number(x) for x in e[k]) for k in lists))
+    return (all(is_number(e.get(k)) for k in numbers)
+            and all(isinstance(e.get(k), list) and all(is_number(x) for x in e[k]) for k in lists))
 
 
 def _step_problem(rec: dict[str, Any]) -> tuple[str | None, str | None]:
     """(why the step record cannot be used, what was dropped from it); entries of the wrong shape are dropped
     from it in place."""
     step = rec.get("step")
-    if not _number(step) or not math.isfinite(step) or step != int(step):
+    if not is_number(step) or not math.isfinite(step) or step != int(step):
         return f"its step is {step!r}, not an integer", None
     entries = rec.get("entries")
     if not isinstance(entries, list):

@@ -225,7 +225,10 @@ def test_diagnose_command(tmp_path, capsys):
     data = json.loads(out)
     assert code == 0 and data["schema"] == "normscope.diagnosis/2"
     assert (data["first"]["step"], data["first"]["stage"], data["first"]["layer"]) == (FAULT, "update", 0)
-    assert data["incidents"][0]["kind"] == "lr_jump" and data["drifts"] == []
+    assert data["incidents"][0]["kind"] == "lr_jump"
+    # the ×300 step threw the attention logits past the danger level, where they stay: listed as crossed drifts
+    assert data["drifts"] and all(x["status"] == "crossed" and x["stage"] == "attention_logits"
+                                  and f"since step {FAULT + 1}" in x["evidence"] for x in data["drifts"])
     html = tmp_path / "report.html"
     code, out, _ = _cli(["diagnose", str(tmp_path), "--html", str(html), "--strict"], capsys)
     assert code == 1

@@ -19,7 +19,7 @@ import trace_real as R
 from command_runner import run_command
 
 from normscope.errors import InputError
-from normscope.tracing import command, diagnose, read_run
+from normscope.tracing import command, diagnose, read_run, trace
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 pytest.importorskip("transformers", reason="the real-run tests build Hugging Face GPT-2 and Llama (pip install "
@@ -76,6 +76,98 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert page.index("class='first'") < page.index("<img") and f"step {R.AT}" in page
         assert f"max |attention logit| per head, layer {case.layer}" in page
         assert page.index("<h2>Drifts</h2>") > page.index("incident(s)</h2>")
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_clean_vision_run_has_no_incident(tmp_path, seed):
+    """A ViT on real images: its Adam updates grow ×5 over their trend in a few steps as their directions align
+    (layer 1's attention at step 57 of seed 0, layer 0's at step 139 of seed 2), while no parameter moves further
+    than in the steps before (at most ~2 learning rates throughout): the optimizer at work, not an incident."""
+    pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
+    tr = R.vit_digits(tmp_path, seed)
+    assert not tr.errors and not tr.disabled
+    d = diagnose(tmp_path)
+    assert d.steps == list(range(R.VIT_STEPS)) and d.complete
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    steps = [v for _, v in zip(*d.series("update", "step_lr", 1, "attention"), strict=True)]
+    assert len(steps) == R.VIT_STEPS and 0.2 < max(steps) < 3.2  # Adam moves a parameter by at most ~3.2 lr
+
+
+def test_a_norm_scale_written_and_kept_enters_the_danger_zone_at_its_step(tmp_path):
+    """γ ×50 and kept, in a vision model whose loss it barely moves: the attention logits it feeds jump from
+    below 1 to thousands at once (entropy collapses). The jump is an incident at its step, caused by the γ; the
+    γ and the logits stay listed as drifts past their danger levels since that step."""
+    pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
+
+    def fault(step, model):
+        if step == R.AT:
+            with torch.no_grad():
+                model.vit.layers[1].layernorm_before.weight.mul_(50.0)
+
+    R.vit_digits(tmp_path, 0, fault, steps=R.AT + 20)
+    d = diagnose(tmp_path)
+    assert d.incidents and d.incidents[0].kind == "danger_jump", [(i.step, i.kind) for i in d.incidents]
+    a = d.first
+    assert (a.step, a.stage, a.layer, a.site, a.metric) == (R.AT, "norm_output", 1, "layernorm_before", "scale_rms")
+    crossed = {(x.stage, x.layer, x.metric) for x in d.drifts if x.status == "crossed"}
+    assert {("norm_output", 1, "scale_rms"), ("attention_logits", 1, "max_logit")} <= crossed
+    assert all(f"since step {R.AT}" in x.evidence for x in d.drifts if x.status == "crossed")
+
+
+def test_an_earlier_wobble_that_cannot_reach_the_incident_is_not_its_cause(tmp_path):
+    """A batch's gradient at the step before an incident reaches it only through that step's update: a gradient
+    far out of range at step AT-1 (written into the record here) whose update stayed in range is not the cause
+    of the masked rows at step AT; neither is a forward series at AT-1 back in range at AT."""
+    case = R.CASES["attention: a sample with every key masked"]
+    R.run(case.arch, tmp_path, 0, case.fault, steps=R.AT + 2)
+    path = tmp_path / "trace.jsonl"
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("kind") == "step" and rec["step"] == R.AT - 1:
+            for e in rec["entries"]:
+                if (e["stage"], e["layer"]) in (("grad", 1), ("sublayer_output", 1)):
+                    e["sumsq"] *= 1e4
+                    e["max"] *= 100.0
+            lines[i] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    d = diagnose(tmp_path)
+    xs, ys = d.series("grad", "max", 1)
+    assert ys[xs.index(R.AT - 1)] > 30 * max(ys[xs.index(R.AT - 2)], ys[xs.index(R.AT)])  # the wobble is there
+    a = d.first
+    assert (a.step, a.stage, a.layer, a.metric) == (R.AT, "attention_logits", 0, "masked_rows"), a
+
+
+@pytest.mark.parametrize("arch", ["neox", "phi"])
+def test_a_parallel_blocks_branch_holds_both_sublayers(tmp_path, arch):
+    """GPT-NeoX (use_parallel_residual) and Phi add attn(ln x) + mlp(ln x) to the stream in one branch: recorded
+    as site ``attn+mlp`` (found from the dataflow: two stream-shaped branches summed after attention), so an MLP
+    fault is not reported as the attention's."""
+    import transformers as tf
+
+    if arch == "neox":
+        cfg = tf.GPTNeoXConfig(vocab_size=R.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, use_parallel_residual=True, max_position_embeddings=R.T)
+        model = tf.GPTNeoXForCausalLM(cfg)
+        layers = model.gpt_neox.layers
+    else:
+        cfg = tf.PhiConfig(vocab_size=R.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=R.T)
+        model = tf.PhiForCausalLM(cfg)
+        layers = model.model.layers
+    window, _ = next(R.batches(0))
+    with trace(model.train(), tmp_path) as tr:
+        for step in range(2):
+            hook = layers[1].mlp.register_forward_hook(lambda m, a, out: out * 1000.0) if step == 1 else None
+            model(input_ids=window[:, :R.T]).logits.sum().backward()
+            if hook is not None:
+                hook.remove()
+            tr.step(step, loss=1.0)
+    rms = [{(e["layer"], e["site"]): math.sqrt(e["sumsq"] / e["n"]) for e in rec["entries"]
+            if e["stage"] == "sublayer_output"} for rec in read_run(tmp_path).records]
+    assert set(rms[0]) == {(0, "attn+mlp"), (1, "attn+mlp")}
+    assert rms[1][(1, "attn+mlp")] > 100 * rms[0][(1, "attn+mlp")] and rms[1][(0, "attn+mlp")] == pytest.approx(
+        rms[0][(0, "attn+mlp")], rel=1e-3)
 
 
 def test_learning_rate_is_recorded_per_group(tmp_path):

@@ -58,6 +58,7 @@ def expected_series(entry):
     elif st == "update":
         out.append((f"update_ratio/{where}", "ratio", None))
         out.append((f"update_lr/{where}", "lr", None))
+        out.append((f"update_step_lr/{where}", "step_lr", None))  # the largest step, in learning rates
     out.append(("/".join(p for p in ("nonfinite", st, where) if p), "nonfinite", None))
     return out
 
@@ -92,8 +93,8 @@ def test_scalars_equal_the_trace(tmp_path):
                                 "trace/tracer_ms"}
     assert set(want) <= tags
     # per block: layer input 3, norm input/output 2·4 + 2·4, attention 4·4 heads, sublayer and residual
-    # outputs 4·3, grad 4 groups·3, update 4·3 (71); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·3 (34)
-    assert len(want) == 3 * 71 + 34
+    # outputs 4·3, grad 4 groups·3, update 4·4 (75); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·4 (38)
+    assert len(want) == 3 * 75 + 38
     for t in ("loss", "rms/residual_sum/layer1/mlp", "max/layer_input/layer0", "max_logit/layer2/head3",
               "entropy/layer0/head1", "masked_rows/layer1/head0", "grad_rms/layer0/attn", "grad_max/wte",
               "update_ratio/layer2/mlp", "nonfinite/grad/layer1/mlp", "nonfinite/attention_logits/layer0/head2",
@@ -118,6 +119,7 @@ def test_scalars_equal_the_trace(tmp_path):
         e = by[("update", 2, "attn")]
         assert ea.Scalars("update_ratio/layer2/attn")[k].value == pytest.approx(
             math.sqrt(e["sumsq"] / e["param_sumsq"]), rel=2e-6)
+        assert ea.Scalars("update_step_lr/layer2/attn")[k].value == pytest.approx(e["max"] / e["max_lr"], rel=2e-6)
         e = by[("attention_logits", 0, "")]
         assert ea.Scalars("entropy/layer0/head2")[k].value == pytest.approx(e["entropy_sum"][2] / e["entropy_rows"][2],
                                                                            rel=2e-6)

@@ -7,6 +7,10 @@ dropout and ordinary batch-to-batch noise.
 - ``postln``: a hand-written Post-LN encoder on float input (noisy character features) with ``-inf`` key-padding
   masks and variable-length samples, denoising the characters.
 
+Besides them, ``vit_digits``: a tiny Hugging Face ViT classifying the handwritten digits scikit-learn ships (real
+images, 8×8), AdamW with warm-up, dropout and pixel noise — a vision model whose Adam updates change level
+as their directions align, and whose losses per sample are single predictions (heavy-tailed).
+
 ``run(arch, run_dir, seed, fault=...)`` trains one and returns the tracer. A fault is a ``Fault``: called before each
 step's forward with the step's context, it may change the model, the optimizer or the batch, and returns an undo.
 """
@@ -358,3 +362,40 @@ CASES = {
     "backward: a NaN gradient inside an MLP": Case("llama", at(_nan_gradient), "grad", layer=1, site="mlp",
                                                    metric="nonfinite", kind="nonfinite"),
 }
+
+
+# ---------------------------------------------------------------------- a vision model on real images
+VIT_STEPS, VIT_LR, VIT_WARMUP = 150, 3e-3, 16
+
+
+def vit_digits(run_dir: str | os.PathLike, seed: int = 0, fault: Callable[[int, nn.Module], None] | None = None,
+               steps: int = VIT_STEPS):
+    """A 2-layer ViT (patches of 2×2 pixels, width 64, dropout 0.1) trained on scikit-learn's digits for
+    ``steps`` steps of 8 images with pixel noise, AdamW at ``VIT_LR`` after a linear warm-up. ``fault(step, model)``
+    runs before each step's forward. Returns the tracer."""
+    from sklearn.datasets import load_digits
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(seed)
+    model = ViTForImageClassification(ViTConfig(
+        image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=10)).train()
+    digits = load_digits()
+    images = (torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0 - 0.3) / 0.4
+    labels = torch.tensor(digits.target)
+    opt = torch.optim.AdamW(model.parameters(), lr=VIT_LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / VIT_WARMUP))
+    g = torch.Generator().manual_seed(2000 + seed)
+    with trace(model, run_dir, meta={"arch": "vit_digits", "seed": seed}) as tr:
+        for step in range(steps):
+            idx = torch.randint(0, len(labels), (B,), generator=g)
+            x = images[idx] + 0.1 * torch.randn(B, 1, 8, 8, generator=g)
+            if fault is not None:
+                fault(step, model)
+            losses = F.cross_entropy(model(pixel_values=x).logits, labels[idx], reduction="none")
+            losses.mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            tr.step(step, loss=losses.mean().item(), sample_ids=idx.tolist(), losses=losses.detach())
+    return tr

@@ -48,7 +48,8 @@ DIAGNOSIS_SCHEMA = "normscope.diagnosis/2"
 STAGES = ("data", "layer_input", "norm_input", "norm_output", "attention_logits", "sublayer_output", "residual_sum",
           "loss", "grad", "update")
 _ACT = ("layer_input", "norm_input", "norm_output", "sublayer_output", "residual_sum")
-INCIDENT_KINDS = ("nonfinite", "masked_rows", "loss_spike", "grad_spike", "update_spike", "lr_jump")
+INCIDENT_KINDS = ("nonfinite", "masked_rows", "danger_jump", "loss_spike", "grad_spike", "update_spike", "lr_jump")
+DANGER_JUMP = 5.0  # the least one-step factor of a jump into the danger zone (a drift crosses it at a few % a step)
 
 
 @dataclasses.dataclass
@@ -105,7 +106,7 @@ class Incident:
 
 @dataclasses.dataclass
 class Drift:
-    """A series growing step after step towards a level where it becomes dangerous."""
+    """A series growing step after step towards a level where it becomes dangerous, or already past it."""
     stage: str
     layer: int | None
     site: str
@@ -113,7 +114,7 @@ class Drift:
     metric: str
     step: int  # the last recorded step
     value: float
-    slope: float  # ×exp(slope) per recorded step (natural log per step)
+    slope: float  # ×exp(slope) per recorded step (natural log per step; ≤ 0 for a crossed series that stopped growing)
     danger: float
     steps_to_danger: float  # 0 when crossed
     status: str  # "crossed" or "on course"
@@ -225,6 +226,8 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
                "nonfinite": e["nonfinite"] / max(e["n"], 1)}
         if "max_lr" in e:
             out["lr"] = e["max_lr"]
+            if is_number(e["max_lr"]) and e["max_lr"] > 0 and is_number(e.get("max")):
+                out["step_lr"] = e["max"] / e["max_lr"]  # the largest parameter step, in learning rates
         return out
     return {}
 
@@ -232,7 +235,7 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
 _UP = {"rms", "max", "max_logit", "loss", "ratio", "scale_rms"}
 _DOWN = {"entropy"}
 _COUNT = {"nonfinite", "masked_rows"}
-_CONTEXT = {"min_row_rms", "lr"}  # recorded, not judged on their own
+_CONTEXT = {"min_row_rms", "lr", "step_lr"}  # recorded, not judged on their own
 # within one entry, the metric that explains the others first: a norm's γ before its output's RMS
 _METRIC_ORDER = {"nonfinite": 0, "masked_rows": 1, "scale_rms": 2, "max_logit": 3, "max": 4, "rms": 5, "entropy": 6,
                  "loss": 7, "ratio": 8}
@@ -358,8 +361,9 @@ def _fmt(v: float) -> str:
 
 class _Detector:
     def __init__(self, records, *, window, min_history, z, lookback, floor, false_alarms, lr_jump, grad_factor,
-                 update_factor, sample_factor):
+                 update_factor, sample_factor, dangers=None):
         self.records = records
+        self.dangers = dangers or {}  # "logit", "scale", "stream" → the level where each becomes dangerous
         self.factors = {"grad_spike": grad_factor, "update_spike": update_factor, "sample": sample_factor}
         self.window, self.min_history, self.z = window, min_history, z
         self.lookback, self.floor, self.false_alarms, self.lr_jump = lookback, floor, false_alarms, lr_jump
@@ -406,6 +410,7 @@ class _Detector:
                                             f"{int(row[t])} fully masked query rows at layer {k[1]} after "
                                             f"{fin.size} recorded steps with none", k))
                         break
+        out.extend(self._danger_jumps())
         # trend departures of the loss, the gradient norm and the updates (each against its lr)
         judged: list[tuple[str, str, np.ndarray, tuple | None]] = []
         loss = self.rows(lambda k: k[0] == "loss" and k[4] == "loss")
@@ -419,17 +424,52 @@ class _Detector:
                 if ss:
                     total[t] = math.sqrt(sum(ss))
             judged.append(("grad_spike", "grad_norm", total, None))
+        gates: dict[int, np.ndarray] = {}
         for r in self.rows(lambda k: k[0] == "update" and k[4] == "ratio"):
             k = s.keys[r]
-            lr = self._lr_row(k)
+            lr = self._context_row(k, "lr")
             ratio = s.values[r]
             per_lr = np.where(np.isfinite(lr) & (lr > 0), ratio / np.where(lr > 0, lr, 1.0), ratio)
+            gates[len(judged)] = self._step_beyond_recent(self._context_row(k, "step_lr"))
             judged.append(("update_spike", "ratio", per_lr, k))
             if np.isfinite(lr).any():
                 out.extend(self._lr_jumps(k, lr, ratio))
         if judged:
-            out.extend(self._spikes(judged, self.threshold(len(judged) * T)))
+            out.extend(self._spikes(judged, self.threshold(len(judged) * T), gates))
         out.extend(self._sample_spikes())
+        return out
+
+    def danger_of(self, key: tuple) -> tuple[str, float] | None:
+        """(what, danger level) of a series that has one: max attention logits, a norm's γ RMS, the stream's RMS."""
+        stage, _, _, _, metric = key
+        if metric == "max_logit" and "logit" in self.dangers:
+            return "attention logits", self.dangers["logit"]
+        if metric == "scale_rms" and "scale" in self.dangers:
+            return "norm scale γ RMS", self.dangers["scale"]
+        if stage == "layer_input" and metric == "rms" and "stream" in self.dangers:
+            return "residual stream RMS", self.dangers["stream"]
+        return None
+
+    def _danger_jumps(self) -> list[_Trigger]:
+        """Series that enter their danger zone in one jump of at least ``DANGER_JUMP`` × the step before: a γ
+        written ×50, a query projection scaled ×30 (a drift crosses the level at a few % a step, never like this)."""
+        out = []
+        for r, key in enumerate(self.s.keys):
+            d = self.danger_of(key)
+            if d is None:
+                continue
+            what, danger = d
+            row = self.s.values[r]
+            for t in range(1, self.T):
+                a, b = row[t - 1], row[t]
+                if math.isfinite(a) and math.isfinite(b) and 0 < a < danger <= b and b >= DANGER_JUMP * a:
+                    where = f"layer {key[1]}" if key[1] is not None else "the model"
+                    where += f" · {key[2]}" if key[2] else ""
+                    where += f" · head {key[3]}" if key[3] is not None else ""
+                    out.append(_Trigger(t, "danger_jump", key[4], float(b), float(a),
+                                        f"{what} ({where}) {_fmt(b)} from {_fmt(a)} the step before (×{b / a:.3g}), "
+                                        f"past the danger level {_fmt(danger)} in one step", key))
+                    break
         return out
 
     def _sample_spikes(self) -> list[_Trigger]:
@@ -477,9 +517,25 @@ class _Detector:
             return None, None, None
         return hit.tolist(), z, np.exp(cur[hit])
 
-    def _lr_row(self, key: tuple) -> np.ndarray:
-        i = self.s.keys.index(key[:4] + ("lr",)) if key[:4] + ("lr",) in self.s.keys else None
-        return self.s.values[i] if i is not None else np.full(self.T, np.nan)
+    def _context_row(self, key: tuple, metric: str) -> np.ndarray:
+        """The series of ``metric`` recorded beside ``key``'s (NaN where it was not)."""
+        k = key[:4] + (metric,)
+        return self.s.values[self.s.keys.index(k)] if k in self.s.keys else np.full(self.T, np.nan)
+
+    def _step_beyond_recent(self, step_lr: np.ndarray) -> np.ndarray:
+        """Per column: may an update spike be called there? Not where the group's largest parameter step (in
+        learning rates) stays below ``update_factor`` times the largest of the ``window`` steps before: an
+        adaptive optimizer moves each parameter by at most a few learning rates (Adam ≈ 3.2 with its default
+        betas, sign methods 1), and its update RMS can grow ×5 in a few steps while no parameter moves further
+        than before, as its directions align (seen on a ViT at the end of warm-up); a step that moves a parameter
+        several times further than any recent one is not that. True where the step was not recorded."""
+        allowed = np.ones(self.T, bool)
+        for t in range(self.T):
+            past = step_lr[max(0, t - self.window):t]
+            past = past[np.isfinite(past)]
+            if past.size and math.isfinite(step_lr[t]):
+                allowed[t] = step_lr[t] >= self.factors["update_spike"] * float(past.max())
+        return allowed
 
     def _lr_jumps(self, key, lr, ratio) -> list[_Trigger]:
         out = []
@@ -493,10 +549,14 @@ class _Detector:
                 break
         return out
 
-    def _spikes(self, judged, thr) -> list[_Trigger]:
+    def _spikes(self, judged, thr, gates: dict[int, np.ndarray] | None = None) -> list[_Trigger]:
         """Upward departures of the judged series from their trends (all series at once, step by step), the
-        flagged values kept out of later baselines; a series reports the first step of each run of departures."""
+        flagged values kept out of later baselines; a series reports the first step of each run of departures.
+        ``gates``: per judged row, the columns where it may be called at all (others judged as usual)."""
         y = log_values(np.array([series for _, _, series, _ in judged], float))
+        allowed = np.ones(y.shape, bool)
+        for r, gate in (gates or {}).items():
+            allowed[r] = gate
         hist = y.copy()
         factors = np.log(np.array([self.factors.get(kind, 1.0) for kind, _, _, _ in judged], float))
         out: list[_Trigger] = []
@@ -505,7 +565,7 @@ class _Detector:
             f = fit(hist[:, max(0, t - self.window):t], self.min_history, self.floor)
             z, base = f.up(y[:, t])
             with np.errstate(invalid="ignore"):
-                hit = np.isfinite(z) & (z >= thr) & (y[:, t] - base >= factors)
+                hit = np.isfinite(z) & (z >= thr) & (y[:, t] - base >= factors) & allowed[:, t]
             hist[hit, t] = np.nan
             for r in np.flatnonzero(hit & ~prev):
                 kind, metric, series, key = judged[r]
@@ -517,9 +577,20 @@ class _Detector:
                 out.append(_Trigger(t, kind, metric, float(series[t]), b,
                                     f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
                                     f"+{z[r]:.1f} robust σ; threshold {thr:.1f}"
-                                    + (f" and ×{factor:g})" if factor > 1 else ")"), key, score=float(z[r])))
+                                    + (f" and ×{factor:g})" if factor > 1 else ")")
+                                    + (self._step_evidence(key, t) if kind == "update_spike" else ""), key,
+                                    score=float(z[r])))
             prev = hit
         return out
+
+    def _step_evidence(self, key: tuple, t: int) -> str:
+        step = self._context_row(key, "step_lr")
+        past = step[max(0, t - self.window):t]
+        past = past[np.isfinite(past)]
+        if not (math.isfinite(step[t]) and past.size):
+            return ""
+        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(past.max(), 1e-300):.3g}"
+                f" the largest of the {past.size} steps before")
 
     def _sample_nonfinite(self, t: int) -> int:
         n = 0
@@ -662,7 +733,7 @@ class _Detector:
 
     def localize(self, trig: _Trigger) -> Incident:
         t0 = max(0, trig.t - self.lookback)
-        deps = self.departures_in(t0, trig.t)
+        deps = self._reaching(self.departures_in(t0, trig.t), trig)
         if trig.kind == "loss_spike" and trig.sample_ids is None:
             trig.sample_ids, named = self._loss_samples(trig.t)
             trig.evidence += named
@@ -682,6 +753,39 @@ class _Detector:
         step = int(self.s.steps[trig.t])
         return Incident(step, trig.kind, trig.metric, trig.value, trig.baseline, trig.evidence, cause, ranked)
 
+    def _reaching(self, deps: list[Anomaly], trig: _Trigger) -> list[Anomaly]:
+        """The departures that can have caused an incident at column ``trig.t``: all of its own step's; from an
+        earlier step only what carries over into a later one: an update (the parameters the next forward uses), a
+        gradient at a step whose update also left its range, and a forward series still out of range at the
+        incident's step (a γ written and kept). A batch's activations or loss at an earlier step reach a later one
+        only through that step's update. Masked rows and non-finite values are where they first appear: their
+        cause is at their own step."""
+        step = int(self.s.steps[trig.t])
+        if trig.kind in ("nonfinite", "masked_rows"):
+            return [a for a in deps if a.step == step]
+        moved = {a.step for a in deps if a.stage == "update"}
+        out = []
+        for a in deps:
+            if (a.step == step or a.stage == "update" or (a.stage == "grad" and a.step in moved)
+                    or (a.stage not in ("grad", "update") and self._still_out(a, trig.t))):
+                out.append(a)
+        return out
+
+    def _still_out(self, a: Anomaly, t: int) -> bool:
+        """Is ``a``'s series still out of its range at column ``t``?"""
+        key = (a.stage, a.layer, a.site, a.head, a.metric)
+        if key not in self.s.keys or a.sample_ids is not None:
+            return False
+        r = self.s.keys.index(key)
+        v = self.s.values[r, t]
+        if a.metric in _COUNT:
+            return bool(v > 0)
+        if not math.isfinite(v):
+            return not math.isnan(v)
+        if a.metric in _UP:
+            return bool(self.up[r, t] >= self.loc_threshold)
+        return bool(a.metric in _DOWN and self.down[r, t] >= self.loc_threshold)
+
     def _own_anomaly(self, trig: _Trigger) -> Anomaly | None:
         """The incident's own series as an anomaly (the cause when nothing earlier in the chain left its range)."""
         step = int(self.s.steps[trig.t])
@@ -700,7 +804,7 @@ class _Detector:
                        site=site, sample_ids=trig.sample_ids, score=trig.score, order=order)
 
     # ------------------------------------------------------------------ drifts
-    def drifts(self, logit_danger: float, scale_danger: float, stream_danger: float) -> list[Drift]:
+    def drifts(self) -> list[Drift]:
         s, T = self.s, self.T
         if T < self.min_history + 1:
             return []
@@ -709,33 +813,38 @@ class _Detector:
         w = min(self.window, T)
         for r, key in enumerate(s.keys):
             stage, layer, site, head, metric = key
-            if metric == "max_logit":
-                what, danger = "attention logits", logit_danger
-            elif metric == "scale_rms":
-                what, danger = "norm scale γ RMS", scale_danger
-            elif stage == "layer_input" and metric == "rms":
-                what, danger = "residual stream RMS", stream_danger
-            else:
+            d = self.danger_of(key)
+            if d is None:
                 continue
-            y = log_values(s.values[r, T - w:])
-            f = fit(y[None, :], self.min_history, self.floor / 4)
-            if not f.ok[0]:
-                continue
-            slope, noise = float(f.slope[0]), float(f.scale[0])
-            k = max(1, w // 3)
-            if not (slope > 0 and slope * (w - k) >= 3 * noise):
-                continue  # not growing beyond its noise
+            what, danger = d
             v = float(s.values[r, -1])
             if not math.isfinite(v) or v <= 0:
                 continue
-            steps = 0.0 if v >= danger else (math.log(danger) - math.log(v)) / slope
+            y = log_values(s.values[r, T - w:])
+            f = fit(y[None, :], self.min_history, self.floor / 4)
+            slope, noise = (float(f.slope[0]), float(f.scale[0])) if f.ok[0] else (0.0, math.inf)
+            k = max(1, w // 3)
+            growing = slope > 0 and slope * (w - k) >= 3 * noise
+            if v >= danger:  # in the danger zone, however it got there (a jump stays there without growing)
+                row = s.values[r]
+                below = np.flatnonzero(~(row >= danger))
+                since = int(s.steps[below[-1] + 1]) if below.size else int(s.steps[0])
+                ev = (f"{what} {_fmt(v)}, past the danger level {_fmt(danger)} since step {since}"
+                      + (f" (from {_fmt(row[below[-1]])} the step before)" if below.size
+                         and math.isfinite(row[below[-1]]) else "")
+                      + (f"; ×{math.exp(slope):.3g} per recorded step over the last {w}" if growing else ""))
+                out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, 0.0,
+                                 "crossed", ev))
+                continue
+            if not growing:
+                continue  # not growing beyond its noise
+            steps = (math.log(danger) - math.log(v)) / slope
             if steps > horizon:
                 continue
-            status = "crossed" if steps == 0 else "on course"
             ev = (f"{what} {_fmt(v)}, ×{math.exp(slope):.3g} per recorded step over the last {w}; "
-                  + (f"past the danger level {_fmt(danger)}" if steps == 0 else
-                     f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate"))
-            out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, steps, status, ev))
+                  f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate")
+            out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, steps,
+                             "on course", ev))
         return sorted(out, key=lambda d: d.steps_to_danger)
 
 
@@ -765,7 +874,8 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
     run = read_run(run_dir)
     det = _Detector(run.records, window=window, min_history=min_history, z=z, lookback=lookback, floor=floor,
                     false_alarms=false_alarms, lr_jump=lr_jump, grad_factor=grad_factor,
-                    update_factor=update_factor, sample_factor=sample_factor)
+                    update_factor=update_factor, sample_factor=sample_factor,
+                    dangers={"logit": logit_danger, "scale": scale_danger, "stream": stream_danger})
     incidents: list[Incident] = []
     if run.records:
         triggers = sorted(det.incident_triggers(), key=lambda tr: (tr.t, INCIDENT_KINDS.index(tr.kind)))
@@ -777,7 +887,7 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                 last.symptoms.append(f"step {int(det.s.steps[trig.t])}: {trig.kind}: {trig.evidence}")
                 continue
             incidents.append(det.localize(trig))
-    drifts = det.drifts(logit_danger, scale_danger, stream_danger) if run.records else []
+    drifts = det.drifts() if run.records else []
     disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})
     errors = [x for e in run.ends for x in (e.get("errors") or []) if isinstance(x, dict)]

@@ -325,7 +325,8 @@ class Tracer:
     def _enter_block(self, module, args, kwargs) -> None:
         layer = self.blocks[id(module)]
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module})
+        self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
+                              "joined": []})
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             self._defer("layer_input", layer, "", x)
 
@@ -419,17 +420,24 @@ class Tracer:
         elif b is s["stream"] or b is s["alt"]:
             stream, branch = b, a
         else:
+            # two stream-shaped branches summed after attention, before either meets the stream: a parallel block
+            # (GPT-J, GPT-NeoX, Phi: x + attn(ln x) + mlp(ln x)), whose residual branch then holds both sublayers
+            if (s["attn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and isinstance(s["stream"], torch.Tensor) and a.shape == b.shape == out.shape
+                    == s["stream"].shape):
+                s["joined"].append(out)
             return
         if (not isinstance(branch, torch.Tensor) or not isinstance(stream, torch.Tensor)
                 or branch.shape != stream.shape or not branch.is_floating_point()):
             return
-        part = "attn" if s["attn"] else "mlp"
+        joined = any(branch is j for j in s["joined"])
+        part = ("attn+mlp" if joined else "attn") if s["attn"] else "mlp"
         k = self._counters.get((s["layer"], part), 0)
         self._counters[(s["layer"], part)] = k + 1
         site = part if k == 0 else f"{part}#{k}"
         self._defer("sublayer_output", s["layer"], site, branch)
         self._defer("residual_sum", s["layer"], site, out)
-        s["stream"], s["alt"], s["attn"] = out, None, False
+        s["stream"], s["alt"], s["attn"], s["joined"] = out, None, False, []
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

@@ -143,6 +143,8 @@ class Diagnosis(Verdict):
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
     # why a run without incidents is not clean: what was not judged, each with what would decide it
     undecided: list[str] = dataclasses.field(default_factory=list)
+    # what was seen and judged not to be an incident, each with why (a hard or mislabelled sample)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -189,7 +191,7 @@ class Diagnosis(Verdict):
                          "model": self.header.get("model"), "every": self.header.get("every"),
                          "world_size": self.header.get("world_size"), "disabled": self.disabled,
                          "errors": self.errors, "damaged": self.damaged, "settings": self.settings,
-                         "verdict": self.verdict, "undecided": self.undecided,
+                         "verdict": self.verdict, "undecided": self.undecided, "notes": self.notes,
                          "first": self.first.to_dict() if self.first else None,
                          "incidents": [i.to_dict() for i in self.incidents],
                          "drifts": [d.to_dict() for d in self.drifts]})
@@ -359,6 +361,13 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+def _group(key: tuple | None) -> str:
+    """A parameter group as the evidence names it: "layer 1 (attn)", or the module outside the blocks."""
+    if not key:
+        return "all parameters"
+    return f"layer {key[1]} ({key[2]})" if key[1] is not None else key[2]
+
+
 class _Detector:
     def __init__(self, records, *, window, min_history, z, lookback, floor, false_alarms, lr_jump, grad_factor,
                  update_factor, sample_factor, dangers=None):
@@ -370,6 +379,7 @@ class _Detector:
         self.s = _collect(records)
         self.T = len(records)
         self._rel: list[np.ndarray | None] | None = None  # per-sample relative log-losses, made on first use
+        self.notes: dict[int, str] = {}  # step → what was seen there and judged not an incident
 
     def threshold(self, tests: int) -> float:
         """z raised so that ``tests`` Gaussian tests leave ``false_alarms`` expected false alarms."""
@@ -437,7 +447,62 @@ class _Detector:
         if judged:
             out.extend(self._spikes(judged, self.threshold(len(judged) * T), gates))
         out.extend(self._sample_spikes())
-        return out
+        return self._without_hard_samples(out)
+
+    def _without_hard_samples(self, triggers: list[_Trigger]) -> list[_Trigger]:
+        """Loss spikes carried by a few samples whose inputs are in range are notes, not incidents.
+
+        Late in a classifier's training most samples' losses are near 0 and a batch that holds one the model has
+        not learned yet (a hard or mislabelled example) has a loss ×2–4 its trend, that sample ×10–30 its batch's
+        median (a fine-tuned MiniLM, measured): what such a sample looks like, and the loss alone cannot tell it
+        from a corrupt label. A corrupt input is another matter: its own per-sample statistics at the data stage
+        leave their range, and the spike stays an incident. A spike is carried by its samples when the batch's
+        loss without them is back within its range."""
+        vals = _samples(self.records, "loss", "loss")
+        n = sum(v.size for v in vals if v is not None)
+        if not n:
+            return triggers
+        thr = self.threshold(n)
+        kept = []
+        for trig in triggers:
+            if trig.kind != "loss_spike":
+                kept.append(trig)
+                continue
+            idx, _, ratio = self._sample_outliers(trig.t, vals, thr)
+            v = vals[trig.t]
+            if idx is None or v is None or not np.all(np.isfinite(v)):
+                kept.append(trig)
+                continue
+            if trig.sample_ids is None:  # the batch's loss: carried by its outliers when the rest is in range
+                rest = np.delete(v, idx)
+                if not rest.size or not trig.baseline or not math.isfinite(trig.score) or trig.score <= 0:
+                    kept.append(trig)
+                    continue
+                sigma = (math.log(trig.value) - math.log(trig.baseline)) / trig.score
+                if sigma <= 0 or (math.log(max(float(rest.mean()), 1e-300)) - math.log(trig.baseline)) / sigma >= thr:
+                    kept.append(trig)
+                    continue
+            ids = _ids(self.records[trig.t], idx)
+            if self._inputs_out_of_range(trig.t, ids):
+                kept.append(trig)
+                continue
+            step = int(self.s.steps[trig.t])
+            if step in self.notes:  # the batch's spike and its samples' are one note
+                continue
+            who = (f"samples {', '.join(map(str, ids))} at up to" if len(ids) > 1 else f"sample {ids[0]} at")
+            self.notes[step] = (
+                f"step {step}: {who} ×{float(np.max(ratio)):.3g} the batch's median loss ({_fmt(float(np.max(v[idx])))}"
+                f" against {_fmt(float(np.median(v)))}) with inputs in range"
+                + (f"; the batch's loss {_fmt(trig.value)} (×{trig.value / trig.baseline:.3g} its trend) is back in "
+                   f"range without {'them' if len(ids) > 1 else 'it'}" if trig.sample_ids is None else "")
+                + ": a hard or mislabelled example, not an incident")
+        return kept
+
+    def _inputs_out_of_range(self, t: int, ids: list) -> bool:
+        """Did any of these samples' own statistics at the data stage leave their range at column ``t``?"""
+        if not hasattr(self, "loc_threshold"):
+            self.scores()
+        return any(set(a.sample_ids or ()) & set(ids) for a in self._sample_departures(t, t))
 
     def danger_of(self, key: tuple) -> tuple[str, float] | None:
         """(what, danger level) of a series that has one: max attention logits, a norm's γ RMS, the stream's RMS."""
@@ -543,7 +608,7 @@ class _Detector:
             before = lr[:t][np.isfinite(lr[:t])]
             if before.size >= self.min_history and np.isfinite(lr[t]) and lr[t] > self.lr_jump * before.max() > 0:
                 out.append(_Trigger(t, "lr_jump", "lr", float(lr[t]), float(before.max()),
-                                    f"learning rate {_fmt(lr[t])} for layer {key[1]} ({key[2]}) is ×"
+                                    f"learning rate {_fmt(lr[t])} for {_group(key)} is ×"
                                     f"{lr[t] / before.max():.3g} the highest its schedule reached before "
                                     f"({_fmt(before.max())}); update ratio {_fmt(ratio[t])}", key))
                 break
@@ -571,8 +636,7 @@ class _Detector:
                 kind, metric, series, key = judged[r]
                 factor = self.factors.get(kind, 1.0)
                 what = {"loss_spike": "loss", "grad_spike": "global gradient norm",
-                        "update_spike": f"update ratio per unit of learning rate, layer {key[1] if key else ''} "
-                                        f"({key[2] if key else ''})"}[kind]
+                        "update_spike": f"update ratio per unit of learning rate, {_group(key)}"}[kind]
                 b = math.exp(base[r])
                 out.append(_Trigger(t, kind, metric, float(series[t]), b,
                                     f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
@@ -593,15 +657,16 @@ class _Detector:
                 f" the largest of the {past.size} steps before")
 
     def _sample_nonfinite(self, t: int) -> int:
-        n = 0
+        """How many samples of column ``t`` hold a non-finite value (each counted once, whatever holds it)."""
+        bad: set[int] = set()
         for name in (self.records[t].get("samples") or {}):
             if name == "tokens":
                 continue
             for metric in ("loss", "rms", "max", "nonfinite"):
                 v = _samples(self.records[t:t + 1], name, metric)[0]
                 if v is not None:
-                    n += int(np.sum(v > 0) if metric == "nonfinite" else np.sum(~np.isfinite(v)))
-        return n
+                    bad.update(np.flatnonzero(v > 0 if metric == "nonfinite" else ~np.isfinite(v)).tolist())
+        return len(bad)
 
     def _loss_samples(self, t: int) -> tuple[list | None, str]:
         """The samples that carry a loss spike at column ``t`` (far above their batch against the recent steps'
@@ -631,6 +696,8 @@ class _Detector:
 
     # ------------------------------------------------------------------ localization
     def scores(self):
+        if hasattr(self, "loc_threshold"):  # computed once per run
+            return
         s = self.s
         logv = log_values(s.values)
         self.up, self.down, self.base_up, self.base_down = departures(logv, self.window, self.min_history,
@@ -894,7 +961,8 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
     complete = bool(run.ends) and len(run.ends) >= len(run.headers)
     undecided = _undecided(run, errors, min_history)
     return Diagnosis(str(run.path.parent), incidents, drifts, [r["step"] for r in run.records], run.headers[-1],
-                     disabled, errors, settings, complete, run.damaged, run.records, undecided)
+                     disabled, errors, settings, complete, run.damaged, run.records, undecided,
+                     [det.notes[k] for k in sorted(det.notes)])
 
 
 def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]:

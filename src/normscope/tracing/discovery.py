@@ -4,7 +4,9 @@ discovery) and the parameter groups (a block's child module; outside the blocks,
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 
 import torch
 
@@ -22,6 +24,7 @@ class Layout:
     param_order: list[tuple[int | None, str]]  # the groups in the model's parameter order
     params: list[torch.nn.Parameter]
     prefixes: list[tuple[str, int]]  # ("block.name.", layer), longest first
+    scale_offsets: dict[int, float] = dataclasses.field(default_factory=dict)  # id(norm) -> c: it scales by c + w
 
     def locate(self, name: str) -> tuple[int | None, str]:
         """(block index, name inside the block) of a module path; (None, full path) outside the blocks."""
@@ -64,6 +67,9 @@ def discover(model: torch.nn.Module, layers=None) -> Layout:
     for n, m in model.named_modules():
         if m is not model and known_class(m):
             layout.norms[id(m)] = layout.locate(n)
+            c = scale_offset(m)
+            if c:
+                layout.scale_offsets[id(m)] = c
     for n, p in model.named_parameters():
         layer, rest = layout.locate(n.rsplit(".", 1)[0] if "." in n else n)
         # a block's child module (attn, mlp, ln_1, …); outside the blocks the module itself (the embedding and
@@ -74,3 +80,43 @@ def discover(model: torch.nn.Module, layers=None) -> Layout:
         if g not in layout.param_order:
             layout.param_order.append(g)
     return layout
+
+
+def scale_offset(norm: torch.nn.Module) -> float:
+    """The constant c of a norm that scales its normalized input by c + w rather than by its weight w (Gemma's
+    RMSNorm: 1 + w, its weight initialised at 0), measured on a private float32 copy: with w = 0 and w = 1, the
+    output of ±a·u (u a row of ±1, a large enough that ε is negligible) gives the effective scale
+    (y₊ − y₋) / 2a·u at every position, c₀ and c₀ + c₁; c = c₀ / c₁ when both are the same at every position.
+    0 for the usual c = 0, and for any module this experiment does not fit (a weight that is not one scale per
+    feature of the last axis, running statistics, a failing call): its weight is then taken as the scale."""
+    w = getattr(norm, "weight", None)
+    if (not isinstance(w, torch.nn.Parameter) or type(w.data) is not torch.Tensor or w.dim() != 1 or w.numel() < 2
+            or any(True for _ in norm.buffers()) or w.device.type == "meta"):
+        return 0.0
+    try:
+        twin = copy.deepcopy(norm).float().cpu()
+        d, a = w.numel(), 1e3
+        u = torch.ones(d)
+        u[1::2] = -1.0
+        if d % 2:
+            u[-1] = 0.0  # the row stays centred: a LayerNorm's mean is 0, its variance (d - 1) / d
+        x = torch.stack([a * u, -a * u])
+        scales = []
+        with torch.no_grad():
+            for value in (0.0, 1.0):
+                twin.weight.fill_(value)
+                y = twin(x)
+                if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+                    return 0.0
+                live = u != 0
+                scales.append(((y[0] - y[1])[live] / (2 * u[live])).double())  # the scale × the normalizer's
+        c0, c1 = scales[0], scales[1] - scales[0]
+        if not (bool(torch.isfinite(c0).all()) and bool(torch.isfinite(c1).all())) or float(c1.abs().min()) <= 0:
+            return 0.0
+        ratio = c0 / c1
+        c = float(ratio.mean())
+        if float((ratio - c).abs().max()) > 1e-3 * max(1.0, abs(c)) or abs(c) < 1e-3:
+            return 0.0
+        return c if not math.isclose(c, round(c), abs_tol=1e-3) else float(round(c))
+    except Exception:  # a module this experiment does not fit: its weight is its scale, as before
+        return 0.0

@@ -364,8 +364,10 @@ class Tracer:
             self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point() and "statistics" not in self.disabled:
-            # a copy, summarised with the batch: a parameter's storage may not outlive the call (FSDP)
-            self._defer("norm_output", layer, site, w.detach().clone(), "scale")
+            # a copy, summarised with the batch: a parameter's storage may not outlive the call (FSDP); the scale
+            # the norm applies, c + w where it has an offset c (Gemma: 1 + w)
+            c = self.layout.scale_offsets.get(id(module))
+            self._defer("norm_output", layer, site, w.detach() + c if c else w.detach().clone(), "scale")
         s = self._streams[-1] if self._streams else None
         if s is not None and args and args[0] is s["stream"]:
             s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads

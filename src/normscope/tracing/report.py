@@ -80,8 +80,14 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             console.print("[dim]also left their range before the first incident (farthest first):[/]")
             for x in deps:
                 indented(console, f"step {x.step} · {x.where()} · {x.evidence}", 2, 4)
+    if d.notes:
+        console.print(f"[dim]{len(d.notes)} note(s): seen, and judged not to be incidents[/]")
+        for x in d.notes[:MAX_ROWS]:
+            indented(console, x, 2, 4)
+        if len(d.notes) > MAX_ROWS:
+            console.print(f"[dim]… {len(d.notes) - MAX_ROWS} more (--json lists all)[/]")
     if d.drifts:
-        console.print(f"[yellow]{len(d.drifts)} drift(s)[/]: growing towards a dangerous level, not (yet) an incident")
+        console.print(f"[yellow]{len(d.drifts)} drift(s)[/]: at or heading for a dangerous level, not (yet) an incident")
         for x in d.drifts[:MAX_ROWS]:
             indented(console, f"{x.status}: {x.where()} · {x.evidence}", 2, 4)
         if len(d.drifts) > MAX_ROWS:
@@ -256,6 +262,9 @@ def render_html(d: Diagnosis) -> str:
                    _fmt(x.score), x.evidence)
             parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
         parts.append("</table>")
+    if d.notes:
+        parts.append("<h2>Notes</h2><p>Seen, and judged not to be incidents.</p><ul>"
+                     + "".join(f"<li>{esc(x)}</li>" for x in d.notes[:200]) + "</ul>")
     parts.append("<h2>Drifts</h2>")
     if d.drifts:
         parts.append("<p>Series growing step after step towards a dangerous level; not incidents.</p><table><tr>")

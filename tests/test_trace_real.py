@@ -68,7 +68,7 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert inc.kind == case.kind, inc
     if case.sample is not None:
         assert a.sample_ids == [seen["ids"][case.sample]], a
-    assert a.evidence and a.next_check
+    assert a.evidence and a.next_check and "layer None" not in inc.evidence  # a group outside the blocks by name
     assert a in inc.departures and a in d.anomalies
     if case.head is not None:  # the report opens on the incident and plots the cause's layer
         from normscope.tracing.report import render_html
@@ -213,6 +213,21 @@ def test_a_loss_spike_carried_by_a_sample_with_its_input_in_range_is_a_note(tmp_
     d = diagnose(tmp_path)
     assert d.incidents and d.incidents[0].step == 50 and d.incidents[0].kind == "loss_spike"
     assert (d.first.stage, d.first.sample_ids) == ("data", [seen["id"]]) and not d.notes
+
+
+def test_a_sample_non_finite_in_its_input_and_its_loss_is_one_sample(tmp_path):
+    """The evidence of a non-finite incident counts samples, not the per-sample series that hold them."""
+    R.run("postln", tmp_path, 0, steps=20)
+
+    def poison(rec):
+        data = next(iter(v for k, v in rec["samples"].items() if k != "loss"))
+        data["max"][2] = float("nan")
+        rec["samples"]["loss"]["loss"][2] = float("nan")
+
+    _edit_record(tmp_path, 15, poison)
+    d = diagnose(tmp_path)
+    assert d.incidents[0].step == 15 and d.incidents[0].kind == "nonfinite"
+    assert d.incidents[0].evidence.endswith("and 1 sample"), d.incidents[0].evidence
 
 
 @pytest.mark.skipif(os.environ.get("NORMSCOPE_SLOW_TESTS") != "1",

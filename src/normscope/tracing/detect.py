@@ -403,7 +403,8 @@ class _Detector:
             bad = bool(bad_rows or counts or sample_bad)
             if bad and not bad_prev:
                 n = len(set(bad_rows) | set(counts))
-                where = f"{n} series" + (f" and {sample_bad} samples" if sample_bad else "")
+                where = f"{n} series" + (f" and {sample_bad} sample{'s' if sample_bad > 1 else ''}" if sample_bad
+                                         else "")
                 out.append(_Trigger(t, "nonfinite", "nonfinite", math.nan, 0.0, f"non-finite values in {where}", None))
             bad_prev = bad
         masked = self.rows(lambda k: k[4] == "masked_rows")

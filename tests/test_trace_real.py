@@ -278,6 +278,27 @@ def test_a_norm_that_scales_by_one_plus_its_weight_is_recorded_by_the_scale_it_a
     assert got == pytest.approx([1.0, 0.0, 50.0])
 
 
+def test_a_blocks_list_of_sublayers_gives_a_group_each(tmp_path):
+    """T5's blocks hold their sublayers in a list (``block.layer``: self-attention, cross-attention in the decoder,
+    feed-forward): gradients and updates get a group per sublayer, not one for the whole list."""
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=R.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                      num_heads=4, decoder_start_token_id=0)
+    model = tf.T5ForConditionalGeneration(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    window, _ = next(R.batches(0))
+    with trace(model, tmp_path) as tr:
+        model(input_ids=window[:, :16], labels=window[:, 16:32].contiguous()).loss.backward()
+        opt.step()
+        tr.step(0, loss=1.0)
+    rec = read_run(tmp_path).records[0]
+    for stage in ("grad", "update"):
+        groups = {(e["layer"], e["site"]) for e in rec["entries"] if e["stage"] == stage}
+        assert {(0, "layer.0"), (0, "layer.1"), (3, "layer.0"), (3, "layer.1"), (3, "layer.2")} <= groups, groups
+        assert not any(site == "layer" for _, site in groups)
+
+
 def test_learning_rate_is_recorded_per_group(tmp_path):
     R.run("postln", tmp_path, 0, steps=20)
     recs = read_run(tmp_path).records

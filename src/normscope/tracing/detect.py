@@ -260,8 +260,10 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
                 "them; QK-norm or logit soft-capping bound this")
     if stage == "loss":
         who = f"samples {ids}" if ids else "the samples with the largest per-sample loss"
-        return (f"earlier stages were within their range at this step: look at the targets/labels of {who} and at "
-                "the loss computation (scaling, reduction, ignore_index)")
+        return (f"earlier stages were within their range at this step: look at the targets/labels of {who}, at "
+                "the loss computation (scaling, reduction, ignore_index), and at the learning rate of the steps "
+                "before (one too high for this point of training makes the loss climb while no link leaves its "
+                "range)")
     if stage == "grad":
         if metric == "nonfinite":
             return (f"the backward of {L} ({site}): re-run this step under torch.autograd.detect_anomaly() to name the "

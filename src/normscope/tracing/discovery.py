@@ -70,16 +70,26 @@ def discover(model: torch.nn.Module, layers=None) -> Layout:
             c = scale_offset(m)
             if c:
                 layout.scale_offsets[id(m)] = c
+    lists = {n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict)}
     for n, p in model.named_parameters():
         layer, rest = layout.locate(n.rsplit(".", 1)[0] if "." in n else n)
-        # a block's child module (attn, mlp, ln_1, …); outside the blocks the module itself (the embedding and
-        # the final norm are apart even when one parent holds both)
-        group = (rest.split(".")[0] if layer is not None else rest) if rest else "params"
+        # a block's child module (attn, mlp, ln_1, …), one level further where that child is a list of modules
+        # (T5's block.layer: self-attention, cross-attention, feed-forward); outside the blocks the module itself
+        # (the embedding and the final norm are apart even when one parent holds both)
+        group = (_child(rest, layout.block_names[layer], lists) if layer is not None else rest) if rest else "params"
         g = (layer, group)
         layout.param_group[id(p)] = g
         if g not in layout.param_order:
             layout.param_order.append(g)
     return layout
+
+
+def _child(rest: str, block: str, lists: set[str]) -> str:
+    """The parameter group inside a block: its child module's name, or ``child.i`` where the child is a list."""
+    parts = rest.split(".")
+    if len(parts) > 1 and f"{block}.{parts[0]}" in lists:
+        return ".".join(parts[:2])
+    return parts[0]
 
 
 def scale_offset(norm: torch.nn.Module) -> float:

@@ -230,6 +230,58 @@ def test_a_sample_non_finite_in_its_input_and_its_loss_is_one_sample(tmp_path):
     assert d.incidents[0].evidence.endswith("and 1 sample"), d.incidents[0].evidence
 
 
+def test_a_jump_towards_the_danger_zone_is_an_incident(tmp_path):
+    """A head's max logit ×8 in one step, landing below the danger level but within ×5 of it (a query head scaled
+    ×30 on a head whose logits were under 1 lands at ~25: GPT-NeoX, ViT), written into a real run's record: a
+    danger_jump at that step and head. The same head ×1.5 is not."""
+    R.run("postln", tmp_path, 0, steps=36)
+
+    def scale(factor):
+        def edit(rec):
+            e = next(e for e in rec["entries"] if (e["stage"], e["layer"]) == ("attention_logits", 1))
+            e["max_logit"][2] *= factor
+        return edit
+
+    lines = (tmp_path / "trace.jsonl").read_text()
+    _edit_record(tmp_path, 30, scale(1.5))
+    assert diagnose(tmp_path).incidents == []
+    (tmp_path / "trace.jsonl").write_text(lines)
+    rec29 = next(r for r in read_run(tmp_path).records if r["step"] == 29)
+    prev = next(e for e in rec29["entries"] if (e["stage"], e["layer"]) == ("attention_logits", 1))["max_logit"][2]
+    rec30 = next(r for r in read_run(tmp_path).records if r["step"] == 30)
+    now = next(e for e in rec30["entries"] if (e["stage"], e["layer"]) == ("attention_logits", 1))["max_logit"][2]
+    assert 25.0 / prev >= 5  # lands at 25 from ×5 below it: below 30, within ×5 of it
+    _edit_record(tmp_path, 30, scale(25.0 / now))
+    d = diagnose(tmp_path)
+    inc, a = d.incidents[0], d.first
+    assert (inc.step, inc.kind) == (30, "danger_jump") and "within ×1.2 of the danger level 30" in inc.evidence
+    assert (a.step, a.stage, a.layer, a.head, a.metric) == (30, "attention_logits", 1, 2, "max_logit")
+
+
+def test_a_nan_written_into_one_samples_embeddings_names_that_sample(tmp_path):
+    """A forward hook on the embedding, added after the tracer's, writes NaN into sample 3's vectors: the data
+    stage saw them before the hook, so the first non-finite series is the first block's input, a fraction of the
+    batch; the samples whose own values are non-finite (here its loss) say which."""
+    seen = {}
+
+    def fault(st):
+        if st.step == R.AT and "hook" not in seen:
+            def poison(module, args, out):
+                out = out.clone()
+                out[3] = float("nan")
+                return out
+            seen["hook"] = st.model.model.embed_tokens.register_forward_hook(poison)
+            seen["ids"] = st.ids
+
+    R.run("llama", tmp_path, 0, fault, steps=R.AT + 2)
+    seen["hook"].remove()
+    d = diagnose(tmp_path)
+    inc, a = d.incidents[0], d.first
+    assert (inc.step, inc.kind) == (R.AT, "nonfinite") and inc.evidence.endswith("and 1 sample"), inc.evidence
+    assert (a.step, a.stage, a.layer, a.metric) == (R.AT, "layer_input", 0, "nonfinite")
+    assert a.sample_ids == [seen["ids"][3]]
+
+
 @pytest.mark.skipif(os.environ.get("NORMSCOPE_SLOW_TESTS") != "1",
                     reason="fine-tuning MiniLM for 100 steps takes ~90 s; NORMSCOPE_SLOW_TESTS=1")
 def test_fine_tuning_a_trained_model_reports_its_hard_samples_as_notes(tmp_path):

@@ -100,7 +100,7 @@ def test_a_norm_scale_written_and_kept_enters_the_danger_zone_at_its_step(tmp_pa
     γ and the logits stay listed as drifts past their danger levels since that step."""
     pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
 
-    def fault(step, model):
+    def fault(step, model, images):
         if step == R.AT:
             with torch.no_grad():
                 model.vit.layers[1].layernorm_before.weight.mul_(50.0)
@@ -113,6 +113,27 @@ def test_a_norm_scale_written_and_kept_enters_the_danger_zone_at_its_step(tmp_pa
     crossed = {(x.stage, x.layer, x.metric) for x in d.drifts if x.status == "crossed"}
     assert {("norm_output", 1, "scale_rms"), ("attention_logits", 1, "max_logit")} <= crossed
     assert all(f"since step {R.AT}" in x.evidence for x in d.drifts if x.status == "crossed")
+
+
+def test_an_input_replaced_by_noise_that_hurts_nothing_is_a_note(tmp_path):
+    """Early in a vision run (the model near chance, its loss cannot rise), one image replaced by noise ×100:
+    nothing downstream leaves its range, so no incident, and a note names the sample and its input's RMS."""
+    pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
+    seen = {}
+
+    def fault(step, model, images):
+        if step == R.AT:
+            images[3] = 100.0 * torch.randn(images[3].shape, generator=torch.Generator().manual_seed(3))
+
+    def ids_at(run_dir):
+        return next(r["sample_ids"] for r in read_run(run_dir).records if r["step"] == R.AT)
+
+    R.vit_digits(tmp_path, 3, fault, steps=R.AT + 10)
+    seen["id"] = ids_at(tmp_path)[3]
+    d = diagnose(tmp_path)
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    unusual = [n for n in d.notes if "unusual or corrupt input" in n]
+    assert len(unusual) == 1 and unusual[0].startswith(f"step {R.AT}: sample {seen['id']}: input"), d.notes
 
 
 def test_an_earlier_wobble_that_cannot_reach_the_incident_is_not_its_cause(tmp_path):

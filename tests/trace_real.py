@@ -368,11 +368,12 @@ CASES = {
 VIT_STEPS, VIT_LR, VIT_WARMUP = 150, 3e-3, 16
 
 
-def vit_digits(run_dir: str | os.PathLike, seed: int = 0, fault: Callable[[int, nn.Module], None] | None = None,
-               steps: int = VIT_STEPS):
+def vit_digits(run_dir: str | os.PathLike, seed: int = 0,
+               fault: Callable[[int, nn.Module, torch.Tensor], None] | None = None, steps: int = VIT_STEPS):
     """A 2-layer ViT (patches of 2×2 pixels, width 64, dropout 0.1) trained on scikit-learn's digits for
-    ``steps`` steps of 8 images with pixel noise, AdamW at ``VIT_LR`` after a linear warm-up. ``fault(step, model)``
-    runs before each step's forward. Returns the tracer."""
+    ``steps`` steps of 8 images with pixel noise, AdamW at ``VIT_LR`` after a linear warm-up.
+    ``fault(step, model, images)`` runs before each step's forward and may change the model or the batch in place.
+    Returns the tracer."""
     from sklearn.datasets import load_digits
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -391,7 +392,7 @@ def vit_digits(run_dir: str | os.PathLike, seed: int = 0, fault: Callable[[int, 
             idx = torch.randint(0, len(labels), (B,), generator=g)
             x = images[idx] + 0.1 * torch.randn(B, 1, 8, 8, generator=g)
             if fault is not None:
-                fault(step, model)
+                fault(step, model, x)
             losses = F.cross_entropy(model(pixel_values=x).logits, labels[idx], reduction="none")
             losses.mean().backward()
             opt.step()

@@ -501,6 +501,29 @@ class _Detector:
                 + ": a hard or mislabelled example, not an incident")
         return kept
 
+    def unusual_inputs(self, explained: set[int]) -> None:
+        """Notes for samples whose input statistics (RMS or max |x| at the data stage) sit ``sample_factor`` times
+        above the recent samples' median and far outside their spread, at steps no incident explains: nothing
+        downstream left its range, so it is no incident, but a user should know (a ViT image replaced by noise ×100
+        while the model was still at chance level: no loss could move)."""
+        if not any(r.get("samples") for r in self.records):
+            return
+        self.scores()
+        factor = self.factors["sample"]
+        for t in range(self.T):
+            step = int(self.s.steps[t])
+            if t in explained or step in self.notes:
+                continue
+            for a in self._sample_departures(t, t):
+                if (a.metric in ("rms", "max") and a.baseline and math.isfinite(a.value)
+                        and a.value >= factor * a.baseline):
+                    who = f"sample {a.sample_ids[0]}" if len(a.sample_ids or ()) == 1 else f"samples {a.sample_ids}"
+                    self.notes[step] = (f"step {step}: {who}: input ({a.site}) {a.metric} up to {_fmt(a.value)}, "
+                                        f"×{a.value / a.baseline:.3g} the recent samples' median {_fmt(a.baseline)}, "
+                                        "while nothing downstream left its range: an unusual or corrupt input that "
+                                        "did not hurt this step, not an incident")
+                    break
+
     def _inputs_out_of_range(self, t: int, ids: list) -> bool:
         """Did any of these samples' own statistics at the data stage leave their range at column ``t``?"""
         if not hasattr(self, "loc_threshold"):
@@ -974,6 +997,8 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                 last.symptoms.append(f"step {int(det.s.steps[trig.t])}: {trig.kind}: {trig.evidence}")
                 continue
             incidents.append(det.localize(trig))
+        det.unusual_inputs({_col(det, i.step) for i in incidents}
+                           | {_col(det, a.step) for i in incidents for a in i.departures})
     drifts = det.drifts() if run.records else []
     disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})

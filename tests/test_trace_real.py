@@ -66,6 +66,10 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert a.metric == case.metric, a
     if case.kind is not None:
         assert inc.kind == case.kind, inc
+    if inc.kind == "lr_jump":  # the learning rate itself, on every architecture
+        assert a.metric == "lr", a
+    if inc.kind == "update_spike" and a.stage == "update":
+        assert a.evidence.startswith("update ratio per unit of learning rate"), a  # judged per learning rate
     if case.sample is not None:
         assert a.sample_ids == [seen["ids"][case.sample]], a
     assert a.evidence and a.next_check and "layer None" not in inc.evidence  # a group outside the blocks by name

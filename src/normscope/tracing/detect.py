@@ -835,14 +835,21 @@ class _Detector:
             trig.sample_ids, named = self._loss_samples(trig.t)
             trig.evidence += named
         own = self._own_anomaly(trig)
-        if own is not None and not any(a.order[:1] == own.order[:1] and (a.stage, a.layer, a.site, a.metric)
-                                       == (own.stage, own.layer, own.site, own.metric) for a in deps):
-            deps.append(own)
+        if own is not None:
+            same = [a for a in deps if a.order[:1] == own.order[:1] and (a.stage, a.layer, a.site, a.metric)
+                    == (own.stage, own.layer, own.site, own.metric)]
+            if trig.kind == "update_spike":  # judged per learning rate: that, not the raw ratio, is its evidence
+                deps = [a for a in deps if a not in same] + [own]
+            elif not same:
+                deps.append(own)
         if not deps:  # non-finite values that no series holds (only per-sample values): the symptom itself
             step = int(self.s.steps[trig.t])
             deps = [Anomaly(step, "loss", None, None, trig.metric, trig.value, trig.baseline, trig.evidence,
                             _next_check("loss", trig.metric, None, "", None, None), order=(step, math.inf, 9, -1))]
-        cause = _one_head(min(deps, key=lambda a: a.order), deps)
+        if trig.kind == "lr_jump" and own is not None:
+            cause = own  # the learning rate itself: the updates it scaled follow from it
+        else:  # the earliest link; at the same link, the incident's own series (the metric it was judged on)
+            cause = _one_head(min(deps, key=lambda a: (a.order, a is not own)), deps)
         if cause not in deps:  # one head named for its layer's non-finite logits: it stands for its own departure
             same = (cause.step, cause.stage, cause.layer, cause.site, cause.head, cause.metric)
             deps = [a for a in deps if (a.step, a.stage, a.layer, a.site, a.head, a.metric) != same] + [cause]

@@ -380,6 +380,7 @@ class _Detector:
         self.lookback, self.floor, self.false_alarms, self.lr_jump = lookback, floor, false_alarms, lr_jump
         self.s = _collect(records)
         self.T = len(records)
+        self._losses: list[np.ndarray | None] | None = None  # per-sample losses per column, read on first use
         self._rel: list[np.ndarray | None] | None = None  # per-sample relative log-losses, made on first use
         self.notes: dict[int, str] = {}  # step → what was seen there and judged not an incident
 
@@ -461,7 +462,7 @@ class _Detector:
         from a corrupt label. A corrupt input is another matter: its own per-sample statistics at the data stage
         leave their range, and the spike stays an incident. A spike is carried by its samples when the batch's
         loss without them is back within its range."""
-        vals = _samples(self.records, "loss", "loss")
+        vals = self._sample_losses()
         n = sum(v.size for v in vals if v is not None)
         if not n:
             return triggers
@@ -571,7 +572,7 @@ class _Detector:
         """Steps where single samples' losses sit far above the rest of their batch, beyond the recent steps' spread
         of the same ratio and at least ``sample_factor`` times the batch's median (a corrupt sample hurts its own
         loss long before it moves the mean)."""
-        vals = _samples(self.records, "loss", "loss")
+        vals = self._sample_losses()
         n = sum(v.size for v in vals if v is not None)
         if not n:
             return []
@@ -626,11 +627,17 @@ class _Detector:
         several times further than any recent one is not that. True where the step was not recorded."""
         allowed = np.ones(self.T, bool)
         for t in range(self.T):
-            past = step_lr[max(0, t - self.window):t]
-            past = past[np.isfinite(past)]
-            if past.size and math.isfinite(step_lr[t]):
-                allowed[t] = step_lr[t] >= self.factors["update_spike"] * float(past.max())
+            largest, _ = self._recent_largest(step_lr, t)
+            if largest is not None and math.isfinite(step_lr[t]):
+                allowed[t] = step_lr[t] >= self.factors["update_spike"] * largest
         return allowed
+
+    def _recent_largest(self, row: np.ndarray, t: int) -> tuple[float | None, int]:
+        """The largest finite value of ``row`` over the ``window`` columns before ``t`` (None if none) and how many
+        there were."""
+        past = row[max(0, t - self.window):t]
+        past = past[np.isfinite(past)]
+        return (float(past.max()) if past.size else None), past.size
 
     def _lr_jumps(self, key, lr, ratio) -> list[_Trigger]:
         out = []
@@ -679,12 +686,11 @@ class _Detector:
 
     def _step_evidence(self, key: tuple, t: int) -> str:
         step = self._context_row(key, "step_lr")
-        past = step[max(0, t - self.window):t]
-        past = past[np.isfinite(past)]
-        if not (math.isfinite(step[t]) and past.size):
+        largest, n = self._recent_largest(step, t)
+        if largest is None or not math.isfinite(step[t]):
             return ""
-        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(past.max(), 1e-300):.3g}"
-                f" the largest of the {past.size} steps before")
+        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(largest, 1e-300):.3g}"
+                f" the largest of the {n} steps before")
 
     def _sample_nonfinite(self, t: int) -> set[int]:
         """The samples (batch indices) of column ``t`` that hold a non-finite value, whatever holds it."""
@@ -701,12 +707,18 @@ class _Detector:
     def _loss_samples(self, t: int) -> tuple[list | None, str]:
         """The samples that carry a loss spike at column ``t`` (far above their batch against the recent steps'
         spread), and the evidence."""
-        vals = _samples(self.records, "loss", "loss")
+        vals = self._sample_losses()
         ids, z, ratio = self._sample_outliers(t, vals, self.loc_threshold)
         if ids is None:
             return None, ""
         sids = _ids(self.records[t], ids)
         return sids, f"; samples {sids} carry it (up to ×{float(np.max(ratio)):.3g} their batch's median loss)"
+
+    def _sample_losses(self) -> list[np.ndarray | None]:
+        """Each column's per-sample losses (None where not recorded), read from the records once per run."""
+        if self._losses is None:
+            self._losses = _samples(self.records, "loss", "loss")
+        return self._losses
 
     def _relative_log_losses(self, vals) -> list[np.ndarray | None]:
         """Each step's per-sample log-losses minus their median (computed once per run)."""
@@ -863,10 +875,8 @@ class _Detector:
         """The ids of the samples that hold the non-finite values of column ``t`` when they are some of the batch,
         not all (a layer's non-finite fraction says how much, these say which: e.g. an embedding hook that wrote a
         NaN after the data stage was read)."""
-        bad = self._sample_nonfinite(t)
-        sizes = [len(d["loss"]) for d in [(self.records[t].get("samples") or {}).get("loss") or {}]
-                 if isinstance(d.get("loss"), list)]
-        if not bad or not sizes or len(bad) >= sizes[0]:
+        bad, losses = self._sample_nonfinite(t), self._sample_losses()[t]
+        if not bad or losses is None or len(bad) >= losses.size:
             return None
         return _ids(self.records[t], sorted(bad))
 

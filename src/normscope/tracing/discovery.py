@@ -111,6 +111,7 @@ def scale_offset(norm: torch.nn.Module) -> float:
         if d % 2:
             u[-1] = 0.0  # the row stays centred: a LayerNorm's mean is 0, its variance (d - 1) / d
         x = torch.stack([a * u, -a * u])
+        live = u != 0
         scales = []
         with torch.no_grad():
             for value in (0.0, 1.0):
@@ -118,7 +119,6 @@ def scale_offset(norm: torch.nn.Module) -> float:
                 y = twin(x)
                 if not isinstance(y, torch.Tensor) or y.shape != x.shape:
                     return 0.0
-                live = u != 0
                 scales.append(((y[0] - y[1])[live] / (2 * u[live])).double())  # the scale × the normalizer's
         c0, c1 = scales[0], scales[1] - scales[0]
         if not (bool(torch.isfinite(c0).all()) and bool(torch.isfinite(c1).all())) or float(c1.abs().min()) <= 0:

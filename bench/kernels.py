@@ -8,11 +8,13 @@ The process re-runs itself with glibc's malloc told to keep freed memory (``MALL
 ``MALLOC_TRIM_THRESHOLD_``): otherwise every fresh 128 MiB output (of every implementation alike) is a new
 mmap whose first touch page-faults, which costs more than the kernel (measured: ``--system-malloc``).
 
-Every number is measured in this run: the median of ``--repeat`` timed calls after a warm-up. Bandwidth is
-the bytes a call must move (read x [and the residual], write y [and h]; backward: read x and dy, write dx)
-over its time. A norm's output is a fresh tensor, so its fair limit is an allocating copy (``x.clone()``), printed
-beside ``dst.copy_(x)``. The targets are printed with each ratio, met or not; on CUDA every call is timed to a
-``torch.cuda.synchronize()``.
+Every number is measured in this run. The implementations are timed in ``--rounds`` interleaved rounds: each
+is called once per round, in an order that rotates from round to round, so a change of a shared machine's load
+hits every implementation of a round alike; each ratio is taken within a round and printed as the median over the
+rounds with its range (the times are medians over rounds). Bandwidth is the bytes a call must move (read x [and
+the residual], write y [and h]; backward: read x and dy, write dx) over its time. A norm's output is a fresh
+tensor, so its fair limit is an allocating copy (``x.clone()``), printed beside ``dst.copy_(x)``. The targets are
+printed with each ratio, met or not; on CUDA every call is timed to a ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -37,18 +39,33 @@ LN = NormSpec.preset("torch_layernorm")
 
 
 def timed(fn, repeat: int, sync=None, warm: int = 3) -> float:
-    for _ in range(warm):  # compiles, caches, and pages the heap in (the first calls after another size allocate anew)
-        fn()
+    """The median of ``repeat`` timed calls of one implementation after ``warm`` untimed ones."""
+    return statistics.median(interleaved({"": fn}, repeat, sync, warm)[""])
+
+
+def interleaved(fns: dict, rounds: int, sync=None, warm: int = 3) -> dict[str, list[float]]:
+    """Seconds per call of each implementation in each of ``rounds`` rounds; within a round every implementation
+    runs once, in an order that rotates from round to round (no implementation always first, or always after the
+    same one)."""
+    for fn in fns.values():
+        for _ in range(warm):  # compiles, caches, and pages the heap in (the first calls after another size allocate)
+            fn()
     if sync:
         sync()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    names = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t = time.perf_counter()
+            fns[name]()
+            if sync:
+                sync()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def per_round(top: list[float], bottom: list[float]) -> list[float]:
+    return [a / b for a, b in zip(top, bottom, strict=True)]
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -74,7 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds of the main comparison")
+    ap.add_argument("--repeat", type=int, default=7, help="timed calls per point of the N sweep")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C++ compiler)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--plot", default="kernels_gbps.png", help="where to write the GB/s plot ('' for none)")
@@ -107,34 +125,22 @@ def main(argv=None) -> int:
     b = (0.1 * torch.randn(n, device=dev)).to(dt)
     dy = torch.randn(m, n, device=dev).to(dt)
     nb = x.numel() * x.element_size()
-    print(f"{where}, {m} × {n} {args.dtype}, median of {args.repeat}")
-
-    def t(fn):
-        return timed(fn, args.repeat, sync)
+    print(f"{where}, {m} × {n} {args.dtype}, {args.rounds} interleaved rounds")
 
     dst = torch.empty_like(x)
-    t_copy = t(lambda: dst.copy_(x))
-    t_clone = t(lambda: x.clone())
-    bw_clone = gbps(2 * nb, t_clone)
-    rows = [("copy into an existing tensor (dst.copy_(x))", t_copy, gbps(2 * nb, t_copy)),
-            ("copy into a new tensor (x.clone())", t_clone, bw_clone)]
-
-    t_rms = t(lambda: norm(x, RMS, w))
-    t_ln = t(lambda: norm(x, LN, w, b))
-    t_rms_eager = t(lambda: F.rms_norm(x, (n,), w, 1e-6))
-    t_ln_eager = t(lambda: F.layer_norm(x, (n,), w, b, 1e-5))
-    t_rms_compiled = None
+    fns = {"copy": lambda: dst.copy_(x), "clone": lambda: x.clone(),
+           "rms": lambda: norm(x, RMS, w), "ln": lambda: norm(x, LN, w, b),
+           "rms eager": lambda: F.rms_norm(x, (n,), w, 1e-6), "ln eager": lambda: F.layer_norm(x, (n,), w, b, 1e-5)}
     if not args.no_compile:
         compiled = torch.compile(lambda a, g: F.rms_norm(a, (a.shape[-1],), g, 1e-6), dynamic=False)
-        t_rms_compiled = t(lambda: compiled(x, w))
-    t_add = t(lambda: norm(x, RMS, w, residual=r))
+        fns["rms compiled"] = lambda: compiled(x, w)
+    fns["add"] = lambda: norm(x, RMS, w, residual=r)
 
     def add_eager():
         h = x + r
         return F.rms_norm(h, (n,), w, 1e-6), h
 
-    t_add_eager = t(add_eager)
-
+    fns["add eager"] = add_eager
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()
 
@@ -146,41 +152,47 @@ def main(argv=None) -> int:
         xg.grad = wg.grad = None
         F.rms_norm(xg, (n,), wg, 1e-6).backward(dy)
 
-    t_fb = t(fb_ns)
-    t_fb_eager = t(fb_eager)
+    fns["fb"], fns["fb eager"] = fb_ns, fb_eager
+    times = interleaved(fns, args.rounds, sync)
+    med = {k: statistics.median(v) for k, v in times.items()}
 
-    rows += [
-        ("normscope RMS forward", t_rms, gbps(2 * nb, t_rms)),
-        ("eager F.rms_norm", t_rms_eager, gbps(2 * nb, t_rms_eager)),
-        *([("torch.compile(F.rms_norm)", t_rms_compiled, gbps(2 * nb, t_rms_compiled))] if t_rms_compiled else []),
-        ("normscope LN forward", t_ln, gbps(2 * nb, t_ln)),
-        ("eager F.layer_norm", t_ln_eager, gbps(2 * nb, t_ln_eager)),
-        ("normscope add + RMS (fused)", t_add, gbps(4 * nb, t_add)),
-        ("eager x + r; F.rms_norm", t_add_eager, gbps(4 * nb, t_add_eager)),
-        ("normscope RMS fwd + bwd", t_fb, gbps(5 * nb, t_fb)),
-        ("eager autograd RMS fwd + bwd", t_fb_eager, gbps(5 * nb, t_fb_eager)),
-    ]
-    print(f"{'':46}{'ms':>9}{'GB/s':>9}")
-    for name, sec, bw in rows:
-        print(f"{name:46}{sec * 1e3:9.3f}{bw:9.2f}")
+    labels = [("copy", "copy into an existing tensor (dst.copy_(x))", 2), ("clone", "copy into a new tensor (x.clone())", 2),
+              ("rms", "normscope RMS forward", 2), ("rms eager", "eager F.rms_norm", 2),
+              ("rms compiled", "torch.compile(F.rms_norm)", 2), ("ln", "normscope LN forward", 2),
+              ("ln eager", "eager F.layer_norm", 2), ("add", "normscope add + RMS (fused)", 4),
+              ("add eager", "eager x + r; F.rms_norm", 4), ("fb", "normscope RMS fwd + bwd", 5),
+              ("fb eager", "eager autograd RMS fwd + bwd", 5)]
+    print(f"{'':46}{'ms':>9}{'GB/s':>9}   (medians over rounds)")
+    for key, name, tensors in labels:
+        if key in med:
+            print(f"{name:46}{med[key] * 1e3:9.3f}{gbps(tensors * nb, med[key]):9.2f}")
 
+    clone = times["clone"]
+    # name → (the ratio per round, the ceiling per round: the peer's time over x.clone()'s for each tensor moved)
     ratios = {
-        "RMS forward / x.clone() bandwidth": (gbps(2 * nb, t_rms) / bw_clone, None),
-        "LN forward / x.clone() bandwidth": (gbps(2 * nb, t_ln) / bw_clone, None),
-        "LN forward vs eager F.layer_norm": (t_ln_eager / t_ln, t_ln_eager / t_clone),
-        "RMS forward vs torch.compile(F.rms_norm)": ((t_rms_compiled / t_rms, t_rms_compiled / t_clone)
-                                                     if t_rms_compiled else (None, None)),
-        "fused add + RMS vs unfused eager": (t_add_eager / t_add, t_add_eager / (2 * t_clone)),
-        "RMS fwd + bwd vs eager autograd": (t_fb_eager / t_fb, None),
+        "RMS forward / x.clone() bandwidth": (per_round(clone, times["rms"]), None),
+        "LN forward / x.clone() bandwidth": (per_round(clone, times["ln"]), None),
+        "LN forward vs eager F.layer_norm": (per_round(times["ln eager"], times["ln"]),
+                                             per_round(times["ln eager"], clone)),
+        "RMS forward vs torch.compile(F.rms_norm)": ((per_round(times["rms compiled"], times["rms"]),
+                                                     per_round(times["rms compiled"], clone))
+                                                    if "rms compiled" in times else (None, None)),
+        "fused add + RMS vs unfused eager": (per_round(times["add eager"], times["add"]),
+                                             per_round(times["add eager"], [2 * c for c in clone])),
+        "RMS fwd + bwd vs eager autograd": (per_round(times["fb eager"], times["fb"]), None),
     }
-    print("\nsame-run ratios (ceiling: what a kernel as fast as x.clone() for each tensor it must move would reach)")
-    for name, (value, ceiling) in ratios.items():
+    print("\nsame-run ratios, each taken within a round: median over rounds (min … max); ceiling: what a kernel as "
+          "fast as x.clone() for each tensor it must move would reach")
+    for name, (values, ceilings) in ratios.items():
         target = TARGETS[name]
-        if value is None:
+        if values is None:
             print(f"  {name:42} not measured (--no-compile)")
             continue
-        line = f"  {name:42} {value:6.2f}  target ≥ {target:<4g} {'met' if value >= target else 'NOT met'}"
-        if ceiling is not None:
+        value = statistics.median(values)
+        line = (f"  {name:42} {value:6.2f} ({min(values):.2f} … {max(values):.2f})  target ≥ {target:<4g} "
+                f"{'met' if value >= target else 'NOT met'}")
+        if ceilings is not None:
+            ceiling = statistics.median(ceilings)
             line += f"  (ceiling {ceiling:.2f}{': out of reach here' if ceiling < target else ''})"
         print(line)
 

@@ -88,14 +88,17 @@ class UpdateCollector:
                     stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
                                       "param_sumsq": one[2]}))
                 else:
-                    d.sub_(w)  # old - new, in place in the copy: the update, negated
+                    # old - new, in place in the copy: the update, negated; an element that is not finite before or
+                    # after the step makes its change not finite, so the change's count is the group's (adding the
+                    # parameter's count too counted such an element twice: a NaN group read "nonfinite 2")
+                    d.sub_(w)
                     rest.append((p, d, w))
             if rest:  # torch's reductions, batched; the exact path where a number is not finite
                 moves = batch_stats([d for _, d, _ in rest])
                 sizes = batch_stats([w for _, _, w in rest], max_abs=False)
                 for (p, _, _), us, ps in zip(rest, moves, sizes, strict=True):
                     stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                                      "nonfinite": us["nonfinite"] + ps["nonfinite"], "param_sumsq": ps["sumsq"]}))
+                                      "nonfinite": us["nonfinite"], "param_sumsq": ps["sumsq"]}))
             for p, st in stats:
                 if id(p) in self.lrs:
                     st["max_lr"] = self.lrs[id(p)]

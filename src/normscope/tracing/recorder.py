@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import InputError
-from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX
+from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX, TRANSPARENT
 from . import attention
 from .activations import ActivationBatch
 from .buffers import Buffers
@@ -96,6 +96,8 @@ class _Mode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if name in ADDS and tr._streams and "residual" not in tr.disabled:
             tr._guard("residual", tr._residual, args, out)
+        elif name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
+            tr._follow(args[0], out)
         return out
 
 
@@ -326,7 +328,7 @@ class Tracer:
         layer = self.blocks[id(module)]
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
-                              "joined": []})
+                              "joined": [], "views": []})
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             self._defer("layer_input", layer, "", x)
 
@@ -412,14 +414,32 @@ class Tracer:
         self._counters[("attn", layer)] = k + 1
         return "attention_logits", layer, "" if k == 0 else f"#{k}"
 
+    def _follow(self, x, out: torch.Tensor) -> None:
+        """``out`` is ``x`` seen through a reshape, a cast or a dropout: a stand-in for the stream, or a joined
+        branch, when ``x`` is one (OPT flattens the stream to (B·T, H) before its MLP's add; Falcon drops out the
+        joined attention + MLP branch before adding it)."""
+        if "residual" in self.disabled:
+            return
+        try:  # not under the guard: a few identity checks on every such op of the forward, kept cheap
+            s = self._streams[-1]
+            if self._is_stream(s, x):
+                s["views"].append(out)
+            elif any(x is j for j in s["joined"]):
+                s["joined"].append(out)
+        except Exception as exc:  # never break training
+            self._fail("residual", exc)
+
+    def _is_stream(self, s: dict, x) -> bool:
+        return x is s["stream"] or x is s["alt"] or any(x is v for v in s["views"])
+
     def _residual(self, args, out) -> None:
         s = self._streams[-1]
         if len(args) < 2 or not isinstance(out, torch.Tensor):
             return
         a, b = args[0], args[1]
-        if a is s["stream"] or a is s["alt"]:
+        if self._is_stream(s, a):
             stream, branch = a, b
-        elif b is s["stream"] or b is s["alt"]:
+        elif self._is_stream(s, b):
             stream, branch = b, a
         else:
             # two stream-shaped branches summed after attention, before either meets the stream: a parallel block
@@ -439,7 +459,7 @@ class Tracer:
         site = part if k == 0 else f"{part}#{k}"
         self._defer("sublayer_output", s["layer"], site, branch)
         self._defer("residual_sum", s["layer"], site, out)
-        s["stream"], s["alt"], s["attn"], s["joined"] = out, None, False, []
+        s["stream"], s["alt"], s["attn"], s["joined"], s["views"] = out, None, False, [], []
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

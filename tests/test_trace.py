@@ -973,3 +973,62 @@ def test_attention_nonfinite_is_per_head_where_recorded():
     assert entry_metrics(e)["nonfinite"] == 5
     for bad in (["x", 5], [0], "05", [True, 5]):
         assert entry_metrics({**e, "nonfinite_heads": bad})["nonfinite"] == 5
+
+
+def test_an_update_that_is_not_finite_counts_each_element_once(tmp_path):
+    """An optimizer that writes NaN into a whole parameter: the update's non-finite count is the parameter's element
+    count (a NaN element is not finite in the change and in the parameter; it was counted twice, "nonfinite 2")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+
+    def broken(optimizer, args, kwargs):  # runs inside the step, before the tracer's own post-step hook
+        if len(steps) == 1:
+            with torch.no_grad():
+                model[0].weight.fill_(math.nan)
+
+    opt.register_step_post_hook(broken)
+    with trace(model, tmp_path) as tr:
+        for step in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step(step)
+            steps.append(step)
+    records = read_run(tmp_path)[1]
+    before, after = ([e for e in r["entries"] if e["stage"] == "update"] for r in records)
+    assert sum(e["nonfinite"] for e in before) == 0
+    assert sum(e["nonfinite"] for e in after) == model[0].weight.numel()
+
+
+def test_the_next_check_names_what_can_write_behind_the_tracers_back(tmp_path):
+    """Two faults that a probe cannot see being made, each with the place to look named: a NaN written into a
+    gradient after the backward (gradients are read when it ends: the update is where it shows) points at code
+    between backward() and step(); a NaN row of the embedding table (its output is the token input's data stage)
+    points at the table's rows as well as at the samples."""
+    for run, fault_at in (("grad", 15), ("table", 15)):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(V, 16)
+        model = torch.nn.Sequential(emb, torch.nn.LayerNorm(16), torch.nn.Linear(16, V))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        with trace(model, tmp_path / run) as tr:
+            for step in range(fault_at + 1):
+                ids = torch.randint(0, V, (B, T), generator=g)
+                if run == "table" and step == fault_at:
+                    with torch.no_grad():
+                        emb.weight[ids[2, 0]] = math.nan
+                F.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
+                if run == "grad" and step == fault_at:
+                    model[2].weight.grad[0, 0] = math.nan
+                opt.step()
+                opt.zero_grad()
+                tr.step(step, loss=1.0)
+        a = diagnose(tmp_path / run).first
+        if run == "grad":
+            assert (a.step, a.stage, a.metric) == (fault_at, "update", "nonfinite"), a
+            assert "between backward() and step()" in a.next_check
+        else:
+            assert (a.step, a.stage, a.site, a.metric) == (fault_at, "data", "embedding", "nonfinite"), a
+            assert "rows of the embedding table" in a.next_check

@@ -120,8 +120,8 @@ def test_a_norm_scale_written_and_kept_enters_the_danger_zone_at_its_step(tmp_pa
 
 
 def test_an_input_replaced_by_noise_that_hurts_nothing_is_a_note(tmp_path):
-    """Early in a vision run (the model near chance, its loss cannot rise), one image replaced by noise ×100:
-    nothing downstream leaves its range, so no incident, and a note names the sample and its input's RMS."""
+    """Early in a vision run (the model near chance, its loss cannot rise), one image replaced by noise ×100: no
+    incident, and a note names the sample and its input's RMS."""
     pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
     seen = {}
 
@@ -138,6 +138,63 @@ def test_an_input_replaced_by_noise_that_hurts_nothing_is_a_note(tmp_path):
     assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
     unusual = [n for n in d.notes if "unusual or corrupt input" in n]
     assert len(unusual) == 1 and unusual[0].startswith(f"step {R.AT}: sample {seen['id']}: input"), d.notes
+
+
+def test_a_note_on_an_unusual_input_says_what_moved_downstream(tmp_path):
+    """One digit replaced by noise ×100 in an MLP whose LayerNorm bounds what reaches the loss: no incident, and
+    the note states that series past the data stage left their range at that step, naming the furthest (it said
+    "nothing downstream left its range" without looking, also where a BatchNorm had spread the sample over the
+    whole batch)."""
+    sklearn = pytest.importorskip("sklearn.datasets", reason="trains on scikit-learn's digits")
+    x, y = sklearn.load_digits(return_X_y=True)
+    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    with trace(model, tmp_path) as tr:
+        for step in range(50):
+            idx = torch.randint(0, len(x), (32,), generator=g)
+            xb = x[idx].clone()
+            if step == 30:
+                xb[3] = 100 * torch.randn(64, generator=g)
+            losses = torch.nn.functional.cross_entropy(model(xb), y[idx], reduction="none")
+            losses.mean().backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step(step, loss=losses.mean().item(), losses=losses.detach(), sample_ids=idx.tolist())
+    d = diagnose(tmp_path)
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    assert len(d.notes) == 1 and d.notes[0].startswith(f"step 30: sample {int(idx_at(tmp_path, 30)[3])}: input")
+    assert "series downstream left their range at this step (the furthest: " in d.notes[0], d.notes
+    assert "nothing downstream" not in d.notes[0]
+
+
+def idx_at(run_dir, step):
+    return next(r["sample_ids"] for r in read_run(run_dir).records if r["step"] == step)
+
+
+def test_a_group_back_to_normal_steps_after_quiet_ones_is_no_update_spike(tmp_path):
+    """A group whose gradients were near zero for a while moves its parameters a small fraction of a learning rate
+    (Adam's momentum decaying; seen on a clean OPT run); the first real gradient after that moves them by a
+    normal step again, ×10 the recent ones. Written into a clean run's record here (steps 25–44 of one group
+    scaled down): no update spike, since no parameter moves further than in the steps before the quiet ones."""
+    R.run("gpt2", tmp_path, 0)
+    path = tmp_path / "trace.jsonl"
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("kind") == "step" and 25 <= rec["step"] < 45:
+            for e in rec["entries"]:
+                if (e["stage"], e["layer"], e["site"]) == ("update", 1, "attn"):
+                    e["sumsq"] *= 1e-2
+                    e["max"] *= 0.08
+            lines[i] = json.dumps(rec)
+    path.write_text("\n".join(lines) + "\n")
+    d = diagnose(tmp_path)
+    steps = dict(zip(*d.series("update", "step_lr", 1, "attn"), strict=True))
+    assert steps[45] > 8 * max(steps[s] for s in range(25, 45))  # the step after the quiet ones: ×8 and more
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
 
 
 def test_an_earlier_wobble_that_cannot_reach_the_incident_is_not_its_cause(tmp_path):
@@ -164,14 +221,19 @@ def test_an_earlier_wobble_that_cannot_reach_the_incident_is_not_its_cause(tmp_p
     assert (a.step, a.stage, a.layer, a.metric) == (R.AT, "attention_logits", 0, "masked_rows"), a
 
 
-@pytest.mark.parametrize("arch", ["neox", "phi"])
+@pytest.mark.parametrize("arch", ["neox", "phi", "falcon"])
 def test_a_parallel_blocks_branch_holds_both_sublayers(tmp_path, arch):
-    """GPT-NeoX (use_parallel_residual) and Phi add attn(ln x) + mlp(ln x) to the stream in one branch: recorded
-    as site ``attn+mlp`` (found from the dataflow: two stream-shaped branches summed after attention), so an MLP
-    fault is not reported as the attention's."""
+    """GPT-NeoX (use_parallel_residual), Phi and Falcon add attn(ln x) + mlp(ln x) to the stream in one branch:
+    recorded as site ``attn+mlp`` (found from the dataflow: two stream-shaped branches summed after attention;
+    Falcon drops out the joined branch before its add), so an MLP fault is not reported as the attention's."""
     import transformers as tf
 
-    if arch == "neox":
+    if arch == "falcon":
+        cfg = tf.FalconConfig(vocab_size=R.VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              hidden_dropout=0.1, max_position_embeddings=R.T)
+        model = tf.FalconForCausalLM(cfg)
+        layers = model.transformer.h
+    elif arch == "neox":
         cfg = tf.GPTNeoXConfig(vocab_size=R.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, use_parallel_residual=True, max_position_embeddings=R.T)
         model = tf.GPTNeoXForCausalLM(cfg)
@@ -185,6 +247,7 @@ def test_a_parallel_blocks_branch_holds_both_sublayers(tmp_path, arch):
     with trace(model.train(), tmp_path) as tr:
         for step in range(2):
             hook = layers[1].mlp.register_forward_hook(lambda m, a, out: out * 1000.0) if step == 1 else None
+            torch.manual_seed(0)  # the same dropout masks in both steps
             model(input_ids=window[:, :R.T]).logits.sum().backward()
             if hook is not None:
                 hook.remove()
@@ -194,6 +257,25 @@ def test_a_parallel_blocks_branch_holds_both_sublayers(tmp_path, arch):
     assert set(rms[0]) == {(0, "attn+mlp"), (1, "attn+mlp")}
     assert rms[1][(1, "attn+mlp")] > 100 * rms[0][(1, "attn+mlp")] and rms[1][(0, "attn+mlp")] == pytest.approx(
         rms[0][(0, "attn+mlp")], rel=1e-3)
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_a_residual_add_on_a_flattened_stream_is_found(tmp_path, before):
+    """OPT flattens the stream to (B·T, H) before its MLP and adds the MLP's output to that view: both sublayers'
+    adds are found (the MLP's was missed, and an MLP fault was reported at the next layer's input), pre-LN and
+    post-LN alike."""
+    import transformers as tf
+
+    cfg = tf.OPTConfig(vocab_size=R.VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                       word_embed_proj_dim=64, max_position_embeddings=R.T, do_layer_norm_before=before)
+    model = tf.OPTForCausalLM(cfg)
+    window, _ = next(R.batches(0))
+    with trace(model.train(), tmp_path) as tr:
+        model(input_ids=window[:, :R.T]).logits.sum().backward()
+        tr.step(0, loss=1.0)
+    sites = {(e["layer"], e["site"]) for e in read_run(tmp_path).records[0]["entries"]
+             if e["stage"] == "sublayer_output"}
+    assert sites == {(0, "attn"), (0, "mlp"), (1, "attn"), (1, "mlp")}
 
 
 def _edit_record(run_dir, step: int, edit) -> None:

@@ -247,8 +247,12 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
     L = f"layer {layer}" if layer is not None else "the model"
     if stage == "data":
         who = f"samples {ids}" if ids else "the samples of this batch"
-        return (f"inspect {who}: their raw tokens/values and source shard; if they are corrupt, drop them and "
+        what = (f"inspect {who}: their raw tokens/values and source shard; if they are corrupt, drop them and "
                 "re-run this step")
+        if site == "embedding":  # the lookup's output: the table's rows are parameters
+            what += ("; if their ids are in range, the rows of the embedding table these ids select (a non-finite "
+                     "or huge row reads here like a corrupt sample)")
+        return what
     if metric == "masked_rows":
         return (f"the attention mask at {L}: a query row with every key masked makes softmax 0/0 = NaN; check "
                 "padding and sequence packing (a row of padding queries), or mask with a finite value")
@@ -271,8 +275,12 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
         return (f"the gradient of {L} ({site}) while the forward and the loss were in range: the backward itself "
                 "(gradient accumulation and its scaling, zero_grad, a hook that edits gradients)")
     if stage == "update":
-        return (f"the optimizer's param group for {L} ({site}): its learning rate at this step (scheduler, warmup, a "
+        what = (f"the optimizer's param group for {L} ({site}): its learning rate at this step (scheduler, warmup, a "
                 "per-layer multiplier), Adam ε and second-moment state, and any code that writes the parameters")
+        if metric == "nonfinite":  # the gradients were finite when the backward ended
+            what += ("; and code that changes the gradients between backward() and step() (a hook, a loss scaler, "
+                     "clipping, which spreads one non-finite gradient to every group it clips)")
+        return what
     if stage == "norm_output" and metric == "scale_rms":
         return f"the scale γ of {site} in {L}: what wrote it (a checkpoint load, its updates, weight decay)"
     if stage in ("norm_input", "layer_input"):
@@ -504,8 +512,8 @@ class _Detector:
 
     def unusual_inputs(self, explained: set[int]) -> None:
         """Notes for samples whose input statistics (RMS or max |x| at the data stage) sit ``sample_factor`` times
-        above the recent samples' median and far outside their spread, at steps no incident explains: nothing
-        downstream left its range, so it is no incident, but a user should know (a ViT image replaced by noise ×100
+        above the recent samples' median and far outside their spread, at steps no incident explains: no
+        incident, but a user should know (what moved downstream, if anything, is stated) (a ViT image replaced by noise ×100
         while the model was still at chance level: no loss could move)."""
         if not any(r.get("samples") for r in self.records):
             return
@@ -521,9 +529,19 @@ class _Detector:
                     who = f"sample {a.sample_ids[0]}" if len(a.sample_ids or ()) == 1 else f"samples {a.sample_ids}"
                     self.notes[step] = (f"step {step}: {who}: input ({a.site}) {a.metric} up to {_fmt(a.value)}, "
                                         f"×{a.value / a.baseline:.3g} the recent samples' median {_fmt(a.baseline)}, "
-                                        "while nothing downstream left its range: an unusual or corrupt input that "
-                                        "did not hurt this step, not an incident")
+                                        f"{self._downstream(t)}: an unusual or corrupt input, not an incident")
                     break
+
+    def _downstream(self, t: int) -> str:
+        """What the forward did after an unusual input at column ``t``, as the note states it: the series past the
+        data stage that left their range there (a BatchNorm spreads one sample's input over the whole batch), or
+        that none did."""
+        moved = [a for a in self.departures_in(t, t) if a.stage not in ("data", "loss") and a.sample_ids is None]
+        if not moved:
+            return "while nothing downstream left its range"
+        top = max(moved, key=lambda a: a.score)
+        return (f"and {len(moved)} series downstream left their range at this step (the furthest: {top.where()} · "
+                f"{top.evidence})")
 
     def _inputs_out_of_range(self, t: int, ids: list) -> bool:
         """Did any of these samples' own statistics at the data stage leave their range at column ``t``?"""
@@ -620,22 +638,25 @@ class _Detector:
 
     def _step_beyond_recent(self, step_lr: np.ndarray) -> np.ndarray:
         """Per column: may an update spike be called there? Not where the group's largest parameter step (in
-        learning rates) stays below ``update_factor`` times the largest of the ``window`` steps before: an
+        learning rates) stays below ``update_factor`` times the largest of every recorded step before: an
         adaptive optimizer moves each parameter by at most a few learning rates (Adam ≈ 3.2 with its default
         betas, sign methods 1), and its update RMS can grow ×5 in a few steps while no parameter moves further
         than before, as its directions align (seen on a ViT at the end of warm-up); a step that moves a parameter
-        several times further than any recent one is not that. True where the step was not recorded."""
+        several times further than any before it is not that. Not only the recent steps: a group whose gradients
+        were near zero for a while moves its parameters a small fraction of a learning rate (Adam's momentum
+        decaying), and the first real gradient after that moves one a normal learning rate again, ×6 the recent
+        steps (a clean OPT run, post-LN). True where the step was not recorded."""
         allowed = np.ones(self.T, bool)
         for t in range(self.T):
-            largest, _ = self._recent_largest(step_lr, t)
+            largest, _ = self._largest_before(step_lr, t)
             if largest is not None and math.isfinite(step_lr[t]):
                 allowed[t] = step_lr[t] >= self.factors["update_spike"] * largest
         return allowed
 
-    def _recent_largest(self, row: np.ndarray, t: int) -> tuple[float | None, int]:
-        """The largest finite value of ``row`` over the ``window`` columns before ``t`` (None if none) and how many
-        there were."""
-        past = row[max(0, t - self.window):t]
+    def _largest_before(self, row: np.ndarray, t: int) -> tuple[float | None, int]:
+        """The largest finite value of ``row`` over the columns before ``t`` (None if none) and how many there
+        were."""
+        past = row[:t]
         past = past[np.isfinite(past)]
         return (float(past.max()) if past.size else None), past.size
 
@@ -686,7 +707,7 @@ class _Detector:
 
     def _step_evidence(self, key: tuple, t: int) -> str:
         step = self._context_row(key, "step_lr")
-        largest, n = self._recent_largest(step, t)
+        largest, n = self._largest_before(step, t)
         if largest is None or not math.isfinite(step[t]):
             return ""
         return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(largest, 1e-300):.3g}"

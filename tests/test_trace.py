@@ -1032,3 +1032,34 @@ def test_the_next_check_names_what_can_write_behind_the_tracers_back(tmp_path):
         else:
             assert (a.step, a.stage, a.site, a.metric) == (fault_at, "data", "embedding", "nonfinite"), a
             assert "rows of the embedding table" in a.next_check
+
+
+def test_keys_a_finite_mask_puts_out_of_the_softmax_are_masked_on_every_path(monkeypatch):
+    """Swin masks its shifted windows by adding -100: those keys have weight 0 in float32 (more than 87 below
+    their row's largest logit), so they are masked keys, not logits of magnitude 100 (every clean Swin run was
+    reported past the danger level of 30, and a ×30 head there went unseen). Eager softmax and SDPA with that
+    float mask, on the numba kernels and on torch's path, all give the unmasked keys' max |logit|; a key far
+    below the others for its own reasons (no mask) is treated alike, and a row with an infinity keeps every key."""
+    from normscope.tracing import attention, fused
+
+    g = torch.Generator().manual_seed(0)
+    n, h, t, d = 2, 3, 9, 8
+    q, k, v = (torch.randn(n, h, t, d, generator=g) for _ in range(3))
+    mask = torch.zeros(t, t)
+    mask[:, 5:] = -100.0
+    logits = q @ k.transpose(-1, -2) / math.sqrt(d)
+    want = logits[..., :5].abs().amax(dim=(0, 2, 3)).tolist()
+    paths = {"eager": lambda: attention.eager_logit_stats(logits + mask),
+             "sdpa": lambda: attention.Group().stats(attention.SdpaCall((q, k, v), {"attn_mask": mask}))}
+    for name, run in paths.items():
+        got = run()["max_logit"]
+        assert got == pytest.approx(want, rel=1e-5), name
+        with monkeypatch.context() as mp:  # torch's path
+            mp.setattr(fused, "logits_summary", lambda *a, **kw: None)
+            mp.setattr(fused, "attention_summary", lambda *a, **kw: None)
+            assert run()["max_logit"] == pytest.approx(want, rel=1e-5), name
+    assert max(want) < 10  # the -100 keys would have read ~100
+    overflow = logits.clone()
+    overflow[0, 1, 2, 3] = math.inf
+    assert attention.eager_logit_stats(overflow)["max_logit"][1] == math.inf or \
+        attention.eager_logit_stats(overflow)["nonfinite"] > 0

@@ -138,7 +138,10 @@ class Group:
                 return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
                         "nonfinite_heads": [0] * q.shape[1]}
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
-        return logit_stats(logits, self.mask[0], owned=True)
+        masked = self.mask[0]
+        if self.mask[1] is not None:  # a finite bias may put keys below the softmax's span
+            masked = masked | below_softmax_span(logits, masked)
+        return logit_stats(logits, masked, owned=True)
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
@@ -210,10 +213,20 @@ def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False)
 
 def eager_logit_stats(logits: torch.Tensor) -> dict:
     """The statistics of logits an eager softmax is given: entries at or below half the dtype's lowest value (the
-    ``-inf`` or ``finfo.min`` a mask fills in) are masked. On the CPU with numba, float32 logits are read once per
+    ``-inf`` or ``finfo.min`` a mask fills in) are masked, and so are those more than ``fused.SOFTMAX_SPAN`` below their
+    row's largest (a finite additive mask: their weight is 0). On the CPU with numba, float32 logits are read once per
     row by one kernel (:func:`.fused.logits_summary`); elsewhere, or when a logit is not finite, torch's path."""
     if logits.dim() == 4 and logits.dtype == torch.float32:
         got = fused.logits_summary(logits.detach(), max(1, logits.shape[2] // ENTROPY_ROWS))
         if got is not None:
             return got
-    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)
+    masked = logits.detach() <= torch.finfo(logits.dtype).min / 2
+    return logit_stats(logits, masked | below_softmax_span(logits.detach(), masked))
+
+
+def below_softmax_span(logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """The keys more than ``fused.SOFTMAX_SPAN`` below their row's largest unmasked logit: weight 0 in float32, so not
+    taking part in the softmax (a finite additive mask such as Swin's -100 puts its keys there; NaN compares false and
+    stays; a row whose largest logit is not finite keeps every key)."""
+    top = logits.float().masked_fill(masked, -math.inf).amax(-1, keepdim=True)
+    return torch.isfinite(top) & (logits.float() < top - fused.SOFTMAX_SPAN)  # a row with an infinity: as it is

@@ -24,6 +24,9 @@ import torch
 from ..numba_threads import launch, load, matched, parallel_allowed
 
 INF_BITS = 0x7F800000
+#: how far below its row's largest logit a key still takes part in a softmax: exp(-87.3) is float32's smallest
+#: normal number, and below it a key's weight is 0 (a finite additive mask such as Swin's -100 puts its keys there)
+SOFTMAX_SPAN = 87.0
 class _Kernels:
     """The compiled kernels, each run through :func:`normscope.numba_threads.launch` (its parallel or serial build,
     on torch's thread count)."""
@@ -238,7 +241,8 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
 
 def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
     """Per head of the (N, H, Tq, Tk) logits an eager softmax is given, in one read of each row: max |logit| over the
-    entries above half the dtype's lowest value (the others are masked), fully masked query rows, and the softmax
+    entries above half the dtype's lowest value and within ``SOFTMAX_SPAN`` of their row's largest (the others are
+    masked), fully masked query rows, and the softmax
     entropy summed over every ``stride``-th query row with an unmasked key and their number (float64 sums of float32
     terms). CPU float32 logits with a contiguous last dimension only; None where this path does not apply or a logit
     is not finite (the caller's exact path)."""

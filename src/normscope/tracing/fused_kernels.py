@@ -14,6 +14,8 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from . import fused
+
 # reassociation lets the sums vectorise; no "nnan"/"ninf": a NaN or an infinity still reaches the results
 _FAST = {"reassoc", "contract", "nsz"}
 _ABS = np.int32(0x7FFFFFFF)
@@ -147,6 +149,7 @@ _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 in two parts: t * _LN2_HI is exact for the |t| < 127 used here
 _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_LOW = np.float32(-87.0)  # exp below this is under float32's normal range: taken as exp(-87) ~ 1.6e-38
+SOFTMAX_SPAN = np.float32(fused.SOFTMAX_SPAN)  # a key further below its row's largest logit takes no part
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
@@ -245,23 +248,28 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
                 row[j] += brow[j]
         sample = i % stride == 0
         top = np.float32(-np.inf)
+        # a key more than SOFTMAX_SPAN below the row's largest logit has weight 0 in float32 and takes no part (a
+        # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
         if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
             for j in range(end):
-                m = max(m, bits[j] & _ABS)
+                top = max(top, row[j])
+            floor = top - SOFTMAX_SPAN
+            for j in range(end):
+                m = max(m, (bits[j] & _ABS) * (np.int32(0) if row[j] < floor else np.int32(1)))
             if not sample:
                 continue
-            for j in range(end):
-                top = max(top, row[j])
             _exp_shifted(row, top, ex, end)
         else:
             mrow = masked[ma, mb, mi]  # the key at end - 1 is unmasked: the row has a live key
             for j in range(end):
-                m = max(m, (bits[j] & _ABS) * (np.int32(1) - np.int32(mrow[j])))  # a masked entry (even NaN): 0
-            if not sample:
-                continue
-            for j in range(end):
                 if mrow[j] == 0:
                     top = max(top, row[j])
+            floor = top - SOFTMAX_SPAN
+            for j in range(end):  # a masked entry (even NaN): 0
+                m = max(m, (bits[j] & _ABS) * (np.int32(1) - np.int32(mrow[j]))
+                        * (np.int32(0) if row[j] < floor else np.int32(1)))
+            if not sample:
+                continue
             for j in range(end):  # a masked key's logit (any value, inf or NaN) replaced: weight 0 below
                 row[j] = row[j] if mrow[j] == 0 else top
             _exp_shifted(row, top, ex, end)
@@ -301,7 +309,8 @@ def _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows):  # pragma: 
 def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
                  entropy_rows):  # pragma: no cover - compiled
     """One (sample, head) of :func:`logits_summary_serial`: its rows of given logits read once each; an entry at
-    or below ``lowest`` is masked (the ``-inf`` or ``finfo.min`` a mask fills in; NaN is not masked)."""
+    or below ``lowest`` is masked (the ``-inf`` or ``finfo.min`` a mask fills in; NaN is not masked), and so is one
+    more than ``SOFTMAX_SPAN`` below its row's largest unmasked logit."""
     h, tq, tk = dims[1], dims[2], dims[3]
     a, b = u // h, u % h
     buf = np.empty(tk, np.float32)
@@ -321,16 +330,21 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
             k = np.float32(0.0) if v <= lowest else np.float32(1.0)
             keep[j] = k
             live += k
-        for j in range(tk):
-            m = max(m, (bits[j] & _ABS) * np.int32(keep[j]))  # a masked entry: 0
         if live == 0:
             full += 1
-            continue
-        if i % stride != 0:
             continue
         top = np.float32(-np.inf)
         for j in range(tk):
             top = max(top, buf[j] if keep[j] > 0 else np.float32(-np.inf))
+        # a key more than SOFTMAX_SPAN below the row's largest logit has weight 0 in float32: masked (a finite
+        # additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
+        floor = top - SOFTMAX_SPAN
+        for j in range(tk):
+            keep[j] = np.float32(0.0) if buf[j] < floor else keep[j]
+        for j in range(tk):
+            m = max(m, (bits[j] & _ABS) * np.int32(keep[j]))  # a masked entry: 0
+        if i % stride != 0:
+            continue
         for j in range(tk):  # a masked key's logit replaced: weight 0 below
             buf[j] = buf[j] if keep[j] > 0 else top
         _exp_shifted(buf, top, ex, tk)

@@ -436,7 +436,7 @@ def _sdpa_stats(args, kwargs) -> dict:
     from normscope.tracing import attention
 
     logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
-    return attention.logit_stats(logits, masked, owned=True)
+    return attention.logit_stats(logits, masked | attention.below_softmax_span(logits, masked), owned=True)
 
 
 def test_fused_statistics_match_brute_force():
@@ -575,7 +575,7 @@ def test_eager_softmax_kernel_matches_torchs_path(fill):
 def test_logit_entropy_exact_and_float_masks():
     """The entropy equals -Σ p log p on the sampled rows; fill values of float masks (finfo.min, -10000) are masked
     keys, not logits of magnitude 3e38."""
-    from normscope.tracing import attention
+    from normscope.tracing import attention, fused
 
     torch.manual_seed(0)
     b, h, t, d = 3, 4, 64, 8
@@ -595,7 +595,11 @@ def test_logit_entropy_exact_and_float_masks():
         want = (-torch.special.xlogy(p, p).sum(-1)).masked_fill(~live, 0).sum(dim=(0, 2))
         assert st["entropy_sum"] == pytest.approx(want.tolist(), rel=1e-4)
         assert st["entropy_rows"] == live.sum(dim=(0, 2)).tolist()
-        assert st["max_logit"] == pytest.approx(full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3)).tolist(), rel=1e-5)
+        # a key more than SOFTMAX_SPAN below its row's largest logit takes no part (weight < 1e-13 of the largest)
+        top = full.masked_fill(m, -math.inf).amax(-1, keepdim=True)
+        counted = ~m & (full >= top - fused.SOFTMAX_SPAN)
+        assert st["max_logit"] == pytest.approx(full.masked_fill(~counted, 0).abs().amax(dim=(0, 2, 3)).tolist(),
+                                                rel=1e-5)
 
 
 def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp_path):
@@ -1035,11 +1039,12 @@ def test_the_next_check_names_what_can_write_behind_the_tracers_back(tmp_path):
 
 
 def test_keys_a_finite_mask_puts_out_of_the_softmax_are_masked_on_every_path(monkeypatch):
-    """Swin masks its shifted windows by adding -100: those keys have weight 0 in float32 (more than 87 below
-    their row's largest logit), so they are masked keys, not logits of magnitude 100 (every clean Swin run was
+    """Swin masks its shifted windows by adding -100: those keys' weights are nothing to the softmax (more than 30
+    below their row's largest logit), so they are masked keys, not logits of magnitude 100 (every clean Swin run was
     reported past the danger level of 30, and a ×30 head there went unseen). Eager softmax and SDPA with that
-    float mask, on the numba kernels and on torch's path, all give the unmasked keys' max |logit|; a key far
-    below the others for its own reasons (no mask) is treated alike, and a row with an infinity keeps every key."""
+    float mask, on the numba kernels and on torch's path, all give the unmasked keys' max |logit|, also where a
+    masked key's own logit sits 20 above the row's largest (a span of 87 let it back in: a clean Swin run's max logit
+    jumped 8.5 → 93); a row with an infinity keeps every key."""
     from normscope.tracing import attention, fused
 
     g = torch.Generator().manual_seed(0)
@@ -1047,7 +1052,9 @@ def test_keys_a_finite_mask_puts_out_of_the_softmax_are_masked_on_every_path(mon
     q, k, v = (torch.randn(n, h, t, d, generator=g) for _ in range(3))
     mask = torch.zeros(t, t)
     mask[:, 5:] = -100.0
+    k[1, 2, 7] = 12 * q[1, 2, 4] / q[1, 2, 4].norm()  # query 4's masked key 7: its own logit ~34 (scale 1/√8)
     logits = q @ k.transpose(-1, -2) / math.sqrt(d)
+    assert logits[1, 2, 4, 7] > logits[1, 2, 4, :5].max() + 20
     want = logits[..., :5].abs().amax(dim=(0, 2, 3)).tolist()
     paths = {"eager": lambda: attention.eager_logit_stats(logits + mask),
              "sdpa": lambda: attention.Group().stats(attention.SdpaCall((q, k, v), {"attn_mask": mask}))}

@@ -138,10 +138,7 @@ class Group:
                 return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
                         "nonfinite_heads": [0] * q.shape[1]}
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
-        masked = self.mask[0]
-        if self.mask[1] is not None:  # a finite bias may put keys below the softmax's span
-            masked = masked | below_softmax_span(logits, masked)
-        return logit_stats(logits, masked, owned=True)
+        return logit_stats(logits, self.mask[0] | below_softmax_span(logits, self.mask[0]), owned=True)
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
@@ -225,8 +222,8 @@ def eager_logit_stats(logits: torch.Tensor) -> dict:
 
 
 def below_softmax_span(logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """The keys more than ``fused.SOFTMAX_SPAN`` below their row's largest unmasked logit: weight 0 in float32, so not
-    taking part in the softmax (a finite additive mask such as Swin's -100 puts its keys there; NaN compares false and
+    """The keys more than ``fused.SOFTMAX_SPAN`` below their row's largest unmasked logit: a weight under 1e-13 of the
+    largest's, nothing to the softmax (a finite additive mask such as Swin's -100 puts its keys there; NaN compares false and
     stays; a row whose largest logit is not finite keeps every key)."""
     top = logits.float().masked_fill(masked, -math.inf).amax(-1, keepdim=True)
     return torch.isfinite(top) & (logits.float() < top - fused.SOFTMAX_SPAN)  # a row with an infinity: as it is

@@ -24,9 +24,12 @@ import torch
 from ..numba_threads import launch, load, matched, parallel_allowed
 
 INF_BITS = 0x7F800000
-#: how far below its row's largest logit a key still takes part in a softmax: exp(-87.3) is float32's smallest
-#: normal number, and below it a key's weight is 0 (a finite additive mask such as Swin's -100 puts its keys there)
-SOFTMAX_SPAN = 87.0
+#: how far below its row's largest logit a key still counts in a softmax: further below, its weight is under 1e-13
+#: of the largest key's, nothing to a float32 sum that resolves 6e-8. A finite additive mask (Swin's -100) puts its
+#: keys there; with the span at 87 (float32's underflow) a masked key whose own logit sat 13 above the row's largest
+#: came back within it, and a clean Swin run's max logit jumped 8.5 → 93 in one step; at 30 that takes a spread of
+#: 70, past the danger level already
+SOFTMAX_SPAN = 30.0
 class _Kernels:
     """The compiled kernels, each run through :func:`normscope.numba_threads.launch` (its parallel or serial build,
     on torch's thread count)."""

@@ -248,7 +248,7 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
                 row[j] += brow[j]
         sample = i % stride == 0
         top = np.float32(-np.inf)
-        # a key more than SOFTMAX_SPAN below the row's largest logit has weight 0 in float32 and takes no part (a
+        # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a
         # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
         if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
             for j in range(end):
@@ -336,7 +336,7 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
         top = np.float32(-np.inf)
         for j in range(tk):
             top = max(top, buf[j] if keep[j] > 0 else np.float32(-np.inf))
-        # a key more than SOFTMAX_SPAN below the row's largest logit has weight 0 in float32: masked (a finite
+        # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a finite
         # additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
         floor = top - SOFTMAX_SPAN
         for j in range(tk):

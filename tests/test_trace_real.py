@@ -166,7 +166,7 @@ def test_a_note_on_an_unusual_input_says_what_moved_downstream(tmp_path):
     d = diagnose(tmp_path)
     assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
     assert len(d.notes) == 1 and d.notes[0].startswith(f"step 30: sample {int(idx_at(tmp_path, 30)[3])}: input")
-    assert "series downstream left their range at this step (the furthest: " in d.notes[0], d.notes
+    assert "series downstream left their range at this step (the furthest out of its range: " in d.notes[0], d.notes
     assert "nothing downstream" not in d.notes[0]
 
 

@@ -540,8 +540,8 @@ class _Detector:
         if not moved:
             return "while nothing downstream left its range"
         top = max(moved, key=lambda a: a.score)
-        return (f"and {len(moved)} series downstream left their range at this step (the furthest: {top.where()} · "
-                f"{top.evidence})")
+        return (f"and {len(moved)} series downstream left their range at this step (the furthest out of its range: "
+                f"{top.where()} · {top.evidence})")
 
     def _inputs_out_of_range(self, t: int, ids: list) -> bool:
         """Did any of these samples' own statistics at the data stage leave their range at column ``t``?"""

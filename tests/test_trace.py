@@ -436,7 +436,7 @@ def _sdpa_stats(args, kwargs) -> dict:
     from normscope.tracing import attention
 
     logits, (masked, _) = attention.sdpa_logits(attention.SdpaCall(args, kwargs))
-    return attention.logit_stats(logits, masked | attention.below_softmax_span(logits, masked), owned=True)
+    return attention.logit_stats(logits, masked, owned=True)
 
 
 def test_fused_statistics_match_brute_force():

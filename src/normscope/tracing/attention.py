@@ -138,7 +138,7 @@ class Group:
                 return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
                         "nonfinite_heads": [0] * q.shape[1]}
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
-        return logit_stats(logits, self.mask[0] | below_softmax_span(logits, self.mask[0]), owned=True)
+        return logit_stats(logits, self.mask[0], owned=True)
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
@@ -158,10 +158,10 @@ def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):
 
 def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:
     """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows,
-    non-finite entries — torch's path.
+    non-finite entries — torch's path. A key more than ``fused.SOFTMAX_SPAN`` below its row's largest unmasked logit
+    counts as masked (:func:`below_softmax_span`), as on the numba kernels' paths.
 
-    ``masked`` need only broadcast to ``logits``; it is kept in its own (often ``(query, key)``) shape, so a causal
-    or padding mask costs no full-size pass of its own. The maximum and the masked rows cover every query row; the
+    ``masked`` need only broadcast to ``logits``. The maximum and the masked rows cover every query row; the
     entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
     its cost on long sequences. ``owned``: the logits are the tracer's own copy and may be overwritten.
     """
@@ -176,6 +176,7 @@ def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False)
         m = m.reshape(1, *m.shape[-3:])
     else:
         m = m.expand(*logits.shape[:-3] if logits.dim() >= 3 else (), *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+    m = m | below_softmax_span(lg, m)  # before ``owned`` logits are overwritten below
     heads, tq = lg.shape[1], lg.shape[2]
     # masked entries zeroed by a product with the small keep-mask (a broadcast masked_fill/where is 5-10x slower);
     # exact while the logits are finite; otherwise (inf * 0 is NaN) the exact where-path below takes over
@@ -217,8 +218,7 @@ def eager_logit_stats(logits: torch.Tensor) -> dict:
         got = fused.logits_summary(logits.detach(), max(1, logits.shape[2] // ENTROPY_ROWS))
         if got is not None:
             return got
-    masked = logits.detach() <= torch.finfo(logits.dtype).min / 2
-    return logit_stats(logits, masked | below_softmax_span(logits.detach(), masked))
+    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)
 
 
 def below_softmax_span(logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

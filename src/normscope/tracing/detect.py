@@ -378,6 +378,16 @@ def _group(key: tuple | None) -> str:
     return f"layer {key[1]} ({key[2]})" if key[1] is not None else key[2]
 
 
+def _largest_before(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column t: the largest finite value of ``row`` over the columns before t (-inf where none) and how many
+    finite values there were — running values, one pass for a whole run."""
+    finite = np.isfinite(row)
+    running = np.maximum.accumulate(np.where(finite, row, -np.inf)) if row.size else row
+    largest = np.concatenate(([-np.inf], running[:-1]))[:row.size]
+    count = np.concatenate(([0], np.cumsum(finite)[:-1]))[:row.size]
+    return largest, count
+
+
 class _Detector:
     def __init__(self, records, *, window, min_history, z, lookback, floor, false_alarms, lr_jump, grad_factor,
                  update_factor, sample_factor, dangers=None):
@@ -513,8 +523,8 @@ class _Detector:
     def unusual_inputs(self, explained: set[int]) -> None:
         """Notes for samples whose input statistics (RMS or max |x| at the data stage) sit ``sample_factor`` times
         above the recent samples' median and far outside their spread, at steps no incident explains: no
-        incident, but a user should know (what moved downstream, if anything, is stated) (a ViT image replaced by noise ×100
-        while the model was still at chance level: no loss could move)."""
+        incident, but a user should know (a ViT image replaced by noise ×100 while the model was still at chance
+        level: no loss could move). Each note also says what moved downstream at its step."""
         if not any(r.get("samples") for r in self.records):
             return
         self.scores()
@@ -646,19 +656,11 @@ class _Detector:
         were near zero for a while moves its parameters a small fraction of a learning rate (Adam's momentum
         decaying), and the first real gradient after that moves one a normal learning rate again, ×6 the recent
         steps (a clean OPT run, post-LN). True where the step was not recorded."""
+        largest, count = _largest_before(step_lr)
+        judged = (count > 0) & np.isfinite(step_lr)
         allowed = np.ones(self.T, bool)
-        for t in range(self.T):
-            largest, _ = self._largest_before(step_lr, t)
-            if largest is not None and math.isfinite(step_lr[t]):
-                allowed[t] = step_lr[t] >= self.factors["update_spike"] * largest
+        allowed[judged] = step_lr[judged] >= self.factors["update_spike"] * largest[judged]
         return allowed
-
-    def _largest_before(self, row: np.ndarray, t: int) -> tuple[float | None, int]:
-        """The largest finite value of ``row`` over the columns before ``t`` (None if none) and how many there
-        were."""
-        past = row[:t]
-        past = past[np.isfinite(past)]
-        return (float(past.max()) if past.size else None), past.size
 
     def _lr_jumps(self, key, lr, ratio) -> list[_Trigger]:
         out = []
@@ -707,11 +709,11 @@ class _Detector:
 
     def _step_evidence(self, key: tuple, t: int) -> str:
         step = self._context_row(key, "step_lr")
-        largest, n = self._largest_before(step, t)
-        if largest is None or not math.isfinite(step[t]):
+        largest, count = _largest_before(step)
+        if not count[t] or not math.isfinite(step[t]):
             return ""
-        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(largest, 1e-300):.3g}"
-                f" the largest of the {n} steps before")
+        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(largest[t], 1e-300):.3g}"
+                f" the largest of the {count[t]} steps before")
 
     def _sample_nonfinite(self, t: int) -> set[int]:
         """The samples (batch indices) of column ``t`` that hold a non-finite value, whatever holds it."""

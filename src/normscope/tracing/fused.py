@@ -245,10 +245,9 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
 def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
     """Per head of the (N, H, Tq, Tk) logits an eager softmax is given, in one read of each row: max |logit| over the
     entries above half the dtype's lowest value and within ``SOFTMAX_SPAN`` of their row's largest (the others are
-    masked), fully masked query rows, and the softmax
-    entropy summed over every ``stride``-th query row with an unmasked key and their number (float64 sums of float32
-    terms). CPU float32 logits with a contiguous last dimension only; None where this path does not apply or a logit
-    is not finite (the caller's exact path)."""
+    masked), fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an
+    unmasked key and their number (float64 sums of float32 terms). CPU float32 logits with a contiguous last
+    dimension only; None where this path does not apply or a logit is not finite (the caller's exact path)."""
     kern = _kernels()
     if (kern is None or logits.dim() != 4 or logits.shape[3] == 0 or logits.shape[2] == 0
             or _extent(logits, False) is None):

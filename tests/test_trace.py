@@ -519,6 +519,81 @@ def test_statistics_are_those_of_the_values_at_the_add(tmp_path, caplog, hidden)
     assert not tr.disabled
 
 
+class _Head(torch.nn.Module):
+    def __init__(self, d: int, hd: int):
+        super().__init__()
+        self.qkv = torch.nn.Linear(d, 3 * hd)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = (q @ k.transpose(-2, -1)).unsqueeze(1) / math.sqrt(q.shape[-1])
+        keep = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return F.softmax(att.masked_fill(~keep, float("-inf")), dim=-1).squeeze(1) @ v
+
+
+class _SublayerConnection(torch.nn.Module):
+    """x + sublayer(norm(x)), the sublayer given at the call (the annotated Transformer's wrapper)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x, sublayer):
+        return x + sublayer(self.norm(x))
+
+
+class _ListsBlock(torch.nn.Module):
+    """A block whose attention is a list of heads (not residual blocks) and whose two residual adds are made by a
+    list of sublayer wrappers."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = torch.nn.ModuleList(_Head(d, d // heads) for _ in range(heads))
+        self.proj = torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+        self.sublayer = torch.nn.ModuleList(_SublayerConnection(d) for _ in range(2))
+        self.ln = torch.nn.LayerNorm(d)
+
+    def attend(self, x):
+        return self.proj(torch.cat([h(x) for h in self.heads], dim=-1))
+
+    def forward(self, x, wrapped: bool):
+        if wrapped:
+            x = self.sublayer[0](x, self.attend)
+            return self.sublayer[1](x, self.mlp)
+        x = x + self.attend(self.ln(x))
+        return x + self.mlp(self.ln(x))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_lists_inside_a_block_scope_its_adds_by_what_they_do(tmp_path, wrapped):
+    """Lists of modules inside a block are scopes of the stream only where they add their own input: a list of
+    attention heads is not (the add after it is the block's, and it is attention's), a list of ``x + f(norm x)``
+    wrappers is (each add named by its wrapper)."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(_ListsBlock() for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x, wrapped)
+            return x
+
+    torch.manual_seed(0)
+    model = Model()
+    with trace(model, tmp_path) as tr:
+        model(torch.randn(2, 8, 32)).pow(2).mean().backward()
+        tr.step(0)
+    entries = read_run(tmp_path).records[0]["entries"]
+    sites = {(e["layer"], e["site"]) for e in entries if e["stage"] == "sublayer_output"}
+    parts = ("sublayer.0.attn", "sublayer.1.mlp") if wrapped else ("attn", "mlp")
+    assert sites == {(layer, part) for layer in (0, 1) for part in parts}
+    heads = {(e["layer"], e["site"]) for e in entries if e["stage"] == "attention_logits"}
+    assert heads == {(layer, site) for layer in (0, 1) for site in ("", "#1", "#2", "#3")}
+    assert not tr.errors
+
+
 def test_update_statistics_match_the_parameter_change(tmp_path):
     torch.manual_seed(0)
     model = GPT()

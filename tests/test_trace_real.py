@@ -278,6 +278,56 @@ def test_a_residual_add_on_a_flattened_stream_is_found(tmp_path, before):
     assert sites == {(0, "attn"), (0, "mlp"), (1, "attn"), (1, "mlp")}
 
 
+def _stage_model(arch: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if arch == "resnet":  # basic blocks; stage 1 starts with a strided block whose shortcut is a projection
+        cfg = tf.ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[2, 3],
+                              layer_type="basic", num_labels=10)
+        return tf.ResNetForImageClassification(cfg), lambda m, i, j: m.resnet.encoder.stages[i].layers[j].layer
+    cfg = tf.ConvNextConfig(num_channels=1, hidden_sizes=[8, 16], depths=[2, 2], num_stages=2, image_size=16,
+                            num_labels=10, layer_scale_init_value=1.0)
+    return tf.ConvNextForImageClassification(cfg), lambda m, i, j: m.convnext.encoder.stages[i].layers[j].pwconv2
+
+
+def _stage_sites(run_dir, stage: str) -> list[dict]:
+    return [{(e["layer"], e["site"]): math.sqrt(e["sumsq"] / e["n"]) for e in rec["entries"] if e["stage"] == stage}
+            for rec in read_run(run_dir).records]
+
+
+@pytest.mark.parametrize("arch", ["resnet", "convnext"])
+def test_residual_blocks_inside_a_stage_are_found(tmp_path, arch):
+    """ResNet's and ConvNeXt's blocks are stages holding their residual blocks in a list, and the stage changes the
+    stream before or between them (a downsampling layer; a ReLU after each add). Each residual block's add is
+    found under its stage's layer, its site named by the block inside the stage; ResNet adds its shortcut into
+    the branch in place (``out += shortcut``), and the branch is recorded before the add overwrites it. A ×1000
+    branch at step 1 shows at its own site, and the sites before it are unchanged."""
+    model, branch_of = _stage_model(arch)
+    x = R.digits(16)[0][:8]
+    seen = {}
+    watch = branch_of(model, 1, 1)
+    watch.register_forward_hook(lambda m, a, out: seen.__setitem__("rms", float(out.detach().pow(2).mean().sqrt())))
+    with trace(model.train(), tmp_path) as tr:
+        for step in range(2):
+            hook = watch.register_forward_hook(lambda m, a, out: out * 1000.0) if step == 1 else None
+            model(pixel_values=x).logits.sum().backward()
+            if hook is not None:
+                hook.remove()
+            tr.step(step, loss=1.0)
+    branch, total = _stage_sites(tmp_path, "sublayer_output"), _stage_sites(tmp_path, "residual_sum")
+    if arch == "resnet":  # stage 1's first block projects its shortcut: not an add of its input
+        expected = {(0, "layers.0.mlp"), (0, "layers.1.mlp"), (1, "layers.1.mlp"), (1, "layers.2.mlp")}
+    else:
+        expected = {(0, "layers.0.mlp"), (0, "layers.1.mlp"), (1, "layers.0.mlp"), (1, "layers.1.mlp")}
+    assert set(branch[0]) == set(total[0]) == expected
+    assert branch[0][(1, "layers.1.mlp")] == pytest.approx(seen["rms"], rel=1e-4)  # the branch, not the sum
+    assert total[0][(1, "layers.1.mlp")] != pytest.approx(branch[0][(1, "layers.1.mlp")], rel=1e-2)
+    assert branch[1][(1, "layers.1.mlp")] > 100 * branch[0][(1, "layers.1.mlp")]
+    for site in (s for s in expected if s < (1, "layers.1.mlp")):  # the blocks before it
+        assert branch[1][site] == pytest.approx(branch[0][site], rel=1e-4), site
+
+
 def _edit_record(run_dir, step: int, edit) -> None:
     path = run_dir / "trace.jsonl"
     lines = path.read_text().splitlines()

@@ -368,22 +368,31 @@ CASES = {
 VIT_STEPS, VIT_LR, VIT_WARMUP = 150, 3e-3, 16
 
 
+@functools.cache
+def digits(size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's handwritten digits as (images (N, 1, size, size), standardised; labels), resized from 8×8."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = (torch.tensor(d.images, dtype=torch.float32)[:, None] / 16.0 - 0.3) / 0.4
+    if size != 8:
+        images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    return images, torch.tensor(d.target)
+
+
 def vit_digits(run_dir: str | os.PathLike, seed: int = 0,
                fault: Callable[[int, nn.Module, torch.Tensor], None] | None = None, steps: int = VIT_STEPS):
     """A 2-layer ViT (patches of 2×2 pixels, width 64, dropout 0.1) trained on scikit-learn's digits for
     ``steps`` steps of 8 images with pixel noise, AdamW at ``VIT_LR`` after a linear warm-up.
     ``fault(step, model, images)`` runs before each step's forward and may change the model or the batch in place.
     Returns the tracer."""
-    from sklearn.datasets import load_digits
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(seed)
     model = ViTForImageClassification(ViTConfig(
         image_size=8, patch_size=2, num_channels=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, num_labels=10)).train()
-    digits = load_digits()
-    images = (torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0 - 0.3) / 0.4
-    labels = torch.tensor(digits.target)
+    images, labels = digits()
     opt = torch.optim.AdamW(model.parameters(), lr=VIT_LR, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / VIT_WARMUP))
     g = torch.Generator().manual_seed(2000 + seed)

@@ -1,6 +1,7 @@
 """What the tracer hooks in a model, found without changing it: the blocks (the repeated elements of a
-``ModuleList``/``Sequential``, outermost only, or the modules the user names), the norms (the scan's class
-discovery) and the parameter groups (a block's child module; outside the blocks, the module itself)."""
+``ModuleList``/``Sequential``, outermost only, or the modules the user names), the repeated elements nested inside
+a block (a stage's residual blocks: ResNet, ConvNeXt, Swin), the norms (the scan's class discovery) and the
+parameter groups (a block's child module; outside the blocks, the module itself)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class Layout:
     params: list[torch.nn.Parameter]
     prefixes: list[tuple[str, int]]  # ("block.name.", layer), longest first
     scale_offsets: dict[int, float] = dataclasses.field(default_factory=dict)  # id(norm) -> c: it scales by c + w
+    # id(module) -> (layer, its name inside the block): the repeated elements of a list inside a block
+    nested: dict[int, tuple[int, str]] = dataclasses.field(default_factory=dict)
 
     def locate(self, name: str) -> tuple[int | None, str]:
         """(block index, name inside the block) of a module path; (None, full path) outside the blocks."""
@@ -58,12 +61,27 @@ def _blocks(model: torch.nn.Module, layers, names: dict[int, str]) -> list[torch
     return [m for m in model.modules() if id(m) in found and id(m) not in inner]
 
 
+def _nested(model: torch.nn.Module, mods: list[torch.nn.Module]) -> dict[int, tuple[int, str]]:
+    """The repeated elements of the lists inside each block, by (layer, name inside the block). Whether one is a
+    residual block of its own is seen in the forward (an add of its own input); each such call is then the stream's
+    scope for the adds inside it, since the stage around it may change the stream before it (a downsampling
+    layer, a ReLU after each add) or between its elements."""
+    found = block_modules(model)
+    chosen = {id(m) for m in mods}
+    out: dict[int, tuple[int, str]] = {}
+    for i, block in enumerate(mods):
+        for name, sub in block.named_modules():
+            if sub is not block and id(sub) in found and id(sub) not in chosen:
+                out.setdefault(id(sub), (i, name))
+    return out
+
+
 def discover(model: torch.nn.Module, layers=None) -> Layout:
     names = {id(m): n for n, m in model.named_modules()}
     mods = _blocks(model, layers, names)
     prefixes = sorted(((names[id(m)] + ".", i) for i, m in enumerate(mods)), key=lambda p: -len(p[0]))
     layout = Layout({id(m): i for i, m in enumerate(mods)}, [names[id(m)] for m in mods], {}, {}, [],
-                    list(model.parameters()), prefixes)
+                    list(model.parameters()), prefixes, nested=_nested(model, mods))
     for n, m in model.named_modules():
         if m is not model and known_class(m):
             layout.norms[id(m)] = layout.locate(n)

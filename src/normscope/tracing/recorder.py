@@ -93,10 +93,14 @@ class _Mode(TorchFunctionMode):
             out = func(*args, **kwargs)
             tr._guard("data", tr._embedding, out)
             return out
-        out = func(*args, **kwargs)
         if name in ADDS and tr._streams and "residual" not in tr.disabled:
-            tr._guard("residual", tr._residual, args, out)
-        elif name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
+            add = tr._guard("residual", tr._residual_before, name, args)
+            out = func(*args, **kwargs)
+            if add is not None:
+                tr._guard("residual", tr._residual_after, add, out)
+            return out
+        out = func(*args, **kwargs)
+        if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
             tr._follow(args[0], out)
         return out
 
@@ -184,7 +188,7 @@ class Tracer:
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._handles.append(root.register_forward_hook(self._root_post, always_call=True))
         for m in root.modules():
-            if id(m) in self.blocks:
+            if id(m) in self.blocks or id(m) in self.layout.nested:
                 self._handles.append(m.register_forward_pre_hook(self._block_pre, with_kwargs=True))
                 self._handles.append(m.register_forward_hook(self._block_post, always_call=True))
             if id(m) in self.norms:
@@ -325,16 +329,24 @@ class Tracer:
         return None
 
     def _enter_block(self, module, args, kwargs) -> None:
-        layer = self.blocks[id(module)]
+        """A block's call, or a nested element's (a stage's residual block), opens a scope for the stream: the adds
+        of its own input inside it are its residual adds, recorded under the block's layer (a nested element's
+        with its name inside the block as their sites' prefix)."""
+        nested = self.layout.nested.get(id(module))
+        layer, prefix = (self.blocks[id(module)], "") if nested is None else (nested[0], nested[1] + ".")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
-                              "joined": [], "views": []})
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
+                              "joined": [], "views": [], "prefix": prefix, "added": False})
+        if nested is None and isinstance(x, torch.Tensor) and x.is_floating_point():
             self._defer("layer_input", layer, "", x)
 
     def _block_post(self, module, args, output):
         if self._streams and self._streams[-1]["module"] is module:
-            self._streams.pop()
+            s = self._streams.pop()
+            if self._streams and s["prefix"] and not s["added"]:
+                # not a residual block of its own (an attention head of a list of heads, an expert): what ran in
+                # it belongs to the scope around it
+                self._streams[-1]["attn"] |= s["attn"]
         return None
 
     def _layer(self) -> int | None:
@@ -432,10 +444,13 @@ class Tracer:
     def _is_stream(self, s: dict, x) -> bool:
         return x is s["stream"] or x is s["alt"] or any(x is v for v in s["views"])
 
-    def _residual(self, args, out) -> None:
+    def _residual_before(self, name: str, args) -> tuple | None:
+        """Before an add: whether it is a residual add of the current stream (then the branch's statistics are
+        deferred, and taken at once where the add writes into the branch: ResNet's ``out += shortcut``), or two
+        branches joined before they meet the stream. What :meth:`_residual_after` completes, or None."""
         s = self._streams[-1]
-        if len(args) < 2 or not isinstance(out, torch.Tensor):
-            return
+        if len(args) < 2:
+            return None
         a, b = args[0], args[1]
         if self._is_stream(s, a):
             stream, branch = a, b
@@ -445,21 +460,33 @@ class Tracer:
             # two stream-shaped branches summed after attention, before either meets the stream: a parallel block
             # (GPT-J, GPT-NeoX, Phi: x + attn(ln x) + mlp(ln x)), whose residual branch then holds both sublayers
             if (s["attn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                    and isinstance(s["stream"], torch.Tensor) and a.shape == b.shape == out.shape
-                    == s["stream"].shape):
-                s["joined"].append(out)
-            return
+                    and isinstance(s["stream"], torch.Tensor) and a.shape == b.shape == s["stream"].shape):
+                return s, None
+            return None
         if (not isinstance(branch, torch.Tensor) or not isinstance(stream, torch.Tensor)
                 or branch.shape != stream.shape or not branch.is_floating_point()):
-            return
+            return None
         joined = any(branch is j for j in s["joined"])
-        part = ("attn+mlp" if joined else "attn") if s["attn"] else "mlp"
+        part = s["prefix"] + (("attn+mlp" if joined else "attn") if s["attn"] else "mlp")
         k = self._counters.get((s["layer"], part), 0)
         self._counters[(s["layer"], part)] = k + 1
         site = part if k == 0 else f"{part}#{k}"
         self._defer("sublayer_output", s["layer"], site, branch)
+        if branch is a and _writes_in_place(name, args, {}):
+            self.activations.flush()  # the add overwrites the branch
+        return s, site
+
+    def _residual_after(self, add: tuple, out) -> None:
+        s, site = add
+        if not isinstance(out, torch.Tensor):
+            return
+        if site is None:
+            if out.shape == s["stream"].shape:
+                s["joined"].append(out)
+            return
         self._defer("residual_sum", s["layer"], site, out)
         s["stream"], s["alt"], s["attn"], s["joined"], s["views"] = out, None, False, [], []
+        s["added"] = True
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

@@ -328,6 +328,35 @@ def test_residual_blocks_inside_a_stage_are_found(tmp_path, arch):
         assert branch[1][site] == pytest.approx(branch[0][site], rel=1e-4), site
 
 
+def test_windowed_attention_is_recorded_per_head(tmp_path):
+    """Hiera's attention takes its softmax over (batch, heads, window, query, key): recorded per head like any
+    other, and the add after it is attention's (it was read as an MLP's: no attention seen)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.HieraConfig(num_channels=1, image_size=[16, 16], patch_size=[3, 3], patch_stride=[2, 2],
+                         patch_padding=[1, 1], embed_dim=8, depths=[1, 2], num_heads=[1, 2], masked_unit_size=[2, 2],
+                         query_stride=[2, 2], num_query_pool=1, num_labels=10)
+    model = tf.HieraForImageClassification(cfg).train()
+    attn = model.hiera.encoder.stages[1].layers[1].attn.qkv
+    with trace(model, tmp_path) as tr:
+        for step in range(2):
+            hook = attn.register_forward_hook(lambda m, a, out: out * 30.0) if step == 1 else None
+            model(pixel_values=R.digits(16)[0][:4]).logits.sum().backward()
+            if hook is not None:
+                hook.remove()
+            tr.step(step, loss=1.0)
+    recs = read_run(tmp_path).records
+    logits = [{(e["layer"], e["site"]): e for e in rec["entries"] if e["stage"] == "attention_logits"} for rec in recs]
+    assert set(logits[0]) == {(0, ""), (1, ""), (1, "#1")}
+    assert len(logits[0][1, "#1"]["max_logit"]) == 2  # per head
+    assert min(logits[1][1, "#1"]["max_logit"]) > 100 * max(logits[0][1, "#1"]["max_logit"])
+    assert logits[1][1, ""]["max_logit"] == pytest.approx(logits[0][1, ""]["max_logit"], rel=1e-5)
+    sites = {(e["layer"], e["site"]) for e in recs[0]["entries"] if e["stage"] == "sublayer_output"}
+    assert sites == {(0, "attn"), (0, "mlp"), (1, "layers.1.attn"), (1, "layers.1.mlp")}
+    assert not tr.errors
+
+
 def _edit_record(run_dir, step: int, edit) -> None:
     path = run_dir / "trace.jsonl"
     lines = path.read_text().splitlines()

@@ -14,7 +14,8 @@ Activations are summarised as sufficient statistics (sum of squares, count, max 
 micro-batches of gradient accumulation and the ranks of a distributed run combine exactly (sums add, maxima take
 the max). Blocks come from :func:`normscope.sites.dataflow.block_modules`, norms from the scan's class discovery
 (:func:`normscope.sites.core.known_class`) plus functional norm calls, attention from a ``TorchFunctionMode`` that
-sees ``F.scaled_dot_product_attention`` and eager softmax over ``(batch, heads, query, key)`` logits; residual adds
+sees ``F.scaled_dot_product_attention`` and eager softmax over ``(batch, heads, query, key)`` logits (or ``(batch,
+heads, window, query, key)``); residual adds
 are the adds of the block's current stream (an identity test, no graph capture). The mode is active only during
 the model's forward at recorded steps. Any exception inside a probe is caught, logged once, and that probe is
 disabled; training never sees it.
@@ -414,8 +415,10 @@ class Tracer:
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-        if x.dim() != 4 or dim not in (-1, 3) or not x.is_floating_point():
+        if not x.is_floating_point() or x.dim() not in (4, 5) or dim not in (-1, x.dim() - 1):
             return
+        if x.dim() == 5:  # (batch, heads, windows, query, key): windowed attention (Hiera), the windows' rows as rows
+            x = x.flatten(2, 3)
         self.entries.add(*self._logits_key(), attention.eager_logit_stats(x))
 
     def _logits_key(self) -> tuple:

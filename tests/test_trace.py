@@ -472,7 +472,9 @@ def test_fused_statistics_match_brute_force():
         want = full.masked_fill(m, 0).abs().amax(dim=(0, 2, 3))
         assert st["max_logit"] == pytest.approx(want.tolist(), rel=1e-5)
         assert st["masked_rows"] == m.all(-1).sum(dim=(0, 2)).tolist()
+        assert st["masked_samples"] == m.all(-1).all(-1).sum(0).tolist()
     assert _sdpa_stats((q, k, v), {"attn_mask": pad})["masked_rows"] == [t] * h
+    assert _sdpa_stats((q, k, v), {"attn_mask": pad})["masked_samples"] == [1] * h
 
 
 class _InPlaceBlock(torch.nn.Module):
@@ -625,7 +627,8 @@ def test_update_statistics_match_the_parameter_change(tmp_path):
 @pytest.mark.parametrize("fill", [float("-inf"), torch.finfo(torch.float32).min])
 def test_eager_softmax_kernel_matches_torchs_path(fill):
     """The one-read kernel for the logits an eager softmax is given agrees with torch's path: causal and fully
-    masked rows, -inf and finfo.min masks, a strided view, more keys than queries; a NaN logit is left to torch."""
+    masked rows, a sample whose every row is masked, -inf and finfo.min masks, a strided view, more keys than
+    queries; a NaN logit is left to torch."""
     from normscope.tracing import attention, fused
 
     if not fused.available():
@@ -636,9 +639,12 @@ def test_eager_softmax_kernel_matches_torchs_path(fill):
         causal = torch.ones(shape[-2], shape[-1], dtype=torch.bool).tril(shape[-1] - shape[-2])
         y = x.masked_fill(~causal, fill)
         y[0, -1, 2, :] = fill  # a query row that sees no key
+        if shape[0] > 1:
+            y[-1] = fill  # a sample that sees nothing
         for logits in (y, y.transpose(1, 2).contiguous().transpose(1, 2)):
             got = fused.logits_summary(logits, max(1, shape[2] // attention.ENTROPY_ROWS))
             want = attention.logit_stats(logits, logits <= torch.finfo(torch.float32).min / 2)
+            assert want["masked_samples"] == [int(shape[0] > 1)] * shape[1]
             assert got.keys() == want.keys()
             for k, v in want.items():
                 assert got[k] == (pytest.approx(v, rel=1e-5, abs=1e-6) if k in ("max_logit", "entropy_sum") else v), k
@@ -857,6 +863,7 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
     assert not q.is_contiguous()
     left = torch.ones(b, 1, 1, t, dtype=torch.bool)
     left[1, ..., :9] = False
+    left[2] = False  # a sample that sees nothing
     rand = torch.rand(t, t, generator=g) > 0.4
     rand[5] = False
     bias = torch.randn(1, h, t, t, generator=g)
@@ -882,7 +889,8 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         for name, value in alone.items():
             assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
             assert by_torch[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
-    assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h
+    assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h and _sdpa_stats(*cases[3])["masked_samples"] == [0] * h
+    assert _sdpa_stats(*cases[2])["masked_samples"] == [1] * h and _sdpa_stats(*cases[2])["masked_rows"] == [t] * h
 
 
 def test_masked_keys_with_extreme_or_non_finite_logits_leave_the_entropy_exact():

@@ -218,7 +218,7 @@ def test_an_earlier_wobble_that_cannot_reach_the_incident_is_not_its_cause(tmp_p
     xs, ys = d.series("grad", "max", 1)
     assert ys[xs.index(R.AT - 1)] > 30 * max(ys[xs.index(R.AT - 2)], ys[xs.index(R.AT)])  # the wobble is there
     a = d.first
-    assert (a.step, a.stage, a.layer, a.metric) == (R.AT, "attention_logits", 0, "masked_rows"), a
+    assert (a.step, a.stage, a.layer, a.metric) == (R.AT, "attention_logits", 0, "masked_samples"), a
 
 
 @pytest.mark.parametrize("arch", ["neox", "phi", "falcon"])
@@ -355,6 +355,99 @@ def test_windowed_attention_is_recorded_per_head(tmp_path):
     sites = {(e["layer"], e["site"]) for e in recs[0]["entries"] if e["stage"] == "sublayer_output"}
     assert sites == {(0, "attn"), (0, "mlp"), (1, "layers.1.attn"), (1, "layers.1.mlp")}
     assert not tr.errors
+
+
+def test_a_sample_with_an_empty_mask_is_found_where_padding_queries_are_masked_too(tmp_path):
+    """DeBERTa-v2 masks padding query rows as well as padding keys, so its heads have fully masked rows at every
+    step: a sample whose attention mask is all zero (step 8 of a masked-language-model run on the standard library's
+    text, variable lengths) is found as a sample with every query row masked, at that step, in layer 0."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.DebertaV2Config(vocab_size=R.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, max_position_embeddings=R.T, relative_attention=True,
+                             position_buckets=8, pos_att_type=["p2c", "c2p"], pad_token_id=0)
+    model = tf.DebertaV2ForMaskedLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    data = R.batches(0)
+    with trace(model, tmp_path) as tr:
+        for step in range(12):
+            window, ids = next(data)
+            text = window[:, :R.T]
+            keep = torch.arange(R.T)[None] < torch.randint(R.T // 2, R.T + 1, (R.B, 1), generator=g)
+            hidden = (torch.rand(R.B, R.T, generator=g) < 0.15) & keep
+            if step == 8:
+                keep[3] = False
+            out = model(input_ids=text.masked_fill(hidden, R.VOCAB - 1).masked_fill(~keep, 0),
+                        attention_mask=keep.long(), labels=text.masked_fill(~hidden, -100))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            tr.step(step, loss=out.loss.item(), sample_ids=ids)
+    masked = [max(e["masked_rows"]) for rec in read_run(tmp_path).records for e in rec["entries"]
+              if e["stage"] == "attention_logits" and e["layer"] == 0]
+    assert min(masked) > 0  # padding query rows, every step
+    d = diagnose(tmp_path)
+    assert d.first is not None and len(d.incidents) == 1, [(i.step, i.kind, i.evidence) for i in d.incidents]
+    c = d.first
+    assert (d.incidents[0].step, c.step, c.stage, c.layer, c.metric, c.value) == (
+        8, 8, "attention_logits", 0, "masked_samples", 1), c
+    assert "1 sample with every query row masked" in d.incidents[0].evidence
+
+
+def test_a_hybrid_of_state_space_and_attention_layers(tmp_path):
+    """Jamba's layers are of two classes, the attention layer once among three state-space layers: all four are
+    blocks, numbered as in the model (a class seen once was dropped and the layers after it renumbered). Each
+    state-space mixer's branch is a ``mixer`` (a depthwise convolution along the sequence ran in it), not an MLP;
+    a ×1000 feed-forward output at step 1 in layer 3 shows at layer 3's ``mlp``."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.JambaConfig(vocab_size=R.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, attn_layer_period=4, attn_layer_offset=2,
+                         expert_layer_period=100, expert_layer_offset=99, num_experts=1, mamba_d_state=4,
+                         mamba_expand=2)
+    model = tf.JambaForCausalLM(cfg).train()
+    assert [type(m).__name__ for m in model.model.layers].count("JambaAttentionDecoderLayer") == 1
+    window, _ = next(R.batches(0))
+    with trace(model, tmp_path) as tr:
+        for step in range(2):
+            ff = model.model.layers[3].feed_forward
+            hook = ff.register_forward_hook(lambda m, a, out: out * 1000.0) if step == 1 else None
+            model(input_ids=window[:, :16]).logits.sum().backward()
+            if hook is not None:
+                hook.remove()
+            tr.step(step, loss=1.0)
+    run = read_run(tmp_path)
+    assert run.headers[0]["blocks"] == [f"model.layers.{i}" for i in range(4)]
+    branch = _stage_sites(tmp_path, "sublayer_output")
+    assert set(branch[0]) == {(0, "mixer"), (0, "mlp"), (1, "mixer"), (1, "mlp"), (2, "attn"), (2, "mlp"),
+                              (3, "mixer"), (3, "mlp")}
+    assert {(e["layer"], e["site"]) for e in run.records[0]["entries"] if e["stage"] == "attention_logits"} == {
+        (2, "")}
+    assert branch[1][3, "mlp"] > 100 * branch[0][3, "mlp"]
+    assert branch[1][2, "mlp"] == pytest.approx(branch[0][2, "mlp"], rel=1e-4)
+    assert not tr.errors
+
+
+def test_a_gated_norm_is_a_norm_and_a_layer_named_like_one_is_not():
+    """A state-space mixer's gated RMSNorm (``norm(x · silu(gate)) · γ``, Mamba2's) is discovered as a norm, so its γ
+    is recorded; wav2vec2's ``Wav2Vec2EncoderLayerStableLayerNorm`` is a whole layer, named like a norm: not one."""
+    import transformers as tf
+
+    from normscope.sites.classes import known_class
+    from normscope.tracing.discovery import discover
+
+    mamba = tf.Mamba2ForCausalLM(tf.Mamba2Config(vocab_size=R.VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                 state_size=8, num_heads=4, head_dim=16, n_groups=1, expand=2))
+    assert {(layer, site) for layer, site in discover(mamba).norms.values()} >= {(0, "mixer.norm"), (1, "mixer.norm")}
+    w2v = tf.Wav2Vec2Model(tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, conv_dim=(8, 8), conv_stride=(5, 2),
+                                             conv_kernel=(10, 3), num_feat_extract_layers=2,
+                                             do_stable_layer_norm=True, feat_extract_norm="layer"))
+    named = {type(m).__name__ for m in w2v.modules() if known_class(m)}
+    assert named == {"LayerNorm"}, named
 
 
 def _edit_record(run_dir, step: int, edit) -> None:

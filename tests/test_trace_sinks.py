@@ -47,7 +47,7 @@ def expected_series(entry):
         if st == "norm_input":
             out.append((f"min_row_rms/{st}/{where}", "min_row_rms", None))
     elif st == "attention_logits":
-        out += [(f"{m}/{where}/head{h}", m, h) for m in ("max_logit", "masked_rows", "entropy")
+        out += [(f"{m}/{where}/head{h}", m, h) for m in ("max_logit", "masked_rows", "masked_samples", "entropy")
                 for h in range(len(entry["max_logit"]))]
         # non-finite logits per head
         return out + [(f"nonfinite/{st}/{where}/head{h}", "nonfinite", h) for h in range(len(entry["max_logit"]))]
@@ -92,11 +92,12 @@ def test_scalars_equal_the_trace(tmp_path):
     assert tags - set(want) == {"samples/embedding/nonfinite_samples", "samples/loss/nonfinite_samples",
                                 "trace/tracer_ms"}
     assert set(want) <= tags
-    # per block: layer input 3, norm input/output 2·4 + 2·4, attention 4·4 heads, sublayer and residual
-    # outputs 4·3, grad 4 groups·3, update 4·4 (75); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·4 (38)
-    assert len(want) == 3 * 75 + 38
+    # per block: layer input 3, norm input/output 2·4 + 2·4, attention 5·4 heads, sublayer and residual
+    # outputs 4·3, grad 4 groups·3, update 4·4 (79); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·4 (38)
+    assert len(want) == 3 * 79 + 38
     for t in ("loss", "rms/residual_sum/layer1/mlp", "max/layer_input/layer0", "max_logit/layer2/head3",
-              "entropy/layer0/head1", "masked_rows/layer1/head0", "grad_rms/layer0/attn", "grad_max/wte",
+              "entropy/layer0/head1", "masked_rows/layer1/head0", "masked_samples/layer2/head1",
+              "grad_rms/layer0/attn", "grad_max/wte",
               "update_ratio/layer2/mlp", "nonfinite/grad/layer1/mlp", "nonfinite/attention_logits/layer0/head2",
               "rms/norm_output/ln_f", "scale_rms/norm_output/layer0/ln_1", "min_row_rms/norm_input/layer2/ln_2",
               "nonfinite/loss"):

@@ -339,7 +339,7 @@ CASES = {
         "postln", at(_scale_param(lambda m: m.layers[1].qkv.weight[16:32], 1e5, undo=False)),
         "attention_logits", layer=1, head=1, run_kw={"autocast": torch.float16}),
     "attention: a sample with every key masked": Case("postln", at(_mask_all_keys), "attention_logits", layer=0,
-                                                      metric="masked_rows"),
+                                                      metric="masked_samples"),
     "sublayer: an MLP returns garbage for one step": Case(
         "postln", at(_mlp_garbage), "sublayer_output", layer=1, site="mlp"),
     "norm: a γ written ×20": Case(

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..sites.core import known_class
+from ..sites.classes import known_class
 from . import metrics
 from .execution import CallStack, Hooks, cast, input_at, input_of, primary, site_name, stateless
 from .result import SiteDiff

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..sites.core import known_class
+from ..sites.classes import known_class
 from . import contracts, judge, metrics
 from .candidate import Alignment, Candidate, NotMeasured
 from .execution import CallStack, Memo, Record, input_of, primary, reduce_len, site_name, versions

@@ -174,7 +174,7 @@ def blocks_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _kind(name: str, module: torch.nn.Module) -> str:
     from ..nn.modules import Norm
-    from ..sites.core import known_class
+    from ..sites.classes import known_class
 
     if isinstance(module, Norm) or known_class(module):
         return "norm"

@@ -10,7 +10,6 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,16 +25,13 @@ from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
 from ..targets import as_target
 from ..targets.base import check_dtype_list
+from .classes import known_class
 from .config_eps import config_eps, eps_findings, eps_followers, site_keys
 from .dataflow import Dataflow, Role, block_modules
 from .inline import InlineNorm, find_inline
 from .result import ModelScan, Site
 from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
 
-_KNOWN_TORCH = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._BatchNorm,
-                torch.nn.modules.instancenorm._InstanceNorm) + ((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm")
-                                                               else ())
-_KNOWN_NAME = re.compile(r"(RMS|Rms|Layer|Group|Batch|Instance)Norm(\dd)?$")
 # f(16x) vs f(64x): a normalization does not see the scale (ε is negligible at those scales)
 _SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
 # float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
@@ -45,13 +41,6 @@ META_NOTE = ("the model is on the meta device (shapes without values): each cont
              "drawn parameters, no activation is checked, no γ statistics, and only sites of a normalization class "
              "or call are found (finding one by behaviour needs values)")
 
-
-
-def known_class(module: torch.nn.Module) -> bool:
-    """torch's normalization classes and the classes named like one (LlamaRMSNorm, T5LayerNorm, …)."""
-    if isinstance(module, _KNOWN_TORCH):
-        return True
-    return any(_KNOWN_NAME.search(k.__name__) for k in type(module).__mro__[:-1])
 
 
 class FunctionalNorm(torch.nn.Module):

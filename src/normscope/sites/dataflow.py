@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .classes import holds_norm
 from .trace import ADDS, EMBEDDING, SCALINGS, SOFTMAX, TRANSPARENT, Trace
 
 ROLES = ("pre", "post", "branch", "qk", "final", "embedding", "other")
@@ -70,7 +71,9 @@ class Role:
 
 
 def block_modules(model: torch.nn.Module) -> dict[int, int]:
-    """id(module) → index, for the repeated elements of ModuleLists and Sequentials (candidate blocks)."""
+    """id(module) → index, for the repeated elements of ModuleLists and Sequentials (candidate blocks), and in such
+    a list an element of a class of its own that holds a normalization as every repeated one does: a hybrid's
+    layers of two kinds, one of them once (Jamba's one attention layer among its state-space layers)."""
     out: dict[int, int] = {}
     for container in model.modules():
         if not isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
@@ -79,8 +82,10 @@ def block_modules(model: torch.nn.Module) -> dict[int, int]:
         classes: dict[type, int] = {}
         for _, m in kids:
             classes[type(m)] = classes.get(type(m), 0) + 1
+        repeated = [m for _, m in kids if classes[type(m)] >= 2]
+        normed = bool(repeated) and all(holds_norm(m) for m in repeated)
         for n, m in kids:
-            if classes[type(m)] >= 2:
+            if classes[type(m)] >= 2 or (normed and holds_norm(m)):
                 out.setdefault(id(m), int(n))
     return out
 

@@ -157,9 +157,9 @@ def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):
 
 
 def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False) -> dict[str, Any]:
-    """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows, rows, entropy sum and rows,
-    non-finite entries — torch's path. A key more than ``fused.SOFTMAX_SPAN`` below its row's largest unmasked logit
-    counts as masked (:func:`below_softmax_span`), as on the numba kernels' paths.
+    """Per head (dim -3): max |logit| over unmasked entries, fully masked query rows (and samples whose every row
+    is), rows, entropy sum and rows, non-finite entries — torch's path. A key more than ``fused.SOFTMAX_SPAN`` below
+    its row's largest unmasked logit counts as masked (:func:`below_softmax_span`), as on the numba kernels' paths.
 
     ``masked`` need only broadcast to ``logits``. The maximum and the masked rows cover every query row; the
     entropy (a mean) is taken on at most ``ENTROPY_ROWS`` evenly spaced query rows per sample and head, which bounds
@@ -205,6 +205,7 @@ def logit_stats(logits: torch.Tensor, masked: torch.Tensor, owned: bool = False)
     ok = torch.isfinite(ent) & ~full[:, :, ::stride]
     ent = ent.masked_fill(~ok, 0)
     return {"max_logit": mx.tolist(), "masked_rows": full.sum(dim=(0, 2)).tolist(),
+            "masked_samples": (full.all(-1) & (tq > 0)).sum(0).tolist(),
             "rows": [lg.shape[0] * tq] * heads, "entropy_sum": ent.sum(dim=(0, 2)).tolist(),
             "entropy_rows": ok.sum(dim=(0, 2)).tolist(), "nonfinite": sum(bad), "nonfinite_heads": bad}
 

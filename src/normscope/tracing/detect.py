@@ -218,8 +218,11 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
         ent = [s / r if r else None for s, r in zip(e["entropy_sum"], e["entropy_rows"], strict=False)]
         heads = e.get("nonfinite_heads")  # per head where recorded (a run written before: one count for all)
         ok = isinstance(heads, list) and len(heads) == len(e["max_logit"]) and all(map(is_number, heads))
-        return {"max_logit": e["max_logit"], "masked_rows": e["masked_rows"], "entropy": ent,
-                "nonfinite": heads if ok else e["nonfinite"]}
+        out = {"max_logit": e["max_logit"], "masked_rows": e["masked_rows"], "entropy": ent,
+               "nonfinite": heads if ok else e["nonfinite"]}
+        if "masked_samples" in e:  # samples whose every query row is masked (a run written before: not recorded)
+            out["masked_samples"] = e["masked_samples"]
+        return out
     if st == "loss":
         return {"loss": e["sum"] / max(e["count"], 1), "nonfinite": e["nonfinite"]}
     if st == "update":
@@ -236,11 +239,11 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
 
 _UP = {"rms", "max", "max_logit", "loss", "ratio", "scale_rms"}
 _DOWN = {"entropy"}
-_COUNT = {"nonfinite", "masked_rows"}
+_COUNT = {"nonfinite", "masked_rows", "masked_samples"}
 _CONTEXT = {"min_row_rms", "lr", "step_lr"}  # recorded, not judged on their own
 # within one entry, the metric that explains the others first: a norm's γ before its output's RMS
-_METRIC_ORDER = {"nonfinite": 0, "masked_rows": 1, "scale_rms": 2, "max_logit": 3, "max": 4, "rms": 5, "entropy": 6,
-                 "loss": 7, "ratio": 8}
+_METRIC_ORDER = {"nonfinite": 0, "masked_samples": 1, "masked_rows": 2, "scale_rms": 3, "max_logit": 4, "max": 5,
+                 "rms": 6, "entropy": 7, "loss": 8, "ratio": 9}
 
 
 def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
@@ -253,6 +256,9 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
             what += ("; if their ids are in range, the rows of the embedding table these ids select (a non-finite "
                      "or huge row reads here like a corrupt sample)")
         return what
+    if metric == "masked_samples":
+        return (f"the attention mask of this batch at {L}: a sample with every key of every query masked (an all-zero "
+                "attention mask: an empty or all-padding sample) attends to nothing; check how its mask was built")
     if metric == "masked_rows":
         return (f"the attention mask at {L}: a query row with every key masked makes softmax 0/0 = NaN; check "
                 "padding and sequence packing (a row of padding queries), or mask with a finite value")
@@ -428,19 +434,22 @@ class _Detector:
                                          else "")
                 out.append(_Trigger(t, "nonfinite", "nonfinite", math.nan, 0.0, f"non-finite values in {where}", None))
             bad_prev = bad
-        masked = self.rows(lambda k: k[4] == "masked_rows")
+        # fully masked query rows, or samples whose every query row is masked (where padding queries are masked as
+        # well as padding keys, DeBERTa's, a head has masked rows at every step: a fully masked sample is new)
+        masked = self.rows(lambda k: k[4] in ("masked_rows", "masked_samples"))
         if masked:
             m = s.values[masked]
             for r, row in zip(masked, m, strict=True):
-                prior = row[:1]
                 for t in range(1, T):
                     prior = row[:t]
                     fin = prior[np.isfinite(prior)]
                     if row[t] > 0 and fin.size and np.all(fin == 0):
                         k = s.keys[r]
-                        out.append(_Trigger(t, "masked_rows", "masked_rows", float(row[t]), 0.0,
-                                            f"{int(row[t])} fully masked query rows at layer {k[1]} after "
-                                            f"{fin.size} recorded steps with none", k))
+                        n = int(row[t])
+                        what = (f"fully masked query row{'s' * (n > 1)}" if k[4] == "masked_rows" else
+                                f"sample{'s' * (n > 1)} with every query row masked")
+                        out.append(_Trigger(t, "masked_rows", k[4], float(row[t]), 0.0,
+                                            f"{n} {what} at layer {k[1]} after {fin.size} recorded steps with none", k))
                         break
         out.extend(self._danger_jumps())
         # trend departures of the loss, the gradient norm and the updates (each against its lr)

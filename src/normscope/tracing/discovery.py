@@ -12,7 +12,7 @@ import math
 import torch
 
 from ..errors import InputError
-from ..sites.core import known_class
+from ..sites.classes import known_class
 from ..sites.dataflow import block_modules
 
 

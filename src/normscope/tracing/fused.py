@@ -206,11 +206,12 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
                       copy=None) -> dict[str, list] | None:
     """Per head of the attention logits ``scale · q kᵀ + bias`` ((N, H, Tq, d) queries, (N, H / g, Tk, d) keys on
     the CPU), computed and read in one pass without the (Tq, Tk) matrix: max |logit| over the unmasked entries,
-    fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an unmasked key
-    (float64 sums of float32 terms) and their number; ``mask`` from :func:`mask_array` for these shapes, ``bias``
-    None or contiguous float32 (N or 1, H or 1, Tq or 1, Tk). q and k are read in place when float32 with a
-    contiguous last dimension (strides not negative), else as ``copy(x, name)`` (contiguous float32; by default a
-    new tensor). None where this path does not apply or a logit is not finite (the caller's exact path)."""
+    fully masked query rows (and samples whose every row is), and the softmax entropy summed over every
+    ``stride``-th query row with an unmasked key (float64 sums of float32 terms) and their number; ``mask`` from
+    :func:`mask_array` for these shapes, ``bias`` None or contiguous float32 (N or 1, H or 1, Tq or 1, Tk). q and k
+    are read in place when float32 with a contiguous last dimension (strides not negative), else as ``copy(x,
+    name)`` (contiguous float32; by default a new tensor). None where this path does not apply or a logit is not
+    finite (the caller's exact path)."""
     kern = _kernels()
     if (kern is None or q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or k.device.type != "cpu"
             or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]
@@ -233,35 +234,37 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     n, h, tq, d = q.shape
     qs, ks = q.stride(), k.stride()
     dims = np.array([n, h, tq, k.shape[2], d, h // k.shape[1]], np.int64)
-    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
+    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
     kern.attention_summary(q.data_ptr(), np.array(qs[:3], np.int64), k.data_ptr(), np.array(ks[:3], np.int64), dims,
                            np.float32(scale), b, *mask, stride, *out)
-    top, full, ent, rows = (a.tolist() for a in out)
+    top, full, samples, ent, rows = (a.tolist() for a in out)
     if max(top) >= INF_BITS:
         return None
-    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "entropy_sum": ent, "entropy_rows": rows}
+    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "masked_samples": samples,
+            "entropy_sum": ent, "entropy_rows": rows}
 
 
 def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
     """Per head of the (N, H, Tq, Tk) logits an eager softmax is given, in one read of each row: max |logit| over the
     entries above half the dtype's lowest value and within ``SOFTMAX_SPAN`` of their row's largest (the others are
-    masked), fully masked query rows, and the softmax entropy summed over every ``stride``-th query row with an
-    unmasked key and their number (float64 sums of float32 terms). CPU float32 logits with a contiguous last
-    dimension only; None where this path does not apply or a logit is not finite (the caller's exact path)."""
+    masked), fully masked query rows (and samples whose every row is), and the softmax entropy summed over every
+    ``stride``-th query row with an unmasked key and their number (float64 sums of float32 terms). CPU float32
+    logits with a contiguous last dimension only; None where this path does not apply or a logit is not finite (the
+    caller's exact path)."""
     kern = _kernels()
     if (kern is None or logits.dim() != 4 or logits.shape[3] == 0 or logits.shape[2] == 0
             or _extent(logits, False) is None):
         return None
     n, h, tq, tk = logits.shape
-    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
+    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
     kern.logits_summary(logits.data_ptr(), np.array(logits.stride()[:3], np.int64),
                         np.array([n, h, tq, tk], np.int64), stride,
                         np.float32(torch.finfo(torch.float32).min / 2), *out)
-    top, full, ent, rows = (a.tolist() for a in out)
+    top, full, samples, ent, rows = (a.tolist() for a in out)
     if max(top) >= INF_BITS:
         return None
-    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "rows": [n * tq] * h,
-            "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0, "nonfinite_heads": [0] * h}
+    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "masked_samples": samples,
+            "rows": [n * tq] * h, "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0, "nonfinite_heads": [0] * h}
 
 
 def _rows(x: torch.Tensor, name: str, copy) -> torch.Tensor | None:

@@ -290,17 +290,22 @@ def _attention_units(dims):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows):  # pragma: no cover - compiled
-    """The (sample, head) results combined per head: the maximum and the sums."""
+def _per_head(units, tq, maxbits, full_rows, full_samples, entropy_sum,
+              entropy_rows):  # pragma: no cover - compiled
+    """The (sample, head) results combined per head: the maximum and the sums, and the samples whose ``tq`` query
+    rows are all fully masked."""
     mb, fr, es, er = units
     for b in range(mb.shape[1]):
         maxbits[b] = 0
         full_rows[b] = 0
+        full_samples[b] = 0
         entropy_sum[b] = 0.0
         entropy_rows[b] = 0
         for a in range(mb.shape[0]):
             maxbits[b] = max(maxbits[b], mb[a, b])
             full_rows[b] += fr[a, b]
+            if tq > 0 and fr[a, b] == tq:
+                full_samples[b] += 1
             entropy_sum[b] += es[a, b]
             entropy_rows[b] += er[a, b]
 
@@ -403,56 +408,57 @@ def update_sums_parallel(olds, news, sizes, update_sumsq, update_maxbits, new_su
 
 @numba.njit(**_JIT)
 def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                             entropy_sum, entropy_rows):  # pragma: no cover - compiled
-    """Per (sample, head) of the attention logits ``scale · q kᵀ + bias`` of (N, H, Tq, d) float32 queries at
-    address ``q`` and (N, H / group, Tk, d) float32 keys at ``k`` (``qs``, ``ks``: the element strides of their
-    first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group; query head h reads key
-    head h // group): the largest |logit| bit pattern over the unmasked entries, the number of query rows with
-    every key masked, and the softmax entropy summed over every ``stride``-th query row that has an unmasked key
-    (and their number), each per head (samples combined: the maximum, the sums).
+                             full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
+    """Per (sample, head) of the attention logits ``scale · q kᵀ + bias`` of (N, H, Tq, d) float32 queries at address
+    ``q`` and (N, H / group, Tk, d) float32 keys at ``k`` (``qs``, ``ks``: the element strides of their first three
+    dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group; query head h reads key head h // group):
+    the largest |logit| bit pattern over the unmasked entries, the number of query rows with every key masked (and of
+    samples whose every row is), and the softmax entropy summed over every ``stride``-th query row that has an
+    unmasked key (and their number), each per head (samples combined: the maximum, the sums).
 
-    ``bias`` is a contiguous float32 (N or 1, H or 1, Tq or 1, Tk) array added to the logits, or any array of
-    key dimension 1 for none. ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where
-    masked (a dimension of 1 is shared); ``extent`` (same leading shape) is one past each mask row's last
-    unmasked key, so a causal row computes only its keys, and ``prefix`` says a row has no masked key before its
-    extent (its mask is then not read). A result at or above the infinity's bit pattern means a non-finite logit:
-    the caller discards the entropy and takes its exact path."""
+    ``bias`` is a contiguous float32 (N or 1, H or 1, Tq or 1, Tk) array added to the logits, or any array of key
+    dimension 1 for none. ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a
+    dimension of 1 is shared); ``extent`` (same leading shape) is one past each mask row's last unmasked key, so a
+    causal row computes only its keys, and ``prefix`` says a row has no masked key before its extent (its mask is
+    then not read). A result at or above the infinity's bit pattern means a non-finite logit: the caller discards the
+    entropy and takes its exact path."""
     units = _attention_units(dims)
     for u in range(dims[0] * dims[1]):
         _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
-    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                               entropy_sum, entropy_rows):  # pragma: no cover - compiled
+                               full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
     units = _attention_units(dims)
     for u in numba.prange(dims[0] * dims[1]):
         _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
-    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(**_JIT)
-def logits_summary_serial(x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
+def logits_summary_serial(x, xs, dims, stride, lowest, maxbits, full_rows, full_samples, entropy_sum,
                           entropy_rows):  # pragma: no cover - compiled
-    """Per head of the (N, H, Tq, Tk) float32 logits at address ``x`` that an eager softmax is given (``xs``: the
-    element strides of the first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk): the largest
-    |logit| bit pattern over the entries above ``lowest`` (the others are masked), the query rows with every key
-    masked, and the softmax entropy summed over every ``stride``-th query row with an unmasked key (and their
-    number); one read of each row. A result at or above the infinity's bit pattern means a non-finite logit."""
+    """Per head of the (N, H, Tq, Tk) float32 logits at address ``x`` that an eager softmax is given (``xs``: the element
+    strides of the first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk): the largest |logit| bit
+    pattern over the entries above ``lowest`` (the others are masked), the query rows with every key masked (and the
+    samples whose every row is), and the softmax entropy summed over every ``stride``-th query row with an unmasked
+    key (and their number); one read of each row. A result at or above the infinity's bit pattern means a non-finite
+    logit."""
     units = _attention_units(dims)
     for u in range(dims[0] * dims[1]):
         _logits_unit(u, x, xs, dims, stride, lowest, *units)
-    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
-def logits_summary_parallel(x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
+def logits_summary_parallel(x, xs, dims, stride, lowest, maxbits, full_rows, full_samples, entropy_sum,
                             entropy_rows):  # pragma: no cover - compiled
     units = _attention_units(dims)
     for u in numba.prange(dims[0] * dims[1]):
         _logits_unit(u, x, xs, dims, stride, lowest, *units)
-    _per_head(units, maxbits, full_rows, entropy_sum, entropy_rows)
+    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
@@ -463,7 +469,7 @@ def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
     sums(a, n, n, *out)
     update_sums(a, a, n, *out)
     x = np.zeros((1, 1, 2, 2), np.float32)
-    one = (np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(1), np.zeros(1, np.int64))
+    one = (np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1), np.zeros(1, np.int64))
     st = np.array([4, 4, 2], np.int64)
     dims = np.array([1, 1, 2, 2, 2, 1], np.int64)
     attention_summary(x.ctypes.data, st, x.ctypes.data, st, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),

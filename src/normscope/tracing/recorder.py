@@ -13,7 +13,7 @@ What is recorded at a recorded step (every ``every``-th), in chain order:
 Activations are summarised as sufficient statistics (sum of squares, count, max |x|, non-finite count), so the
 micro-batches of gradient accumulation and the ranks of a distributed run combine exactly (sums add, maxima take
 the max). Blocks come from :func:`normscope.sites.dataflow.block_modules`, norms from the scan's class discovery
-(:func:`normscope.sites.core.known_class`) plus functional norm calls, attention from a ``TorchFunctionMode`` that
+(:func:`normscope.sites.classes.known_class`) plus functional norm calls, attention from a ``TorchFunctionMode`` that
 sees ``F.scaled_dot_product_attention`` and eager softmax over ``(batch, heads, query, key)`` logits (or ``(batch,
 heads, window, query, key)``); residual adds
 are the adds of the block's current stream (an identity test, no graph capture). The mode is active only during
@@ -103,6 +103,8 @@ class _Mode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
             tr._follow(args[0], out)
+        elif name == "conv1d" and tr._streams:
+            tr._mixing(args, kwargs)
         return out
 
 
@@ -337,7 +339,7 @@ class Tracer:
         layer, prefix = (self.blocks[id(module)], "") if nested is None else (nested[0], nested[1] + ".")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
-                              "joined": [], "views": [], "prefix": prefix, "added": False})
+                              "joined": [], "views": [], "prefix": prefix, "added": False, "mixer": False})
         if nested is None and isinstance(x, torch.Tensor) and x.is_floating_point():
             self._defer("layer_input", layer, "", x)
 
@@ -348,6 +350,7 @@ class Tracer:
                 # not a residual block of its own (an attention head of a list of heads, an expert): what ran in
                 # it belongs to the scope around it
                 self._streams[-1]["attn"] |= s["attn"]
+                self._streams[-1]["mixer"] |= s["mixer"]
         return None
 
     def _layer(self) -> int | None:
@@ -444,6 +447,14 @@ class Tracer:
         except Exception as exc:  # never break training
             self._fail("residual", exc)
 
+    def _mixing(self, args, kwargs) -> None:
+        """A depthwise convolution along the sequence (one group per channel): a state-space or convolutional
+        token mixer (Mamba's), whose residual branch is then a ``mixer``, not an MLP."""
+        x = args[0] if args else kwargs.get("input")
+        groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]:
+            self._streams[-1]["mixer"] = True
+
     def _is_stream(self, s: dict, x) -> bool:
         return x is s["stream"] or x is s["alt"] or any(x is v for v in s["views"])
 
@@ -470,7 +481,7 @@ class Tracer:
                 or branch.shape != stream.shape or not branch.is_floating_point()):
             return None
         joined = any(branch is j for j in s["joined"])
-        part = s["prefix"] + (("attn+mlp" if joined else "attn") if s["attn"] else "mlp")
+        part = s["prefix"] + (("attn+mlp" if joined else "attn") if s["attn"] else "mixer" if s["mixer"] else "mlp")
         k = self._counters.get((s["layer"], part), 0)
         self._counters[(s["layer"], part)] = k + 1
         site = part if k == 0 else f"{part}#{k}"
@@ -489,7 +500,7 @@ class Tracer:
             return
         self._defer("residual_sum", s["layer"], site, out)
         s["stream"], s["alt"], s["attn"], s["joined"], s["views"] = out, None, False, [], []
-        s["added"] = True
+        s["added"], s["mixer"] = True, False
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

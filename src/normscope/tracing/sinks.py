@@ -19,6 +19,7 @@ tag                                             value
 ``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries
 ``entropy/layer<i>/head<h>``                    mean softmax entropy of a head (sampled query rows)
 ``masked_rows/layer<i>/head<h>``                fully masked query rows of a head
+``masked_samples/layer<i>/head<h>``             samples whose every query row is fully masked, per head
 ``nonfinite/attention_logits/layer<i>/head<h>`` non-finite logits of a head
 ``grad_rms/layer<i>/<group>``, ``grad_max/…``   gradient RMS and max |g| per parameter group
 ``update_ratio/layer<i>/<group>``               RMS(Δparameter) / RMS(parameter) per parameter group

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from forked import in_forked_child
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,22 +253,14 @@ def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
 def test_a_forked_child_runs_the_numba_kernels_serially_with_the_same_numbers():
     """GNU OpenMP terminates a forked child that launches parallel work after its parent did: the child runs each
     kernel's serial build, and gets the parent's numbers bit for bit."""
-    import os
-
     x = torch.randn(64, 48, requires_grad=True)
     spec = NormSpec.preset("torch_layernorm")
     y = norm(x, spec, backend="numba")
     (g,) = torch.autograd.grad(y.square().sum(), x)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            yc = norm(x, spec, backend="numba")
-            (gc,) = torch.autograd.grad(yc.square().sum(), x)
-            os.write(write, b"1" if torch.equal(yc, y) and torch.equal(gc, g) else b"0")
-        finally:
-            os._exit(0)
-    os.close(write)
-    got = os.read(read, 10)
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and got == b"1"
+
+    def child() -> bytes:
+        yc = norm(x, spec, backend="numba")
+        (gc,) = torch.autograd.grad(yc.square().sum(), x)
+        return b"1" if torch.equal(yc, y) and torch.equal(gc, g) else b"0"
+
+    assert in_forked_child(child) == b"1"

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from command_runner import run_command
+from forked import in_forked_child
 from trace_models import FAULT, GPT, STEPS, B, T, V, nan_gradient_at, train
 
 from normscope.errors import InputError
@@ -975,17 +976,8 @@ def test_a_forked_child_summarises_on_its_own_thread():
 
     x = torch.randn(1 << 18)
     want = fused.sums([x])[0].sumsq  # the parent launches its kernels first
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            os.write(write, repr(fused.sums([x])[0].sumsq).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    got = os.read(read, 100).decode()
-    _, status = os.waitpid(pid, 0)
-    assert status == 0 and float(got) == pytest.approx(want, rel=1e-12)
+    got = in_forked_child(lambda: repr(fused.sums([x])[0].sumsq).encode()).decode()
+    assert float(got) == pytest.approx(want, rel=1e-12)
 
 
 def test_sdpa_causal_mask_is_aligned_as_sdpa_aligns_it():

@@ -1,7 +1,7 @@
 """``normscope.diagnose`` on real training runs (``trace_real``): three architectures the tracer was not built
 around, trained on the characters of the standard library's source with warm-up, dropout and batch noise.
 
-Clean runs report no incident (3 architectures × 3 seeds); each of twelve faults, injected at step ``AT`` into a
+Clean runs report no incident (3 architectures × 3 seeds); each of thirteen faults, injected at step ``AT`` into a
 different link of the chain, is the first incident's cause at the right step, stage, layer, head, site and sample.
 Also: the learning rate recorded per group, the data stage of Hugging Face GPT-2 (its ids reach the embedding
 through a view), an optimizer subclass that calls ``super().step()``, settings that cannot work together, and
@@ -66,8 +66,9 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert a.metric == case.metric, a
     if case.kind is not None:
         assert inc.kind == case.kind, inc
-    if inc.kind == "lr_jump":  # the learning rate itself, on every architecture
+    if inc.kind == "lr_jump":  # the learning rate itself, on every architecture, one jump for all groups
         assert a.metric == "lr", a
+        assert " all " in inc.evidence and " parameter groups (" in inc.evidence, inc.evidence
     if inc.kind == "update_spike" and a.stage == "update":
         assert a.evidence.startswith("update ratio per unit of learning rate"), a  # judged per learning rate
     if case.sample is not None:
@@ -448,6 +449,41 @@ def test_a_gated_norm_is_a_norm_and_a_layer_named_like_one_is_not():
                                              do_stable_layer_norm=True, feat_extract_norm="layer"))
     named = {type(m).__name__ for m in w2v.modules() if known_class(m)}
     assert named == {"LayerNorm"}, named
+
+
+def test_every_modality_and_a_keyword_input_after_its_mask_are_data(tmp_path):
+    """CLIP takes text ids and images: both are data (the images were never recorded, so one noisy image was not
+    seen). wav2vec2 called with its mask before its waveform (``attention_mask=…, input_values=…``): the waveform
+    is the data, not the mask."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    clip = tf.CLIPModel(tf.CLIPConfig(
+        text_config={"vocab_size": R.VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                     "num_attention_heads": 4, "max_position_embeddings": 16},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                       "image_size": 16, "patch_size": 4, "num_channels": 1}, projection_dim=16))
+    images = R.digits(16)[0][:4].clone()
+    images[2] *= 100.0
+    with trace(clip.train(), tmp_path / "clip") as tr:
+        clip(input_ids=torch.randint(1, R.VOCAB, (4, 12)), pixel_values=images, return_loss=True).loss.backward()
+        tr.step(0, loss=1.0, sample_ids=["a", "b", "c", "d"])
+    samples = read_run(tmp_path / "clip").records[0]["samples"]
+    assert {"tokens", "embedding", "pixel_values"} <= set(samples)
+    big = [math.sqrt(s / n) for s, n in zip(samples["pixel_values"]["sumsq"], samples["pixel_values"]["n"],
+                                            strict=True)]
+    assert max(range(4), key=big.__getitem__) == 2 and big[2] > 50 * big[0]
+
+    w2v = tf.Wav2Vec2ForSequenceClassification(tf.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, conv_dim=(8, 8),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2, num_labels=3))
+    wave = torch.randn(4, 400)
+    with trace(w2v.train(), tmp_path / "w2v") as tr:
+        w2v(attention_mask=torch.ones(4, 400, dtype=torch.long), input_values=wave).logits.sum().backward()
+        tr.step(0, loss=1.0)
+    samples = read_run(tmp_path / "w2v").records[0]["samples"]
+    assert set(samples) == {"input"}
+    assert samples["input"]["sumsq"] == pytest.approx(wave.pow(2).sum(1).tolist(), rel=1e-5)
 
 
 def _edit_record(run_dir, step: int, edit) -> None:

@@ -342,6 +342,8 @@ CASES = {
                                                       metric="masked_samples"),
     "sublayer: an MLP returns garbage for one step": Case(
         "postln", at(_mlp_garbage), "sublayer_output", layer=1, site="mlp"),
+    "stream: a post-LN sum ×400 for one step, normalized before anything reads it": Case(
+        "postln", at(_hidden_times(1000.0, layer=0)), "sublayer_output", layer=0, site="mlp", kind="danger_jump"),
     "norm: a γ written ×20": Case(
         "llama", at(_scale_param(lambda m: m.model.layers[1].post_attention_layernorm.weight, 20.0, undo=False)),
         "norm_output", layer=1, site="post_attention_layernorm", metric="scale_rms"),

@@ -15,12 +15,13 @@ _KNOWN_NAME = re.compile(r"(RMS|Rms|Layer|Group|Batch|Instance)Norm(\dd)?(Gated)
 
 def known_class(module: torch.nn.Module) -> bool:
     """torch's normalization classes and the classes named like one (LlamaRMSNorm, T5LayerNorm, …) whose
-    parameters are all vectors or scalars, as a normalization's γ and β are: a class named like a norm that holds
-    a matrix is a larger module (wav2vec2's ``Wav2Vec2EncoderLayerStableLayerNorm`` is a whole layer)."""
+    parameters are their own, as a normalization's γ and β are: a class named like a norm whose submodules hold
+    parameters is a larger module (wav2vec2's ``Wav2Vec2EncoderLayerStableLayerNorm`` is a whole layer), or a
+    wrapper around the norm that is found itself."""
     if isinstance(module, _KNOWN_TORCH):
         return True
     return (any(_KNOWN_NAME.search(k.__name__) for k in type(module).__mro__[:-1])
-            and all(p.dim() <= 1 for p in module.parameters()))
+            and not any(True for m in module.modules() if m is not module for _ in m.parameters(recurse=False)))
 
 
 def holds_norm(module: torch.nn.Module) -> bool:

@@ -384,6 +384,28 @@ def _group(key: tuple | None) -> str:
     return f"layer {key[1]} ({key[2]})" if key[1] is not None else key[2]
 
 
+def _shared_jumps(jumps: list[_Trigger], groups: int) -> list[_Trigger]:
+    """Learning-rate jumps of several groups at one step by one factor, as one: a schedule or an ``lr`` set for the
+    whole optimizer is not a jump of its first group's."""
+    out: list[_Trigger] = []
+    by_step: dict[int, list[_Trigger]] = {}
+    for j in jumps:
+        by_step.setdefault(j.t, []).append(j)
+    for same in by_step.values():
+        while same:
+            first = same[0]
+            factor = first.value / first.baseline
+            alike = [j for j in same if math.isclose(j.value / j.baseline, factor, rel_tol=1e-3)]
+            same = [j for j in same if j not in alike]
+            if len(alike) > 1:
+                who = (f"all {len(alike)} parameter groups" if len(alike) == groups else
+                       f"{len(alike)} of the {groups} parameter groups ({', '.join(_group(j.key) for j in alike)})")
+                first = dataclasses.replace(first, evidence=first.evidence.replace(
+                    f"for {_group(first.key)} ", f"for {who} ({_group(first.key)} shown) ", 1))
+            out.append(first)
+    return out
+
+
 def _largest_before(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per column t: the largest finite value of ``row`` over the columns before t (-inf where none) and how many
     finite values there were — running values, one pass for a whole run."""
@@ -466,6 +488,7 @@ class _Detector:
                     total[t] = math.sqrt(sum(ss))
             judged.append(("grad_spike", "grad_norm", total, None))
         gates: dict[int, np.ndarray] = {}
+        jumps: list[_Trigger] = []
         for r in self.rows(lambda k: k[0] == "update" and k[4] == "ratio"):
             k = s.keys[r]
             lr = self._context_row(k, "lr")
@@ -474,7 +497,8 @@ class _Detector:
             gates[len(judged)] = self._step_beyond_recent(self._context_row(k, "step_lr"))
             judged.append(("update_spike", "ratio", per_lr, k))
             if np.isfinite(lr).any():
-                out.extend(self._lr_jumps(k, lr, ratio))
+                jumps.extend(self._lr_jumps(k, lr, ratio))
+        out.extend(_shared_jumps(jumps, len(gates)))
         if judged:
             out.extend(self._spikes(judged, self.threshold(len(judged) * T), gates))
         out.extend(self._sample_spikes())
@@ -575,9 +599,22 @@ class _Detector:
             return "attention logits", self.dangers["logit"]
         if metric == "scale_rms" and "scale" in self.dangers:
             return "norm scale γ RMS", self.dangers["scale"]
-        if stage == "layer_input" and metric == "rms" and "stream" in self.dangers:
+        if metric == "rms" and "stream" in self.dangers and (
+                stage == "layer_input" or (stage == "residual_sum" and key in self._unread_sums())):
             return "residual stream RMS", self.dangers["stream"]
         return None
+
+    def _unread_sums(self) -> set[tuple]:
+        """The residual sums' RMS series that no block reads as its input: a post-norm block normalizes its sum
+        before the next block reads it (and the last block's sum goes to the final norm), so the stream's own size
+        is seen only there. A pre-norm block's last sum is the next one's ``layer_input``, the same values: judged
+        once, there."""
+        if not hasattr(self, "_unread"):
+            keys, vals = self.s.keys, self.s.values
+            inputs = [vals[r] for r, k in enumerate(keys) if k[0] == "layer_input" and k[4] == "rms"]
+            self._unread = {k for r, k in enumerate(keys) if k[0] == "residual_sum" and k[4] == "rms"
+                            and not any(np.array_equal(vals[r], v, equal_nan=True) for v in inputs)}
+        return self._unread
 
     def _danger_jumps(self) -> list[_Trigger]:
         """Series that jump at least ``DANGER_JUMP`` × the step before in one step, landing past their danger level

@@ -69,6 +69,22 @@ def _same_ids(a, ids: torch.Tensor) -> bool:
             and a.device == ids.device and a.data_ptr() == ids.data_ptr())
 
 
+_INPUT_NAMES = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "input", "x")
+
+
+def _model_inputs(args, kwargs) -> tuple[torch.Tensor | None, list[tuple[str, torch.Tensor]]]:
+    """The forward's data: its first positional tensor, else the first keyword tensor of the usual input names,
+    else its first floating keyword tensor that is not a mask, else its first integer one that is not; and the other
+    floating inputs of the usual names, each a data site of its own (a model of two modalities)."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    named = [(k, kwargs[k]) for k in _INPUT_NAMES if isinstance(kwargs.get(k), torch.Tensor)]
+    if first is None:
+        rest = [v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and "mask" not in k and k != "labels"]
+        first = next(iter([v for _, v in named] + [v for v in rest if v.is_floating_point()] + rest), None)
+    more = [(k, v) for k, v in named if v is not first and v.is_floating_point() and k != "inputs_embeds"]
+    return first, more
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
@@ -278,16 +294,15 @@ class Tracer:
             return None
         self._counters = {}
         self._ids = None
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is None:  # keyword inputs: the usual names first, then the first tensor
-            named = [kwargs.get(k) for k in ("input_ids", "inputs_embeds", "pixel_values", "input", "x")]
-            x = next((v for v in named + list(kwargs.values()) if isinstance(v, torch.Tensor)), None)
+        x, more = _model_inputs(args, kwargs)
         if "data" not in self.disabled and isinstance(x, torch.Tensor):
             if x.is_floating_point():
                 self._guard("data", self._data, x, "input")
             else:
                 self._ids = x  # the lookup of these ids is the data stage
                 self._guard("data", self._tokens, x)
+            for name, t in more:  # a second modality (CLIP's images beside its text)
+                self._guard("data", self._data, t, name)
         self._mode = _Mode(self)
         self._mode.__enter__()
         return None

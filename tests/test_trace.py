@@ -568,23 +568,28 @@ class _ListsBlock(torch.nn.Module):
         return x + self.mlp(self.ln(x))
 
 
+class _ListsModel(torch.nn.Module):
+    """Two ``_ListsBlock``s called plainly or with their wrappers, or never called (``parts``: the forward reaches
+    into each block's parts)."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.blocks = torch.nn.ModuleList(_ListsBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b.mlp(b.ln(x)) if self.mode == "parts" else b(x, self.mode == "wrapped")
+        return x
+
+
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_lists_inside_a_block_scope_its_adds_by_what_they_do(tmp_path, wrapped):
     """Lists of modules inside a block are scopes of the stream only where they add their own input: a list of
     attention heads is not (the add after it is the block's, and it is attention's), a list of ``x + f(norm x)``
     wrappers is (each add named by its wrapper)."""
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = torch.nn.ModuleList(_ListsBlock() for _ in range(2))
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x, wrapped)
-            return x
-
     torch.manual_seed(0)
-    model = Model()
+    model = _ListsModel("wrapped" if wrapped else "plain")
     with trace(model, tmp_path) as tr:
         model(torch.randn(2, 8, 32)).pow(2).mean().backward()
         tr.step(0)
@@ -593,8 +598,22 @@ def test_lists_inside_a_block_scope_its_adds_by_what_they_do(tmp_path, wrapped):
     parts = ("sublayer.0.attn", "sublayer.1.mlp") if wrapped else ("attn", "mlp")
     assert sites == {(layer, part) for layer in (0, 1) for part in parts}
     heads = {(e["layer"], e["site"]) for e in entries if e["stage"] == "attention_logits"}
-    assert heads == {(layer, site) for layer in (0, 1) for site in ("", "#1", "#2", "#3")}
+    assert heads == {(layer, f"heads.{h}") for layer in (0, 1) for h in range(4)}  # the list element each ran in
     assert not tr.errors
+
+
+def test_blocks_that_never_run_leave_the_run_undecided(tmp_path):
+    """A forward that reaches into its blocks' parts instead of calling them (``b.mlp(b.ln(x))``) records no layer
+    of the chain: the run is inconclusive, saying so and what decides it, never clean."""
+    torch.manual_seed(0)
+    model = _ListsModel("parts")
+    with trace(model, tmp_path) as tr:
+        for step in range(12):
+            model(torch.randn(2, 8, 32)).pow(2).mean().backward()
+            tr.step(step, loss=1.0)
+    d = diagnose(tmp_path)
+    assert d.verdict == "inconclusive" and not d.incidents
+    assert any("never ran during a recorded forward" in u and "layers=" in u for u in d.undecided), d.undecided
 
 
 def test_update_statistics_match_the_parameter_change(tmp_path):

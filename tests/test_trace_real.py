@@ -349,10 +349,10 @@ def test_windowed_attention_is_recorded_per_head(tmp_path):
             tr.step(step, loss=1.0)
     recs = read_run(tmp_path).records
     logits = [{(e["layer"], e["site"]): e for e in rec["entries"] if e["stage"] == "attention_logits"} for rec in recs]
-    assert set(logits[0]) == {(0, ""), (1, ""), (1, "#1")}
-    assert len(logits[0][1, "#1"]["max_logit"]) == 2  # per head
-    assert min(logits[1][1, "#1"]["max_logit"]) > 100 * max(logits[0][1, "#1"]["max_logit"])
-    assert logits[1][1, ""]["max_logit"] == pytest.approx(logits[0][1, ""]["max_logit"], rel=1e-5)
+    assert set(logits[0]) == {(0, ""), (1, "layers.0"), (1, "layers.1")}  # by the stage's element each ran in
+    assert len(logits[0][1, "layers.1"]["max_logit"]) == 2  # per head
+    assert min(logits[1][1, "layers.1"]["max_logit"]) > 100 * max(logits[0][1, "layers.1"]["max_logit"])
+    assert logits[1][1, "layers.0"]["max_logit"] == pytest.approx(logits[0][1, "layers.0"]["max_logit"], rel=1e-5)
     sites = {(e["layer"], e["site"]) for e in recs[0]["entries"] if e["stage"] == "sublayer_output"}
     assert sites == {(0, "attn"), (0, "mlp"), (1, "layers.1.attn"), (1, "layers.1.mlp")}
     assert not tr.errors
@@ -432,6 +432,25 @@ def test_a_hybrid_of_state_space_and_attention_layers(tmp_path):
     assert not tr.errors
 
 
+def test_a_token_shift_makes_a_branch_a_mixer(tmp_path):
+    """RWKV mixes tokens by shifting its (batch, sequence, channel) input one position along the sequence
+    (``ZeroPad2d((0, 0, 1, -1))``) in its time mix, and in its channel mix too: both branches are mixers (its time mix
+    was read as an MLP, and a fault there pointed at the feed-forward)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=R.VOCAB, hidden_size=32, num_hidden_layers=2,
+                                             attention_hidden_size=32, intermediate_size=64, context_length=32))
+    window, _ = next(R.batches(0))
+    with trace(model.train(), tmp_path) as tr:
+        model(input_ids=window[:, :16]).logits.sum().backward()
+        tr.step(0, loss=1.0)
+    sites = {(e["layer"], e["site"]) for e in read_run(tmp_path).records[0]["entries"]
+             if e["stage"] == "sublayer_output"}
+    assert sites == {(layer, part) for layer in (0, 1) for part in ("mixer", "mixer#1")}
+    assert not tr.errors
+
+
 def test_a_gated_norm_is_a_norm_and_a_layer_named_like_one_is_not():
     """A state-space mixer's gated RMSNorm (``norm(x · silu(gate)) · γ``, Mamba2's) is discovered as a norm, so its γ
     is recorded; wav2vec2's ``Wav2Vec2EncoderLayerStableLayerNorm`` is a whole layer, named like a norm: not one."""
@@ -486,6 +505,28 @@ def test_every_modality_and_a_keyword_input_after_its_mask_are_data(tmp_path):
     assert samples["input"]["sumsq"] == pytest.approx(wave.pow(2).sum(1).tolist(), rel=1e-5)
 
 
+def test_a_list_of_lists_of_layers_gives_its_layers_as_blocks(tmp_path):
+    """Funnel keeps its layers in a list of lists (``encoder.blocks[i][j]``), and the inner lists are never called:
+    the layers are the blocks, numbered in order across the lists (the inner lists were taken, never entered, and
+    nothing of the residual chain was recorded while the run read as clean)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.FunnelForMaskedLM(tf.FunnelConfig(vocab_size=R.VOCAB, block_sizes=[1, 2], d_model=32, n_head=4,
+                                                 d_head=8, d_inner=64, num_decoder_layers=2)).train()
+    window, _ = next(R.batches(0))
+    with trace(model, tmp_path) as tr:
+        model(input_ids=window[:, :16]).logits.sum().backward()
+        tr.step(0, loss=1.0)
+    run = read_run(tmp_path)
+    assert run.headers[0]["blocks"] == ["funnel.encoder.blocks.0.0", "funnel.encoder.blocks.1.0",
+                                        "funnel.encoder.blocks.1.1", "funnel.decoder.layers.0",
+                                        "funnel.decoder.layers.1"]
+    sites = {(e["layer"], e["site"]) for e in run.records[0]["entries"] if e["stage"] == "sublayer_output"}
+    assert sites == {(layer, part) for layer in range(5) for part in ("attn", "mlp")}
+    assert not tr.errors
+
+
 def _edit_record(run_dir, step: int, edit) -> None:
     path = run_dir / "trace.jsonl"
     lines = path.read_text().splitlines()
@@ -495,6 +536,33 @@ def _edit_record(run_dir, step: int, edit) -> None:
             edit(rec)
             lines[i] = json.dumps(rec)
     path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("factor", [3.0, 30.0])
+def test_a_non_finite_gradient_is_its_own_cause_unless_something_before_it_is_far_out(tmp_path, factor):
+    """A NaN born in layer 0's MLP gradient (written into a real run's record at step AT) while the gradient that the
+    backward finished first wobbles ×3 at the same step: the NaN is the cause, not the wobble, which cannot make a
+    value non-finite (a MobileViT run blamed its classifier's ×1.8). The same gradient ×30 can overflow what follows
+    it in the backward: then it is the cause."""
+    R.run("postln", tmp_path, 0, steps=R.AT + 2)
+    first = {}
+
+    def edit(rec):
+        grads = [e for e in rec["entries"] if e["stage"] == "grad"]
+        first["key"] = (grads[0]["layer"], grads[0]["site"])
+        grads[0]["max"] *= factor
+        grads[0]["sumsq"] *= factor ** 2
+        next(e for e in grads if (e["layer"], e["site"]) == (0, "fc1"))["nonfinite"] = 1
+
+    _edit_record(tmp_path, R.AT, edit)
+    assert first["key"] != (0, "fc1")
+    d = diagnose(tmp_path)
+    inc, a = d.incidents[0], d.first
+    assert inc.kind == "nonfinite" and inc.step == R.AT
+    wobble = [x for x in inc.departures if (x.stage, x.layer, x.site) == ("grad", *first["key"])]
+    assert wobble and wobble[0].step == R.AT  # it left its range: a candidate the rule had to turn down
+    want = first["key"] if factor >= 5 else (0, "fc1")
+    assert (a.step, a.stage, a.layer, a.site) == (R.AT, "grad", *want), a
 
 
 def test_a_loss_spike_carried_by_a_sample_with_its_input_in_range_is_a_note(tmp_path):

@@ -78,7 +78,17 @@ def block_modules(model: torch.nn.Module) -> dict[int, int]:
     for container in model.modules():
         if not isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
             continue
-        kids = [(n, m) for n, m in container.named_children() if n.isdigit()]
+        # a list of lists (Funnel's blocks of layers) is never called itself: the inner lists' elements are the
+        # candidates, numbered in order across them
+        kids = []
+        for n, m in container.named_children():
+            if not n.isdigit():
+                continue
+            if isinstance(m, torch.nn.ModuleList):
+                kids += [m2 for n2, m2 in m.named_children() if n2.isdigit()]
+            elif not isinstance(m, torch.nn.ModuleDict):
+                kids.append(m)
+        kids = [(str(i), m) for i, m in enumerate(kids)]
         classes: dict[type, int] = {}
         for _, m in kids:
             classes[type(m)] = classes.get(type(m), 0) + 1

@@ -384,6 +384,22 @@ def _group(key: tuple | None) -> str:
     return f"layer {key[1]} ({key[2]})" if key[1] is not None else key[2]
 
 
+def _can_make_nonfinite(deps: list[Anomaly]) -> list[Anomaly]:
+    """The departures that can be a non-finite incident's cause: the non-finite ones, and before the first of them
+    in the chain only a finite value far from its range (× ``DANGER_JUMP`` or more either way: a γ written ×50 that
+    overflows downstream), not a gradient ×1.8 that the backward happened to finish first."""
+    bad = [a for a in deps if a.metric == "nonfinite" or not math.isfinite(a.value)]
+    if not bad:
+        return deps
+    first = min(a.order for a in bad)
+
+    def far(a: Anomaly) -> bool:
+        v, b = abs(a.value), abs(a.baseline) if a.baseline is not None and math.isfinite(a.baseline) else 0.0
+        return not (v > 0 and b > 0) or max(v / b, b / v) >= DANGER_JUMP
+
+    return bad + [a for a in deps if a not in bad and a.order < first and far(a)]
+
+
 def _shared_jumps(jumps: list[_Trigger], groups: int) -> list[_Trigger]:
     """Learning-rate jumps of several groups at one step by one factor, as one: a schedule or an ``lr`` set for the
     whole optimizer is not a jump of its first group's."""
@@ -930,7 +946,8 @@ class _Detector:
         if trig.kind == "lr_jump" and own is not None:
             cause = own  # the learning rate itself: the updates it scaled follow from it
         else:  # the earliest link; at the same link, the incident's own series (the metric it was judged on)
-            cause = _one_head(min(deps, key=lambda a: (a.order, a is not own)), deps)
+            causes = _can_make_nonfinite(deps) if trig.kind == "nonfinite" else deps
+            cause = _one_head(min(causes, key=lambda a: (a.order, a is not own)), deps)
         if cause not in deps:  # one head named for its layer's non-finite logits: it stands for its own departure
             same = (cause.step, cause.stage, cause.layer, cause.site, cause.head, cause.metric)
             deps = [a for a in deps if (a.step, a.stage, a.layer, a.site, a.head, a.metric) != same] + [cause]
@@ -1110,6 +1127,12 @@ def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]
     if n and not blocks:
         out.append("no repeated blocks were found, so no layer of the residual chain was recorded: pass the block "
                    "modules to trace(..., layers=...)")
+    elif n and not any(e.get("stage") in ("layer_input", "residual_sum")
+                       for rec in run.records for e in rec.get("entries", ())):
+        out.append(f"no block's input or residual sum was recorded: the blocks found ({', '.join(map(str, blocks[:3]))}"
+                   f"{', …' if len(blocks) > 3 else ''}) never ran during a recorded forward, or their input was not "
+                   "a tensor the tracer could follow; pass the modules that run as the model's layers to "
+                   "trace(..., layers=...)")
     for e in errors:
         probe = str(e.get("probe", "?"))
         if probe.startswith("sink"):  # a sink's failure loses a copy, not a measurement

@@ -119,8 +119,8 @@ class _Mode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
             tr._follow(args[0], out)
-        elif name == "conv1d" and tr._streams:
-            tr._mixing(args, kwargs)
+        elif name in ("conv1d", "pad") and tr._streams:
+            tr._mixing(name, args, kwargs)
         return out
 
 
@@ -440,12 +440,16 @@ class Tracer:
         self.entries.add(*self._logits_key(), attention.eager_logit_stats(x))
 
     def _logits_key(self) -> tuple:
+        """The entry of an attention call: its block's layer, the nested element it runs in (Swin's ``blocks.1``)
+        and its order there (``#1`` for the second: cross-attention, a second window pass)."""
         layer = self._layer()
+        prefix = ""
         if self._streams:
             self._streams[-1]["attn"] = True
-        k = self._counters.get(("attn", layer), 0)
-        self._counters[("attn", layer)] = k + 1
-        return "attention_logits", layer, "" if k == 0 else f"#{k}"
+            prefix = self._streams[-1]["prefix"].rstrip(".")
+        k = self._counters.get(("attn", layer, prefix), 0)
+        self._counters[("attn", layer, prefix)] = k + 1
+        return "attention_logits", layer, prefix if k == 0 else f"{prefix}#{k}"
 
     def _follow(self, x, out: torch.Tensor) -> None:
         """``out`` is ``x`` seen through a reshape, a cast or a dropout: a stand-in for the stream, or a joined
@@ -462,12 +466,21 @@ class Tracer:
         except Exception as exc:  # never break training
             self._fail("residual", exc)
 
-    def _mixing(self, args, kwargs) -> None:
-        """A depthwise convolution along the sequence (one group per channel): a state-space or convolutional
-        token mixer (Mamba's), whose residual branch is then a ``mixer``, not an MLP."""
+    def _mixing(self, name: str, args, kwargs) -> None:
+        """A depthwise convolution along the sequence (one group per channel), or a shift of a (batch, sequence,
+        channel) tensor along its sequence (``pad`` by (0, 0, k, -k): RWKV's token shift): a state-space, recurrent
+        or convolutional token mixer, whose residual branch is then a ``mixer``, not an MLP."""
         x = args[0] if args else kwargs.get("input")
-        groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]:
+        if not isinstance(x, torch.Tensor):
+            return
+        if name == "conv1d":
+            groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+            mixes = x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]
+        else:
+            pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
+            mixes = (x.dim() == 3 and isinstance(pad, tuple | list) and len(pad) == 4 and pad[0] == pad[1] == 0
+                     and pad[2] != 0 and pad[2] + pad[3] == 0)
+        if mixes:
             self._streams[-1]["mixer"] = True
 
     def _is_stream(self, s: dict, x) -> bool:

@@ -470,18 +470,23 @@ class Tracer:
         """A depthwise convolution along the sequence (one group per channel), or a shift of a (batch, sequence,
         channel) tensor along its sequence (``pad`` by (0, 0, k, -k): RWKV's token shift): a state-space, recurrent
         or convolutional token mixer, whose residual branch is then a ``mixer``, not an MLP."""
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, torch.Tensor):
+        if "residual" in self.disabled:
             return
-        if name == "conv1d":
-            groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
-            mixes = x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]
-        else:
-            pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
-            mixes = (x.dim() == 3 and isinstance(pad, tuple | list) and len(pad) == 4 and pad[0] == pad[1] == 0
-                     and pad[2] != 0 and pad[2] + pad[3] == 0)
-        if mixes:
-            self._streams[-1]["mixer"] = True
+        try:  # not under the guard, as _follow: a few checks on every such op, kept cheap
+            x = args[0] if args else kwargs.get("input")
+            if not isinstance(x, torch.Tensor):
+                return
+            if name == "conv1d":
+                groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
+                mixes = x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]
+            else:
+                pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
+                mixes = (x.dim() == 3 and isinstance(pad, tuple | list) and len(pad) == 4 and pad[0] == pad[1] == 0
+                         and pad[2] != 0 and pad[2] + pad[3] == 0)
+            if mixes:
+                self._streams[-1]["mixer"] = True
+        except Exception as exc:  # never break training
+            self._fail("residual", exc)
 
     def _is_stream(self, s: dict, x) -> bool:
         return x is s["stream"] or x is s["alt"] or any(x is v for v in s["views"])

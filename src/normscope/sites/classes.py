@@ -21,7 +21,7 @@ def known_class(module: torch.nn.Module) -> bool:
     if isinstance(module, _KNOWN_TORCH):
         return True
     return (any(_KNOWN_NAME.search(k.__name__) for k in type(module).__mro__[:-1])
-            and not any(True for m in module.modules() if m is not module for _ in m.parameters(recurse=False)))
+            and not any(True for child in module.children() for _ in child.parameters()))
 
 
 def holds_norm(module: torch.nn.Module) -> bool:

@@ -88,15 +88,15 @@ def block_modules(model: torch.nn.Module) -> dict[int, int]:
                 kids += [m2 for n2, m2 in m.named_children() if n2.isdigit()]
             elif not isinstance(m, torch.nn.ModuleDict):
                 kids.append(m)
-        kids = [(str(i), m) for i, m in enumerate(kids)]
         classes: dict[type, int] = {}
-        for _, m in kids:
+        for m in kids:
             classes[type(m)] = classes.get(type(m), 0) + 1
-        repeated = [m for _, m in kids if classes[type(m)] >= 2]
-        normed = bool(repeated) and all(holds_norm(m) for m in repeated)
-        for n, m in kids:
+        repeated = [m for m in kids if classes[type(m)] >= 2]
+        # a class seen once joins only where every repeated element holds a norm (asked only when there is one)
+        normed = bool(repeated) and len(repeated) < len(kids) and all(holds_norm(m) for m in repeated)
+        for i, m in enumerate(kids):
             if classes[type(m)] >= 2 or (normed and holds_norm(m)):
-                out.setdefault(id(m), int(n))
+                out.setdefault(id(m), i)
     return out
 
 

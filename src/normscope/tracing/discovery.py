@@ -37,7 +37,7 @@ class Layout:
         return None, name
 
 
-def _blocks(model: torch.nn.Module, layers, names: dict[int, str]) -> list[torch.nn.Module]:
+def _blocks(model: torch.nn.Module, layers, names: dict[int, str], found: dict[int, int]) -> list[torch.nn.Module]:
     if layers is not None:
         mods = []
         for i, item in enumerate(layers):
@@ -51,7 +51,6 @@ def _blocks(model: torch.nn.Module, layers, names: dict[int, str]) -> list[torch
                 raise InputError(f"layers[{i}] is not a submodule of the traced model; pass its modules or names")
             mods.append(item)
         return mods
-    found = block_modules(model)
     inner = set()
     for m in model.modules():
         if id(m) in found:
@@ -61,12 +60,11 @@ def _blocks(model: torch.nn.Module, layers, names: dict[int, str]) -> list[torch
     return [m for m in model.modules() if id(m) in found and id(m) not in inner]
 
 
-def _nested(model: torch.nn.Module, mods: list[torch.nn.Module]) -> dict[int, tuple[int, str]]:
+def _nested(mods: list[torch.nn.Module], found: dict[int, int]) -> dict[int, tuple[int, str]]:
     """The repeated elements of the lists inside each block, by (layer, name inside the block). Whether one is a
     residual block of its own is seen in the forward (an add of its own input); each such call is then the stream's
     scope for the adds inside it, since the stage around it may change the stream before it (a downsampling
     layer, a ReLU after each add) or between its elements."""
-    found = block_modules(model)
     chosen = {id(m) for m in mods}
     out: dict[int, tuple[int, str]] = {}
     for i, block in enumerate(mods):
@@ -78,10 +76,11 @@ def _nested(model: torch.nn.Module, mods: list[torch.nn.Module]) -> dict[int, tu
 
 def discover(model: torch.nn.Module, layers=None) -> Layout:
     names = {id(m): n for n, m in model.named_modules()}
-    mods = _blocks(model, layers, names)
+    found = block_modules(model)  # the candidates: the blocks (unless named) and the elements nested in them
+    mods = _blocks(model, layers, names, found)
     prefixes = sorted(((names[id(m)] + ".", i) for i, m in enumerate(mods)), key=lambda p: -len(p[0]))
     layout = Layout({id(m): i for i, m in enumerate(mods)}, [names[id(m)] for m in mods], {}, {}, [],
-                    list(model.parameters()), prefixes, nested=_nested(model, mods))
+                    list(model.parameters()), prefixes, nested=_nested(mods, found))
     for n, m in model.named_modules():
         if m is not model and known_class(m):
             layout.norms[id(m)] = layout.locate(n)

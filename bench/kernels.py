@@ -64,6 +64,18 @@ def interleaved(fns: dict, rounds: int, sync=None, warm: int = 3) -> dict[str, l
     return times
 
 
+def ordinary_stores(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with the CPU kernels' streaming stores switched off (every output size below the
+    threshold)."""
+    from normscope.kernels import streaming
+
+    keep, streaming.STREAM_MIN_BYTES = streaming.STREAM_MIN_BYTES, 1 << 62
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        streaming.STREAM_MIN_BYTES = keep
+
+
 def per_round(top: list[float], bottom: list[float]) -> list[float]:
     return [a / b for a, b in zip(top, bottom, strict=True)]
 
@@ -131,6 +143,9 @@ def main(argv=None) -> int:
     fns = {"copy": lambda: dst.copy_(x), "clone": lambda: x.clone(),
            "rms": lambda: norm(x, RMS, w), "ln": lambda: norm(x, LN, w, b),
            "rms eager": lambda: F.rms_norm(x, (n,), w, 1e-6), "ln eager": lambda: F.layer_norm(x, (n,), w, b, 1e-5)}
+    if args.device == "cpu":  # the same kernels with ordinary stores: what the streaming stores gain, in this run
+        fns["rms ordinary"] = lambda: ordinary_stores(norm, x, RMS, w)
+        fns["ln ordinary"] = lambda: ordinary_stores(norm, x, LN, w, b)
     if not args.no_compile:
         compiled = torch.compile(lambda a, g: F.rms_norm(a, (a.shape[-1],), g, 1e-6), dynamic=False)
         fns["rms compiled"] = lambda: compiled(x, w)
@@ -157,8 +172,9 @@ def main(argv=None) -> int:
     med = {k: statistics.median(v) for k, v in times.items()}
 
     labels = [("copy", "copy into an existing tensor (dst.copy_(x))", 2), ("clone", "copy into a new tensor (x.clone())", 2),
-              ("rms", "normscope RMS forward", 2), ("rms eager", "eager F.rms_norm", 2),
-              ("rms compiled", "torch.compile(F.rms_norm)", 2), ("ln", "normscope LN forward", 2),
+              ("rms", "normscope RMS forward", 2), ("rms ordinary", "  the same, ordinary stores", 2),
+              ("rms eager", "eager F.rms_norm", 2), ("rms compiled", "torch.compile(F.rms_norm)", 2),
+              ("ln", "normscope LN forward", 2), ("ln ordinary", "  the same, ordinary stores", 2),
               ("ln eager", "eager F.layer_norm", 2), ("add", "normscope add + RMS (fused)", 4),
               ("add eager", "eager x + r; F.rms_norm", 4), ("fb", "normscope RMS fwd + bwd", 5),
               ("fb eager", "eager autograd RMS fwd + bwd", 5)]
@@ -196,6 +212,10 @@ def main(argv=None) -> int:
             line += f"  (ceiling {ceiling:.2f}{': out of reach here' if ceiling < target else ''})"
         print(line)
 
+    if "rms ordinary" in times:
+        print("  streaming stores' gain (not a target): RMS forward "
+              + ", LN forward ".join(f"{statistics.median(per_round(times[k + ' ordinary'], times[k])):.2f}×"
+                                     for k in ("rms", "ln")))
     if args.device == "cuda":
         return 0
     if args.no_sweep:

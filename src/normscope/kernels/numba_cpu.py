@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .streaming import store_fence, stream_row
+
 _FM = {"reassoc", "contract"}
 _OPTS = {"cache": True, "fastmath": _FM, "error_model": "numpy"}
 
@@ -80,6 +82,17 @@ def _encode(buf, bits, n, fmt, dst, start):
                 dst[start + j] = sign | np.uint16(((e - 112) << 10) | ((u & np.uint32(0x7FFFFF)) >> np.uint32(13)))
             else:  # subnormal or zero: the value is a multiple of 2^-24
                 dst[start + j] = sign | np.uint16(np.int64(abs(buf[j]) * np.float32(16777216.0)))
+
+
+@njit(**_OPTS)
+def _store_16(buf, bits, n, fmt, dst, start, stream):
+    """``_encode`` into ``dst[start:start + n]``; with ``stream``, through a scratch row and streaming stores."""
+    if not stream:
+        _encode(buf, bits, n, fmt, dst, start)
+        return
+    row = np.empty(n, np.uint16)
+    _encode(buf, bits, n, fmt, row, 0)
+    stream_row(dst[start:start + n], row, n)
 
 
 # ------------------------------------------------------------------------------------------- one row
@@ -171,14 +184,14 @@ def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift, cast
 # ------------------------------------------------------------------------------------------- forward
 @njit(**_OPTS)
 def _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                     center, one_pass, unbiased, eps, placement):
+                     center, one_pass, unbiased, eps, placement, stream):
     yr = y[i * n:(i + 1) * n]
     xr = x[i * x_rs:i * x_rs + n]
     if has_res:
         # h = x + residual and its sums in one pass over row slices (flat indices did not vectorize; a separate
         # pass for the sums ran at two thirds of the speed)
         rr = res[i * res_rs:i * res_rs + n]
-        hr = h_out[i * n:(i + 1) * n]
+        hr = np.empty(n, np.float32) if stream else h_out[i * n:(i + 1) * n]
         s = np.float32(0.0)
         ss = np.float32(0.0)
         for j in range(n):
@@ -187,35 +200,42 @@ def _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale
             s += v
             ss += v * v
         mean, var, denom = _finish_stats(hr, n, s, ss, center, one_pass, unbiased, eps, placement)
+        if stream:
+            stream_row(h_out[i * n:(i + 1) * n], hr, n)
     else:
         hr = xr
         mean, var, denom = _row_stats(hr, n, center, one_pass, unbiased, eps, placement)
     stats[i, 0] = mean
     stats[i, 1] = var
     stats[i, 2] = denom
-    _row_affine(hr, yr, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, yr.view(np.uint32))
+    out = np.empty(n, np.float32) if stream else yr  # streamed: computed in a scratch row, which stays in L1
+    _row_affine(hr, out, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, out.view(np.uint32))
+    if stream:
+        stream_row(yr, out, n)
+        store_fence()
 
 
 @njit(parallel=True, **_OPTS)
 def forward_f32(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
-                center, one_pass, unbiased, eps, placement):
-    """float32 rows: y = norm(x [+ res]); h_out gets x + res when ``has_res``; stats[i] = (mean, var, denom)."""
+                center, one_pass, unbiased, eps, placement, stream):
+    """float32 rows: y = norm(x [+ res]); h_out gets x + res when ``has_res``; stats[i] = (mean, var, denom).
+    ``stream``: y and h_out written with streaming stores (:mod:`.streaming`)."""
     for i in prange(rows):
         _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                         center, one_pass, unbiased, eps, placement)
+                         center, one_pass, unbiased, eps, placement, stream)
 
 
 @njit(**_OPTS)
 def forward_f32_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
-                       has_shift, center, one_pass, unbiased, eps, placement):
+                       has_shift, center, one_pass, unbiased, eps, placement, stream):
     for i in range(rows):
         _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                         center, one_pass, unbiased, eps, placement)
+                         center, one_pass, unbiased, eps, placement, stream)
 
 
 @njit(**_OPTS)
 def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                    center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
+                    center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
     hbuf = np.empty(n, np.float32)
     hbits = hbuf.view(np.uint32)
     _decode(x, i * x_rs, n, fmt, table, hbuf, hbits)
@@ -225,7 +245,7 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
         for j in range(n):
             hbuf[j] = hbuf[j] + rbuf[j]
         _round_row(hbuf, hbits, n, fmt)  # h = x + residual in the storage dtype
-        _encode(hbuf, hbits, n, fmt, h_out, i * n)
+        _store_16(hbuf, hbits, n, fmt, h_out, i * n, stream)
     mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
     stats[i, 0] = mean
     stats[i, 1] = var
@@ -233,24 +253,27 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
     obuf = np.empty(n, np.float32)
     obits = obuf.view(np.uint32)
     _row_affine(hbuf, obuf, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, obits)
-    _encode(obuf, obits, n, fmt, y, i * n)
+    _store_16(obuf, obits, n, fmt, y, i * n, stream)
+    if stream:
+        store_fence()
 
 
 @njit(parallel=True, **_OPTS)
 def forward_16(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
-               center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
-    """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics."""
+               center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
+    """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics; ``stream`` as in
+    ``forward_f32``."""
     for i in prange(rows):
         _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table)
+                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
 
 
 @njit(**_OPTS)
 def forward_16_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
-                      has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table):
+                      has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
     for i in range(rows):
         _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table)
+                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
 
 
 # ------------------------------------------------------------------------------------------- backward
@@ -294,41 +317,48 @@ def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_p
 
 @njit(**_OPTS)
 def _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
-                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream):
     per = (rows + chunks - 1) // chunks
     dg = dgamma_part[c]
     db = dbeta_part[c]
+    scratch = np.empty(n if stream else 0, np.float32)
     for i in range(c * per, min(rows, (c + 1) * per)):
-        dxr = dx[i * n:(i + 1) * n]
+        dxr = scratch if stream else dx[i * n:(i + 1) * n]
         _row_backward(h[i * n:(i + 1) * n], dy[i * n:(i + 1) * n], dxr, n, stats[i, 0], stats[i, 1],
                       stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
                       want_dgamma, want_dbeta)
         if has_dh:
             for j in range(n):
                 dxr[j] += dh[i * n + j]
+        if stream:
+            stream_row(dx[i * n:(i + 1) * n], dxr, n)
+    if stream:
+        store_fence()
 
 
 @njit(parallel=True, **_OPTS)
 def backward_f32(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
-                 center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+                 center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream):
     """dx (plus the incoming gradient of h, when ``has_dh``) for contiguous float32 rows; dγ/dβ as per-chunk
-    partial sums (``chunks`` rows of the partial arrays), summed by the caller."""
+    partial sums (``chunks`` rows of the partial arrays), summed by the caller; ``stream``: dx written with
+    streaming stores."""
     for c in prange(chunks):
         _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
-                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part)
+                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream)
 
 
 @njit(**_OPTS)
 def backward_f32_serial(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
-                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part):
+                        want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream):
     for c in range(chunks):
         _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
-                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part)
+                            want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream)
 
 
 @njit(**_OPTS)
 def _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
-                       want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part):
+                       want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part,
+                       stream):
     per = (rows + chunks - 1) // chunks
     hbuf = np.empty(n, np.float32)
     gbuf = np.empty(n, np.float32)
@@ -347,24 +377,26 @@ def _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, 
             for j in range(n):
                 dbuf[j] += tbuf[j]
         _round_row(dbuf, dbits, n, fmt)
-        _encode(dbuf, dbits, n, fmt, dx, i * n)
+        _store_16(dbuf, dbits, n, fmt, dx, i * n, stream)
+    if stream:
+        store_fence()
 
 
 @njit(parallel=True, **_OPTS)
 def backward_16(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma, want_dbeta,
-                center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part):
+                center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part, dbeta_part, stream):
     """``backward_f32`` for bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; dx rounded once."""
     for c in prange(chunks):
         _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
                            want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
-                           dbeta_part)
+                           dbeta_part, stream)
 
 
 @njit(**_OPTS)
 def backward_16_serial(h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
                        want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
-                       dbeta_part):
+                       dbeta_part, stream):
     for c in range(chunks):
         _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
                            want_dbeta, center, one_pass, unbiased, eps, placement, fmt, table, dgamma_part,
-                           dbeta_part)
+                           dbeta_part, stream)

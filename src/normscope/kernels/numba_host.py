@@ -7,6 +7,7 @@ import torch
 
 from ..numba_threads import launch
 from . import numba_cpu as k
+from . import streaming
 from .contract import RowContract
 
 
@@ -22,6 +23,12 @@ def _np(t: torch.Tensor, fmt: int) -> np.ndarray:
     if fmt == 0:
         return t.numpy()
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def _streamed(out: torch.Tensor) -> bool:
+    """Whether a kernel writes ``out`` with streaming stores: when it is too large to stay in cache for its reader
+    (:data:`.streaming.STREAM_MIN_BYTES`, read at each call)."""
+    return out.numel() * out.element_size() >= streaming.STREAM_MIN_BYTES
 
 
 _EMPTY_F32 = np.zeros(1, np.float32)
@@ -46,10 +53,10 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
               np.float32(rc.eps), rc.placement)
     if fmt == 0:
         launch(k.forward_f32, k.forward_f32_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), 0), hs,
-               stats.numpy(), *common)
+               stats.numpy(), *common, _streamed(y))
     else:
         launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), fmt), hs,
-               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE)
+               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y))
     return y, h, stats
 
 
@@ -70,9 +77,9 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
                 stats.numpy(), rows, n, chunks, sc, scale is not None, want_dg, want_db, rc.center, rc.one_pass,
                 rc.unbiased, np.float32(rc.eps), rc.placement)
         if fmt == 0:
-            launch(k.backward_f32, k.backward_f32_serial, *args, dg, db)
+            launch(k.backward_f32, k.backward_f32_serial, *args, dg, db, _streamed(dx))
         else:
-            launch(k.backward_16, k.backward_16_serial, *args, fmt, k.F16_TABLE, dg, db)
+            launch(k.backward_16, k.backward_16_serial, *args, fmt, k.F16_TABLE, dg, db, _streamed(dx))
     dgamma = torch.from_numpy(dg.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_dg else None
     dbeta = torch.from_numpy(db.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_db else None
     return dx, dgamma, dbeta

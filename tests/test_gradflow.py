@@ -311,7 +311,12 @@ def test_command(capsys, tmp_path):
     d = json.loads(out)
     assert d["schema"] == SCHEMA and len(d["snapshots"]) == 2 and d["optimizer"] == "Adam"
     assert [r["block"] for r in d["snapshots"][0]["layers"]] == ["blocks.0", "blocks.1"]
-    assert d["snapshots"][0]["loss"] == pytest.approx(math.log(64), rel=0.15)  # random ids at init
+    # random ids at init: about log 64, and above it (a random model's logits are not all equal); the model is built
+    # from seed 0, so this does not move with what ran before in the process (it did, from 4.1 to 5.1)
+    assert math.log(64) <= d["snapshots"][0]["loss"] <= 1.5 * math.log(64)
+    code, again, _ = _cli(["gradflow", "normscope.nn.blocks:TinyLM", "--kwargs", kw, "--tokens", "2,8", "--json",
+                           "--steps", "1"], capsys)
+    assert json.loads(again)["snapshots"][0]["loss"] == d["snapshots"][0]["loss"]
     assert "next-token cross-entropy" in d["notes"][0]
     assert (tmp_path / "p.png").stat().st_size > 5000
     code, out, _ = _cli(["gradflow", "normscope.nn.blocks:TinyLM", "--kwargs", kw, "--tokens", "2,8"], capsys)

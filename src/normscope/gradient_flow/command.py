@@ -182,6 +182,7 @@ def run(args, console: Console) -> int:
             args.tokens = args.inputs[4:]
         else:
             args.shape = args.inputs
+    torch.manual_seed(0)  # a model built from a config starts from the same weights whatever ran before
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
     if args.tokens:
         b_t = parse_shape(args.tokens)

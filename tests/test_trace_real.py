@@ -317,16 +317,64 @@ def test_residual_blocks_inside_a_stage_are_found(tmp_path, arch):
                 hook.remove()
             tr.step(step, loss=1.0)
     branch, total = _stage_sites(tmp_path, "sublayer_output"), _stage_sites(tmp_path, "residual_sum")
-    if arch == "resnet":  # stage 1's first block projects its shortcut: not an add of its input
-        expected = {(0, "layers.0.mlp"), (0, "layers.1.mlp"), (1, "layers.1.mlp"), (1, "layers.2.mlp")}
-    else:
-        expected = {(0, "layers.0.mlp"), (0, "layers.1.mlp"), (1, "layers.0.mlp"), (1, "layers.1.mlp")}
+    expected = {(0, "layers.0.mlp"), (0, "layers.1.mlp"), (1, "layers.0.mlp"), (1, "layers.1.mlp")}
+    if arch == "resnet":  # stage 1's first block projects its shortcut, and is found all the same
+        expected.add((1, "layers.2.mlp"))
     assert set(branch[0]) == set(total[0]) == expected
     assert branch[0][(1, "layers.1.mlp")] == pytest.approx(seen["rms"], rel=1e-4)  # the branch, not the sum
     assert total[0][(1, "layers.1.mlp")] != pytest.approx(branch[0][(1, "layers.1.mlp")], rel=1e-2)
     assert branch[1][(1, "layers.1.mlp")] > 100 * branch[0][(1, "layers.1.mlp")]
     for site in (s for s in expected if s < (1, "layers.1.mlp")):  # the blocks before it
         assert branch[1][site] == pytest.approx(branch[0][site], rel=1e-4), site
+
+
+@pytest.mark.parametrize("layer_type", ["basic", "bottleneck"])
+def test_a_block_whose_shortcut_is_a_projection_is_found_and_a_fault_in_it_placed_there(tmp_path, layer_type):
+    """The first block of a ResNet stage that changes width or stride adds its branch to a projection of its input
+    (``conv(x) + shortcut_conv(x)``), never to the input itself. Its add is found from the dataflow: two tensors
+    computed from the block's input along separate paths, the branch the longer, summed into what the block returns
+    (after its ReLU). A ResNet trained on scikit-learn's digits (AdamW after a warm-up, pixel noise) gets a NaN in that
+    block's branch at step 40: the cause is that branch (it was the next block's input, a block too late)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 2],
+                          layer_type=layer_type, num_labels=10)
+    model = tf.ResNetForImageClassification(cfg).train()
+    branch = model.resnet.encoder.stages[1].layers[0].layer
+    seen = []
+    branch.register_forward_hook(lambda m, a, out: seen.append(float(out.detach().pow(2).mean().sqrt())))
+
+    def nan_at_40(m, a, out):
+        out = out.clone()
+        out[0, 0, 0, 0] = math.nan
+        return out
+
+    images, labels = R.digits(16)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    g = torch.Generator().manual_seed(0)
+    with trace(model, tmp_path) as tr:
+        for step in range(R.AT + 1):
+            hook = branch.register_forward_hook(nan_at_40) if step == R.AT else None
+            idx = torch.randint(0, len(labels), (8,), generator=g)
+            x = images[idx] + 0.1 * torch.randn(8, 1, 16, 16, generator=g)
+            loss = torch.nn.functional.cross_entropy(model(pixel_values=x).logits, labels[idx])
+            loss.backward()
+            if hook is not None:
+                hook.remove()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            tr.step(step, loss=loss.item())
+    first = _stage_sites(tmp_path, "sublayer_output")[0]
+    assert set(first) == {(0, "mlp"), (1, "layers.0.mlp"), (1, "layers.1.mlp")}  # stage 0 holds one block
+    assert first[1, "layers.0.mlp"] == pytest.approx(seen[0], rel=1e-4)  # the branch, before the add wrote into it
+    d = diagnose(tmp_path)
+    assert len(d.incidents) == 1, d.text()
+    c = d.first
+    assert (c.step, c.stage, c.layer, c.site) == (R.AT, "sublayer_output", 1, "layers.0.mlp"), d.text()
+    assert not tr.errors
 
 
 def test_windowed_attention_is_recorded_per_head(tmp_path):
@@ -354,7 +402,8 @@ def test_windowed_attention_is_recorded_per_head(tmp_path):
     assert min(logits[1][1, "layers.1"]["max_logit"]) > 100 * max(logits[0][1, "layers.1"]["max_logit"])
     assert logits[1][1, "layers.0"]["max_logit"] == pytest.approx(logits[0][1, "layers.0"]["max_logit"], rel=1e-5)
     sites = {(e["layer"], e["site"]) for e in recs[0]["entries"] if e["stage"] == "sublayer_output"}
-    assert sites == {(0, "attn"), (0, "mlp"), (1, "layers.1.attn"), (1, "layers.1.mlp")}
+    assert sites == {(0, "attn"), (0, "mlp"), (1, "layers.0.attn"), (1, "layers.0.mlp"), (1, "layers.1.attn"),
+                     (1, "layers.1.mlp")}  # stage 1's first block projects its shortcut (proj(norm(x)) + attn)
     assert not tr.errors
 
 

@@ -71,6 +71,23 @@ class ActivationBatch:
         if self.bytes > PENDING_BYTES:
             self.flush()
 
+    def drop(self, keys) -> None:
+        """Forget the entries of ``keys``: statistics already taken, pending ones (their tensors no longer held unless
+        another entry reads them), and their places in chain order."""
+        keys = set(keys)
+        for key in keys:
+            self.entries.acc.pop(key, None)
+        if not any(it[0] in keys for it in self.items):
+            return
+        items = [it for it in self.items if it[0] not in keys]
+        used = sorted({i for _, i, _ in items})
+        index = {old: new for new, old in enumerate(used)}
+        self.tensors = [self.tensors[i] for i in used]
+        self.versions = [self.versions[i] for i in used]
+        self.items = [(key, index[i], kind) for key, i, kind in items]
+        self.slots = {id(t): i for i, t in enumerate(self.tensors)}
+        self.bytes = sum(t.numel() * t.element_size() for t in self.tensors)
+
     def flush(self) -> None:
         """Take the pending statistics in one batch. The pending tensors are released first, so a failure (logged,
         the probe disabled) cannot keep them alive."""

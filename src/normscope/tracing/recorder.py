@@ -15,8 +15,9 @@ micro-batches of gradient accumulation and the ranks of a distributed run combin
 the max). Blocks come from :func:`normscope.sites.dataflow.block_modules`, norms from the scan's class discovery
 (:func:`normscope.sites.classes.known_class`) plus functional norm calls, attention from a ``TorchFunctionMode`` that
 sees ``F.scaled_dot_product_attention`` and eager softmax over ``(batch, heads, query, key)`` logits (or ``(batch,
-heads, window, query, key)``); residual adds
-are the adds of the block's current stream (an identity test, no graph capture). The mode is active only during
+heads, window, query, key)``); residual adds are the adds of the block's current stream (an identity test, no graph
+capture), and in a block whose shortcut is a projection the add of two tensors computed from its input along
+separate paths (:mod:`.lineage`). The mode is active only during
 the model's forward at recorded steps. Any exception inside a probe is caught, logged once, and that probe is
 disabled; training never sees it.
 """
@@ -41,6 +42,7 @@ from .activations import ActivationBatch
 from .buffers import Buffers
 from .discovery import discover
 from .gradients import GradientCollector
+from .lineage import Lineage
 from .statistics import StepEntries, per_sample
 from .store import SCHEMA
 from .updates import UpdateCollector
@@ -105,6 +107,8 @@ class _Mode(TorchFunctionMode):
         elif func in NORM_FUNCTIONS and "norms" not in tr.disabled and not tr._in_norm:
             out = func(*args, **kwargs)
             tr._guard("norms", tr._functional_norm, func, args, kwargs, out)
+            if tr._streams and tr._streams[-1]["lineage"] is not None:
+                tr._derive(args, out)
             return out
         elif name in EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
             out = func(*args, **kwargs)
@@ -115,12 +119,16 @@ class _Mode(TorchFunctionMode):
             out = func(*args, **kwargs)
             if add is not None:
                 tr._guard("residual", tr._residual_after, add, out)
+            if tr._streams and tr._streams[-1]["lineage"] is not None:
+                tr._derive(args, out)
             return out
         out = func(*args, **kwargs)
         if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
             tr._follow(args[0], out)
         elif name in ("conv1d", "pad") and tr._streams:
             tr._mixing(name, args, kwargs)
+        if tr._streams and tr._streams[-1]["lineage"] is not None:
+            tr._derive(args, out)
         return out
 
 
@@ -152,6 +160,7 @@ class Tracer:
         self._cost = 0.0  # seconds spent in the tracer's probes during the current step (``tracer_ms``)
         self._written = 0.0  # seconds the last record took to write
         self._streams: list[dict[str, Any]] = []  # one per active block call
+        self._plain: set[int] = set()  # blocks seen adding their own input (no projection shortcut to look for)
         self._mode: _Mode | None = None
         self._last_step = -1
         self.recording = True  # step 0 is recorded
@@ -354,13 +363,25 @@ class Tracer:
         layer, prefix = (self.blocks[id(module)], "") if nested is None else (nested[0], nested[1] + ".")
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
-                              "joined": [], "views": [], "prefix": prefix, "added": False, "mixer": False})
+                              "joined": [], "views": [], "prefix": prefix, "added": False, "mixer": False,
+                              "lineage": Lineage(x) if isinstance(x, torch.Tensor) and id(module) not in self._plain
+                              and "residual" not in self.disabled else None,
+                              "tentative": None, "input": x, "projected": False})
         if nested is None and isinstance(x, torch.Tensor) and x.is_floating_point():
             self._defer("layer_input", layer, "", x)
 
     def _block_post(self, module, args, output):
         if self._streams and self._streams[-1]["module"] is module:
-            s = self._streams.pop()
+            s = self._streams[-1]
+            if s["tentative"] is not None:
+                self._guard("residual", self._settle, s, output)
+            elif s["added"] and not s["projected"]:
+                self._plain.add(id(module))  # adds its own input: no projection add to look for in it again
+            self._streams.pop()
+            if self._streams and self._streams[-1]["lineage"] is not None:  # what the nested scope computed
+                out = output[0] if isinstance(output, tuple | list) and output else output
+                inner = s["lineage"].depth(out) if s["lineage"] is not None else None
+                self._guard("residual", self._streams[-1]["lineage"].inherit, s["input"], out, inner or 1)
             if self._streams and s["prefix"] and not s["added"]:
                 # not a residual block of its own (an attention head of a list of heads, an expert): what ran in
                 # it belongs to the scope around it
@@ -463,6 +484,8 @@ class Tracer:
                 s["views"].append(out)
             elif any(x is j for j in s["joined"]):
                 s["joined"].append(out)
+            elif s["tentative"] is not None and self._is_stream(s["tentative"]["after"], x):
+                s["tentative"]["after"]["views"].append(out)
         except Exception as exc:  # never break training
             self._fail("residual", exc)
 
@@ -499,6 +522,14 @@ class Tracer:
         if len(args) < 2:
             return None
         a, b = args[0], args[1]
+        tentative = False
+        pending = s["tentative"]
+        if pending is not None:
+            if self._is_stream(s, a) or self._is_stream(s, b):
+                self._refute(s)  # an add of the scope's own input after all: the earlier add was not its residual add
+            elif s["lineage"] is not None and any(self._is_stream(pending["after"], x) and s["lineage"].marked(y)
+                                                  for x, y in ((a, b), (b, a))):
+                self._confirm(s)  # the sum and a branch computed from it: it is the stream, its add the residual add
         if self._is_stream(s, a):
             stream, branch = a, b
         elif self._is_stream(s, b):
@@ -506,10 +537,15 @@ class Tracer:
         else:
             # two stream-shaped branches summed after attention, before either meets the stream: a parallel block
             # (GPT-J, GPT-NeoX, Phi: x + attn(ln x) + mlp(ln x)), whose residual branch then holds both sublayers
-            if (s["attn"] and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            attn = s["attn"] or (pending is not None and pending["attn"])
+            if (attn and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                     and isinstance(s["stream"], torch.Tensor) and a.shape == b.shape == s["stream"].shape):
                 return s, None
-            return None
+            depths = self._projection_add(s, a, b)
+            if depths is None:
+                return None
+            branch, stream = (a, b) if depths[0] > depths[1] else (b, a)
+            tentative = True
         if (not isinstance(branch, torch.Tensor) or not isinstance(stream, torch.Tensor)
                 or branch.shape != stream.shape or not branch.is_floating_point()):
             return None
@@ -521,6 +557,10 @@ class Tracer:
         self._defer("sublayer_output", s["layer"], site, branch)
         if branch is a and _writes_in_place(name, args, {}):
             self.activations.flush()  # the add overwrites the branch
+        if tentative:  # the flags start again for the next branch; the stream stays, until the add is settled
+            s["tentative"] = {"site": site, "counter": (s["layer"], part), "attn": s["attn"], "mixer": s["mixer"],
+                              "after": {"stream": None, "alt": None, "views": []}}
+            s["attn"] = s["mixer"] = False
         return s, site
 
     def _residual_after(self, add: tuple, out) -> None:
@@ -532,8 +572,75 @@ class Tracer:
                 s["joined"].append(out)
             return
         self._defer("residual_sum", s["layer"], site, out)
+        pending = s["tentative"]
+        if pending is not None and pending["site"] == site:  # a projection add: the stream it may have made
+            pending["after"]["stream"] = out
+            if s["lineage"] is not None:  # what derives from the sum tells at the scope's end if it was its output
+                s["lineage"].mark(out)
+            return
         s["stream"], s["alt"], s["attn"], s["joined"], s["views"] = out, None, False, [], []
-        s["added"], s["mixer"] = True, False
+        s["added"], s["mixer"], s["lineage"] = True, False, None
+
+    # ------------------------------------------------------------------ residual blocks with a projection shortcut
+    def _derive(self, args, out) -> None:
+        """While a scope has no residual add of its own input (and its block was not seen adding it before), its
+        :class:`.Lineage` follows ``out``."""
+        s = self._streams[-1]
+        lineage = s["lineage"]
+        try:  # not under the guard, as _follow: a few lookups on every op of the scope, kept cheap
+            lineage.derive(args, out)
+            if lineage.full:
+                s["lineage"] = None
+        except Exception as exc:  # never break training
+            self._fail("residual", exc)
+
+    def _projection_add(self, s: dict, a, b) -> tuple[int, int] | None:
+        """(depths of a and b) when ``a + b`` may be the residual add of a block whose shortcut is a projection
+        (ResNet's ``conv(x) + shortcut_conv(x)``; Hiera's ``proj(norm(x)) + attn(norm(x))``): the scope has had no
+        residual add yet, both operands derive from its input, the same shape, at different depths (the branch is the
+        deeper one), along separate paths (the shallower is not on the deeper's). It stays tentative until the sum is
+        added to again or is the scope's output."""
+        lineage = s["lineage"]
+        if lineage is None or s["added"] or s["tentative"] is not None:
+            return None
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.is_floating_point() and b.is_floating_point()):
+            return None
+        da, db = lineage.depth(a), lineage.depth(b)
+        if da is None or db is None or da == db:
+            return None
+        deep, shallow = (a, b) if da > db else (b, a)
+        if lineage.derives(deep, shallow):
+            return None  # one path, not two: an add inside a branch (GELU's x + 0.044715·x³)
+        return da, db
+
+    def _settle(self, s: dict, output) -> None:
+        """At the end of a scope with a pending projection add: its residual add if the scope's output is its sum or
+        derives from it (ResNet's ReLU after the add), else not a residual add at all (its entries dropped)."""
+        out = output[0] if isinstance(output, tuple | list) and output else output
+        if s["lineage"] is not None and s["lineage"].marked(out):
+            self._confirm(s)
+        else:
+            self._refute(s)
+
+    def _confirm(self, s: dict) -> None:
+        """A pending projection add was the scope's residual add: its sum is the stream from now on."""
+        pending, s["tentative"] = s["tentative"], None
+        s["stream"], s["alt"], s["views"], s["joined"] = pending["after"]["stream"], None, pending["after"]["views"], []
+        s["added"], s["lineage"], s["projected"] = True, None, True
+
+    def _refute(self, s: dict) -> None:
+        """A pending projection add that was not the scope's residual add: its entries dropped, its site's number
+        given back, and the flags of the branch it closed restored."""
+        pending, s["tentative"] = s["tentative"], None
+        layer, site = s["layer"], pending["site"]
+        self.activations.drop([("sublayer_output", layer, site), ("residual_sum", layer, site)])
+        counter = pending["counter"]
+        self._counters[counter] = self._counters.get(counter, 1) - 1
+        s["attn"] |= pending["attn"]
+        s["mixer"] |= pending["mixer"]
+        if s["lineage"] is not None:
+            s["lineage"].unmark()
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

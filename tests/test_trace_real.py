@@ -377,6 +377,25 @@ def test_a_block_whose_shortcut_is_a_projection_is_found_and_a_fault_in_it_place
     assert not tr.errors
 
 
+def test_a_projection_blocks_branch_is_followed_through_a_hook_on_it(tmp_path):
+    """A forward hook that scales the projection block's branch (``out * 1000``) adds operations, and tensors, on the
+    way to the add; the add is still found (the tracer's record of what was computed from what once lost its way when
+    a freed tensor's id was reused), and the branch shows the ×1000."""
+    model, branch_of = _stage_model("resnet")
+    with trace(model.train(), tmp_path) as tr:
+        for step in range(3):
+            hook = branch_of(model, 1, 0).register_forward_hook(lambda m, a, out: out * 1000.0) if step else None
+            model(pixel_values=R.digits(16)[0][:8]).logits.sum().backward()
+            if hook is not None:
+                hook.remove()
+            tr.step(step, loss=1.0)
+    branch = _stage_sites(tmp_path, "sublayer_output")
+    for step in (1, 2):
+        assert (1, "layers.0.mlp") in branch[step]
+        assert branch[step][1, "layers.0.mlp"] == pytest.approx(1000 * branch[0][1, "layers.0.mlp"], rel=1e-3)
+    assert not tr.errors
+
+
 def test_windowed_attention_is_recorded_per_head(tmp_path):
     """Hiera's attention takes its softmax over (batch, heads, window, query, key): recorded per head like any
     other, and the add after it is attention's (it was read as an MLP's: no attention seen)."""

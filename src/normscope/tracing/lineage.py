@@ -20,18 +20,22 @@ LIMIT = 4096  # tensors a scope follows from its input
 
 class Lineage:
     def __init__(self, x: torch.Tensor):
-        self.entries: dict[int, tuple] = {}  # id(tensor) -> (weak reference, depth, marked, ids of its sources)
+        # id(tensor) -> (weak reference, depth, marked, serial); an id is reused once its tensor dies, so the graph of
+        # what was computed from what is kept by serial number: serial -> the serials of its sources
+        self.entries: dict[int, tuple] = {}
+        self.sources: list[tuple[int, ...]] = []
         self.full = False
         self.put(x, 0, False, ())
 
     def put(self, t: torch.Tensor, depth: int, marked: bool, sources: tuple[int, ...]) -> None:
-        if len(self.entries) >= LIMIT:
+        if len(self.sources) >= LIMIT:
             self.full = True
             return
-        self.entries[id(t)] = (weakref.ref(t), depth, marked, sources)
+        self.entries[id(t)] = (weakref.ref(t), depth, marked, len(self.sources))
+        self.sources.append(sources)
 
     def get(self, t) -> tuple | None:
-        """``t``'s entry (depth, marked, sources after the reference), or None when ``t`` is not followed (an id of a
+        """``t``'s entry (depth, marked, serial after the reference), or None when ``t`` is not followed (an id of a
         tensor that died and was reused is not ``t``)."""
         e = self.entries.get(id(t))
         return e if e is not None and e[0]() is t else None
@@ -50,7 +54,7 @@ class Lineage:
                 second = a
             e = self.entries.get(id(a))
             if e is not None and e[0]() is a:
-                depth, marked, sources = max(depth, e[1]), marked or e[2], (*sources, id(a))
+                depth, marked, sources = max(depth, e[1]), marked or e[2], (*sources, e[3])
         if depth < 0:
             return
         for o in out if isinstance(out, (tuple, list)) else (out,):  # noqa: UP038 (the tuple form is faster)
@@ -62,7 +66,7 @@ class Lineage:
         """``out`` of a nested scope called on ``x``, ``inner`` operations inside it."""
         e = self.get(x)
         if e is not None and isinstance(out, torch.Tensor):
-            self.put(out, e[1] + inner, e[2], (id(x),))
+            self.put(out, e[1] + inner, e[2], (e[3],))
 
     def depth(self, t) -> int | None:
         e = self.get(t)
@@ -70,25 +74,27 @@ class Lineage:
 
     def derives(self, t, ancestor) -> bool:
         """Whether ``t`` was computed from ``ancestor`` (through followed tensors)."""
-        target = id(ancestor)
-        todo, seen = [id(t)], set()
+        e, a = self.get(t), self.get(ancestor)
+        if e is None or a is None:
+            return False
+        target = a[3]
+        todo, seen = [e[3]], set()
         while todo:
             i = todo.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            e = self.entries.get(i)
-            if e is None:
-                continue
-            if target in e[3]:
+            if i == target:
                 return True
-            todo.extend(e[3])
+            if i not in seen:
+                seen.add(i)
+                todo.extend(self.sources[i])
         return False
 
     def mark(self, t: torch.Tensor) -> None:
         """``t`` is a pending projection add's sum: it and what derives from it from now on are marked."""
         e = self.get(t)
-        self.put(t, 0 if e is None else e[1], True, () if e is None else e[3])
+        if e is None:
+            self.put(t, 0, True, ())
+        else:
+            self.entries[id(t)] = (e[0], e[1], True, e[3])
 
     def marked(self, t) -> bool:
         e = self.get(t)

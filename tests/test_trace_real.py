@@ -371,9 +371,9 @@ def test_a_block_whose_shortcut_is_a_projection_is_found_and_a_fault_in_it_place
     assert set(first) == {(0, "mlp"), (1, "layers.0.mlp"), (1, "layers.1.mlp")}  # stage 0 holds one block
     assert first[1, "layers.0.mlp"] == pytest.approx(seen[0], rel=1e-4)  # the branch, before the add wrote into it
     d = diagnose(tmp_path)
-    assert len(d.incidents) == 1, d.text()
+    assert len(d.incidents) == 1, [(i.step, i.kind, i.evidence) for i in d.incidents]
     c = d.first
-    assert (c.step, c.stage, c.layer, c.site) == (R.AT, "sublayer_output", 1, "layers.0.mlp"), d.text()
+    assert (c.step, c.stage, c.layer, c.site) == (R.AT, "sublayer_output", 1, "layers.0.mlp"), c.to_dict()
     assert not tr.errors
 
 

@@ -583,3 +583,24 @@ def test_token_inputs_for_an_encoder_decoder_include_the_decoders():
     assert set(inputs) == {"input_ids", "decoder_input_ids", "use_cache"} and inputs["use_cache"] is False
     assert tuple(inputs["input_ids"].shape) == (2, 6) and tuple(inputs["decoder_input_ids"].shape) == (2, 4)
     t5.eval()(**inputs)  # runs
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's ignored exception
+def test_a_command_deadline_that_fires_inside_a_finalizer_still_ends_the_command():
+    """The timer's exception raised inside a ``__del__`` (a finalizer the garbage collector runs at any point) is
+    one Python ignores: the work then ran past its deadline unnoticed and the command reported success (a flaky
+    ``scan --timeout 0.01``). The deadline that fired is reported when the work ends."""
+    import time
+
+    from normscope.errors import TargetTimeout
+    from normscope.model_options import deadline
+
+    class SlowFinalizer:
+        def __del__(self):
+            time.sleep(0.05)  # the 10 ms timer fires in here
+
+    with pytest.raises(TargetTimeout, match="did not finish within 0.01 s"):
+        with deadline(0.01, "scan"):
+            SlowFinalizer()  # dropped at once: its finalizer runs now
+    with deadline(5, "scan"):
+        SlowFinalizer()  # within its time: nothing raised

@@ -74,16 +74,22 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
         yield
         return
 
+    fired = []
+
     def expire(signum, frame):
+        fired.append(True)
         raise DeadlinePassed  # not an Exception: no handler inside the work takes it for a site's own failure
 
+    late = TargetTimeout(f"normscope {what} did not finish within {seconds:g} s; raise --timeout (0: no limit) or "
+                         "give smaller inputs")
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+        if fired:  # raised where Python ignores exceptions (a finalizer run by the garbage collector): late all the same
+            raise late
     except DeadlinePassed:
-        raise TargetTimeout(f"normscope {what} did not finish within {seconds:g} s; raise --timeout (0: no limit) "
-                            "or give smaller inputs") from None
+        raise late from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

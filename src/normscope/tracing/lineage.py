@@ -44,14 +44,8 @@ class Lineage:
         """``out`` (a tensor, or a tuple of them) computed from the first two positional ``args``: one operation
         further from the input than the furthest followed source."""
         depth, marked, sources = -1, False, ()
-        first = second = None
-        for i, a in enumerate(args):
-            if i == 2:
-                break
-            if i == 0:
-                first = a
-            else:
-                second = a
+        first, second = args[0] if args else None, args[1] if len(args) > 1 else None
+        for a in (first, second):
             e = self.entries.get(id(a))
             if e is not None and e[0]() is a:
                 depth, marked, sources = max(depth, e[1]), marked or e[2], (*sources, e[3])

@@ -104,29 +104,23 @@ class _Mode(TorchFunctionMode):
             tr._guard("attention", tr._attention_sdpa, args, kwargs)
         elif name in SOFTMAX and "attention" not in tr.disabled and args and isinstance(args[0], torch.Tensor):
             tr._guard("attention", tr._attention_softmax, func, args, kwargs)
-        elif func in NORM_FUNCTIONS and "norms" not in tr.disabled and not tr._in_norm:
+        if func in NORM_FUNCTIONS and "norms" not in tr.disabled and not tr._in_norm:
             out = func(*args, **kwargs)
             tr._guard("norms", tr._functional_norm, func, args, kwargs, out)
-            if tr._streams and tr._streams[-1]["lineage"] is not None:
-                tr._derive(args, out)
-            return out
         elif name in EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
             out = func(*args, **kwargs)
             tr._guard("data", tr._embedding, out)
-            return out
-        if name in ADDS and tr._streams and "residual" not in tr.disabled:
+        elif name in ADDS and tr._streams and "residual" not in tr.disabled:
             add = tr._guard("residual", tr._residual_before, name, args)
             out = func(*args, **kwargs)
             if add is not None:
                 tr._guard("residual", tr._residual_after, add, out)
-            if tr._streams and tr._streams[-1]["lineage"] is not None:
-                tr._derive(args, out)
-            return out
-        out = func(*args, **kwargs)
-        if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
-            tr._follow(args[0], out)
-        elif name in ("conv1d", "pad") and tr._streams:
-            tr._mixing(name, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+            if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
+                tr._follow(args[0], out)
+            elif name in ("conv1d", "pad") and tr._streams:
+                tr._mixing(name, args, kwargs)
         if tr._streams and tr._streams[-1]["lineage"] is not None:
             tr._derive(args, out)
         return out
@@ -373,13 +367,13 @@ class Tracer:
     def _block_post(self, module, args, output):
         if self._streams and self._streams[-1]["module"] is module:
             s = self._streams[-1]
+            out = output[0] if isinstance(output, tuple | list) and output else output
             if s["tentative"] is not None:
-                self._guard("residual", self._settle, s, output)
+                self._guard("residual", self._settle, s, out)
             elif s["added"] and not s["projected"]:
                 self._plain.add(id(module))  # adds its own input: no projection add to look for in it again
             self._streams.pop()
             if self._streams and self._streams[-1]["lineage"] is not None:  # what the nested scope computed
-                out = output[0] if isinstance(output, tuple | list) and output else output
                 inner = s["lineage"].depth(out) if s["lineage"] is not None else None
                 self._guard("residual", self._streams[-1]["lineage"].inherit, s["input"], out, inner or 1)
             if self._streams and s["prefix"] and not s["added"]:
@@ -614,10 +608,10 @@ class Tracer:
             return None  # one path, not two: an add inside a branch (GELU's x + 0.044715·x³)
         return da, db
 
-    def _settle(self, s: dict, output) -> None:
-        """At the end of a scope with a pending projection add: its residual add if the scope's output is its sum or
-        derives from it (ResNet's ReLU after the add), else not a residual add at all (its entries dropped)."""
-        out = output[0] if isinstance(output, tuple | list) and output else output
+    def _settle(self, s: dict, out) -> None:
+        """At the end of a scope with a pending projection add: its residual add if the scope's output (``out``, its
+        first when a tuple) is its sum or derives from it (ResNet's ReLU after the add), else not a residual add at all
+        (its entries dropped)."""
         if s["lineage"] is not None and s["lineage"].marked(out):
             self._confirm(s)
         else:

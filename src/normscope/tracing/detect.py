@@ -400,25 +400,27 @@ def _can_make_nonfinite(deps: list[Anomaly]) -> list[Anomaly]:
     return bad + [a for a in deps if a not in bad and a.order < first and far(a)]
 
 
-def _shared_jumps(jumps: list[_Trigger], groups: int) -> list[_Trigger]:
-    """Learning-rate jumps of several groups at one step by one factor, as one: a schedule or an ``lr`` set for the
-    whole optimizer is not a jump of its first group's."""
+def _lr_jump_triggers(jumps: list[tuple], groups: int) -> list[_Trigger]:
+    """One ``lr_jump`` per step and factor from the groups' jumps ``(column, key, lr, highest before, update
+    ratio)``: several groups jumping at one step by one factor are one jump (a schedule or an ``lr`` set for the
+    whole optimizer is not a jump of its first group's)."""
     out: list[_Trigger] = []
-    by_step: dict[int, list[_Trigger]] = {}
+    by_step: dict[int, list[tuple]] = {}
     for j in jumps:
-        by_step.setdefault(j.t, []).append(j)
+        by_step.setdefault(j[0], []).append(j)
     for same in by_step.values():
         while same:
-            first = same[0]
-            factor = first.value / first.baseline
-            alike = [j for j in same if math.isclose(j.value / j.baseline, factor, rel_tol=1e-3)]
+            t, key, lr, highest, ratio = same[0]
+            alike = [j for j in same if math.isclose(j[2] / j[3], lr / highest, rel_tol=1e-3)]
             same = [j for j in same if j not in alike]
+            who = _group(key)
             if len(alike) > 1:
                 who = (f"all {len(alike)} parameter groups" if len(alike) == groups else
-                       f"{len(alike)} of the {groups} parameter groups ({', '.join(_group(j.key) for j in alike)})")
-                first = dataclasses.replace(first, evidence=first.evidence.replace(
-                    f"for {_group(first.key)} ", f"for {who} ({_group(first.key)} shown) ", 1))
-            out.append(first)
+                       f"{len(alike)} of the {groups} parameter groups ({', '.join(_group(j[1]) for j in alike)})"
+                       ) + f" ({who} shown)"
+            out.append(_Trigger(t, "lr_jump", "lr", lr, highest,
+                                f"learning rate {_fmt(lr)} for {who} is ×{lr / highest:.3g} the highest its schedule "
+                                f"reached before ({_fmt(highest)}); update ratio {_fmt(ratio)}", key))
     return out
 
 
@@ -504,7 +506,7 @@ class _Detector:
                     total[t] = math.sqrt(sum(ss))
             judged.append(("grad_spike", "grad_norm", total, None))
         gates: dict[int, np.ndarray] = {}
-        jumps: list[_Trigger] = []
+        jumps: list[tuple] = []
         for r in self.rows(lambda k: k[0] == "update" and k[4] == "ratio"):
             k = s.keys[r]
             lr = self._context_row(k, "lr")
@@ -514,7 +516,7 @@ class _Detector:
             judged.append(("update_spike", "ratio", per_lr, k))
             if np.isfinite(lr).any():
                 jumps.extend(self._lr_jumps(k, lr, ratio))
-        out.extend(_shared_jumps(jumps, len(gates)))
+        out.extend(_lr_jump_triggers(jumps, len(gates)))
         if judged:
             out.extend(self._spikes(judged, self.threshold(len(judged) * T), gates))
         out.extend(self._sample_spikes())
@@ -724,17 +726,14 @@ class _Detector:
         allowed[judged] = step_lr[judged] >= self.factors["update_spike"] * largest[judged]
         return allowed
 
-    def _lr_jumps(self, key, lr, ratio) -> list[_Trigger]:
-        out = []
+    def _lr_jumps(self, key, lr, ratio) -> list[tuple]:
+        """The first step where group ``key``'s learning rate passes ``lr_jump`` × the highest before it, as
+        ``(column, key, lr, highest before, update ratio)`` (none or one)."""
         for t in range(self.min_history, self.T):
             before = lr[:t][np.isfinite(lr[:t])]
             if before.size >= self.min_history and np.isfinite(lr[t]) and lr[t] > self.lr_jump * before.max() > 0:
-                out.append(_Trigger(t, "lr_jump", "lr", float(lr[t]), float(before.max()),
-                                    f"learning rate {_fmt(lr[t])} for {_group(key)} is ×"
-                                    f"{lr[t] / before.max():.3g} the highest its schedule reached before "
-                                    f"({_fmt(before.max())}); update ratio {_fmt(ratio[t])}", key))
-                break
-        return out
+                return [(t, key, float(lr[t]), float(before.max()), float(ratio[t]))]
+        return []
 
     def _spikes(self, judged, thr, gates: dict[int, np.ndarray] | None = None) -> list[_Trigger]:
         """Upward departures of the judged series from their trends (all series at once, step by step), the

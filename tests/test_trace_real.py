@@ -84,6 +84,22 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert page.index("<h2>Drifts</h2>") > page.index("incident(s)</h2>")
 
 
+def test_alibi_logits_of_tens_with_a_spread_softmax_are_not_a_drift(tmp_path, monkeypatch):
+    """BLOOM at 128 tokens: ALiBi adds 0.5 × key position to its first head's logits, so that head's max logit is
+    past the danger level 30 from step 0 while its softmax spreads over several keys (entropy > 0.5 nats). A
+    clean run lists no incident and no crossed drift (it listed 4 heads as crossed since step 0)."""
+    monkeypatch.setattr(R, "T", 128)
+    monkeypatch.setitem(R.MODELS, "bloom", R.hf_bloom)
+    R.run("bloom", tmp_path, 0, steps=32)
+    d = diagnose(tmp_path)
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    steep = d.series("attention_logits", "max_logit", 0, "", head=0)[1]
+    spread = d.series("attention_logits", "entropy", 0, "", head=0)[1]
+    assert min(steep) > 30 and min(spread) > 0.5, (steep, spread)
+    assert [x for x in d.drifts if x.status == "crossed"] == []
+    assert all("entropy now" in x.evidence for x in d.drifts if x.metric == "max_logit")
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_clean_vision_run_has_no_incident(tmp_path, seed):
     """A ViT on real images: its Adam updates grow ×5 over their trend in a few steps as their directions align

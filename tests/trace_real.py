@@ -74,6 +74,17 @@ def hf_llama(seed: int) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def hf_bloom(seed: int) -> nn.Module:
+    """A tiny Hugging Face BLOOM: ALiBi (a per-head slope × key position added to the logits), eager attention."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=8, hidden_dropout=0.1,
+                      attention_dropout=0.1)
+    cfg._attn_implementation = "eager"
+    return BloomForCausalLM(cfg)
+
+
 class PostLNLayer(nn.Module):
     def __init__(self, d: int, heads: int, p: float = 0.1):
         super().__init__()

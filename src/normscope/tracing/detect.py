@@ -50,6 +50,10 @@ STAGES = ("data", "layer_input", "norm_input", "norm_output", "attention_logits"
 _ACT = ("layer_input", "norm_input", "norm_output", "sublayer_output", "residual_sum")
 INCIDENT_KINDS = ("nonfinite", "masked_rows", "danger_jump", "loss_spike", "grad_spike", "update_spike", "lr_jump")
 DANGER_JUMP = 5.0  # the least one-step factor of a jump into (or towards) the danger zone; drifts move a few % a step
+# a head's mean softmax entropy (nats) at or below which its attention has collapsed onto one or two keys: large
+# logits are the collapse regime only with it (an additive positional bias such as ALiBi's makes logits of tens
+# whose softmax still spreads over many keys)
+ENTROPY_COLLAPSE = 0.5
 
 
 @dataclasses.dataclass
@@ -443,6 +447,7 @@ class _Detector:
         self.window, self.min_history, self.z = window, min_history, z
         self.lookback, self.floor, self.false_alarms, self.lr_jump = lookback, floor, false_alarms, lr_jump
         self.s = _collect(records)
+        self.row_of = {k: i for i, k in enumerate(self.s.keys)}
         self.T = len(records)
         self._losses: list[np.ndarray | None] | None = None  # per-sample losses per column, read on first use
         self._rel: list[np.ndarray | None] | None = None  # per-sample relative log-losses, made on first use
@@ -708,7 +713,8 @@ class _Detector:
     def _context_row(self, key: tuple, metric: str) -> np.ndarray:
         """The series of ``metric`` recorded beside ``key``'s (NaN where it was not)."""
         k = key[:4] + (metric,)
-        return self.s.values[self.s.keys.index(k)] if k in self.s.keys else np.full(self.T, np.nan)
+        r = self.row_of.get(k)
+        return self.s.values[r] if r is not None else np.full(self.T, np.nan)
 
     def _step_beyond_recent(self, step_lr: np.ndarray) -> np.ndarray:
         """Per column: may an update spike be called there? Not where the group's largest parameter step (in
@@ -986,9 +992,9 @@ class _Detector:
     def _still_out(self, a: Anomaly, t: int) -> bool:
         """Is ``a``'s series still out of its range at column ``t``?"""
         key = (a.stage, a.layer, a.site, a.head, a.metric)
-        if key not in self.s.keys or a.sample_ids is not None:
+        r = self.row_of.get(key)
+        if r is None or a.sample_ids is not None:
             return False
-        r = self.s.keys.index(key)
         v = self.s.values[r, t]
         if a.metric in _COUNT:
             return bool(v > 0)
@@ -1009,13 +1015,18 @@ class _Detector:
                            _next_check("grad", "rms", None, "all layers", None, None), site="all layers",
                            score=trig.score, order=(step, min(self.s.order[i][0] for i in grads), 9, -1))
         stage, layer, site, head, metric = trig.key
-        r = self.s.keys.index(trig.key) if trig.key in self.s.keys else None
+        r = self.row_of.get(trig.key)
         order = (step, *self.s.order[r]) if r is not None else (step, math.inf, 9, -1)
         return Anomaly(step, stage, layer, head, "lr" if trig.kind == "lr_jump" else metric, trig.value,
                        trig.baseline, trig.evidence, _next_check(stage, metric, layer, site, head, trig.sample_ids),
                        site=site, sample_ids=trig.sample_ids, score=trig.score, order=order)
 
     # ------------------------------------------------------------------ drifts
+    def _entropy_at_end(self, key: tuple) -> float | None:
+        """The mean softmax entropy of ``key``'s head at the run's last recorded step, None where not recorded."""
+        v = float(self._context_row(key, "entropy")[-1]) if self.T else math.nan
+        return v if math.isfinite(v) else None
+
     def drifts(self) -> list[Drift]:
         s, T = self.s, self.T
         if T < self.min_history + 1:
@@ -1038,12 +1049,17 @@ class _Detector:
             k = max(1, w // 3)
             growing = slope > 0 and slope * (w - k) >= 3 * noise
             if v >= danger:  # in the danger zone, however it got there (a jump stays there without growing)
+                spread = self._entropy_at_end(key) if metric == "max_logit" else None
+                if spread is not None and spread > ENTROPY_COLLAPSE:
+                    continue  # large logits whose softmax still spreads: not the collapse regime
                 row = s.values[r]
                 below = np.flatnonzero(~(row >= danger))
                 since = int(s.steps[below[-1] + 1]) if below.size else int(s.steps[0])
                 ev = (f"{what} {_fmt(v)}, past the danger level {_fmt(danger)} since step {since}"
                       + (f" (from {_fmt(row[below[-1]])} the step before)" if below.size
                          and math.isfinite(row[below[-1]]) else "")
+                      + (f"; its softmax entropy {_fmt(spread)} nats (collapsed: ≤ {ENTROPY_COLLAPSE})"
+                         if spread is not None else "")
                       + (f"; ×{math.exp(slope):.3g} per recorded step over the last {w}" if growing else ""))
                 out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, 0.0,
                                  "crossed", ev))
@@ -1053,8 +1069,11 @@ class _Detector:
             steps = (math.log(danger) - math.log(v)) / slope
             if steps > horizon:
                 continue
+            spread = self._entropy_at_end(key) if metric == "max_logit" else None
             ev = (f"{what} {_fmt(v)}, ×{math.exp(slope):.3g} per recorded step over the last {w}; "
-                  f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate")
+                  f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate"
+                  + (f" (its softmax entropy now {_fmt(spread)} nats; collapsed at ≤ {ENTROPY_COLLAPSE})"
+                     if spread is not None else ""))
             out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, steps,
                              "on course", ev))
         return sorted(out, key=lambda d: d.steps_to_danger)

@@ -100,6 +100,31 @@ def test_alibi_logits_of_tens_with_a_spread_softmax_are_not_a_drift(tmp_path, mo
     assert all("entropy now" in x.evidence for x in d.drifts if x.metric == "max_logit")
 
 
+def test_a_query_head_scaled_under_alibi_is_found_by_its_entropy_collapse(tmp_path, monkeypatch):
+    """BLOOM at 128 tokens, layer 1's steepest ALiBi head: its max logit is already past the danger level (~66),
+    so a ×30 query at step 40 moves it ×3.5 only, under the ×5 of a jump; its entropy falls 1.1 → 0.06 nats in that
+    step. The incident is at step 40, caused at that head's logits, and the crossed drift dates from step 40."""
+    monkeypatch.setattr(R, "T", 128)
+    monkeypatch.setitem(R.MODELS, "bloom", R.hf_bloom)
+
+    def fault(st):
+        if st.step == R.AT:  # BLOOM's fused projection: per head, its query, key and value rows in turn
+            qkv = st.model.transformer.h[1].self_attention.query_key_value
+            d = qkv.out_features // 3 // 8
+            with torch.no_grad():
+                qkv.weight[:d].mul_(30.0)
+                qkv.bias[:d].mul_(30.0)
+
+    R.run("bloom", tmp_path, 0, fault, steps=R.AT + 8)
+    d = diagnose(tmp_path)
+    assert d.incidents and d.incidents[0].kind == "danger_jump", [(i.step, i.kind) for i in d.incidents]
+    assert "attention entropy (layer 1 · head 0)" in d.incidents[0].evidence
+    a = d.first
+    assert (a.step, a.stage, a.layer, a.head) == (R.AT, "attention_logits", 1, 0), a
+    crossed = [x for x in d.drifts if x.status == "crossed"]
+    assert [(x.layer, x.head) for x in crossed] == [(1, 0)] and f"since step {R.AT}" in crossed[0].evidence
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_clean_vision_run_has_no_incident(tmp_path, seed):
     """A ViT on real images: its Adam updates grow ×5 over their trend in a few steps as their directions align

@@ -663,6 +663,30 @@ class _Detector:
                                            f"in one step, within ×{danger / b:.2g} of the danger level "
                                            f"{_fmt(danger)}"), key))
                     break
+        if "logit" in self.dangers:
+            out.extend(self._entropy_collapses())
+        return out
+
+    def _entropy_collapses(self) -> list[_Trigger]:
+        """Heads whose mean softmax entropy falls ≥ ``DANGER_JUMP`` × in one step into the collapse regime (≤
+        ``ENTROPY_COLLAPSE``): a query head scaled ×30 where a positional bias already puts the logits past their
+        danger level (BLOOM's ALiBi: max logit 66 → 229, entropy 1.15 → 0.06), so the logits cannot jump into it."""
+        out = []
+        for r, key in enumerate(self.s.keys):
+            if key[4] != "entropy":
+                continue
+            row = self.s.values[r]
+            for t in range(1, self.T):
+                a, b = row[t - 1], row[t]
+                if (math.isfinite(a) and math.isfinite(b) and a > ENTROPY_COLLAPSE and 0 <= b <= ENTROPY_COLLAPSE
+                        and b * DANGER_JUMP <= a):
+                    where = f"layer {key[1]}" + (f" · {key[2]}" if key[2] else "") + (
+                        f" · head {key[3]}" if key[3] is not None else "")
+                    out.append(_Trigger(t, "danger_jump", "entropy", float(b), float(a),
+                                        f"attention entropy ({where}) {_fmt(b)} nats from {_fmt(a)} the step before "
+                                        f"(÷{a / max(b, 1e-12):.3g}): collapsed onto one or two keys in one step",
+                                        key))
+                    break
         return out
 
     def _sample_spikes(self) -> list[_Trigger]:
@@ -1053,11 +1077,18 @@ class _Detector:
                 if spread is not None and spread > ENTROPY_COLLAPSE:
                     continue  # large logits whose softmax still spreads: not the collapse regime
                 row = s.values[r]
-                below = np.flatnonzero(~(row >= danger))
+                zone = row >= danger
+                ent = self._context_row(key, "entropy") if metric == "max_logit" else None
+                if ent is not None:  # the collapse regime: large logits with collapsed entropy (unknown: counted)
+                    zone &= ~(ent > ENTROPY_COLLAPSE)
+                below = np.flatnonzero(~zone)
                 since = int(s.steps[below[-1] + 1]) if below.size else int(s.steps[0])
+                before = (f" (from {_fmt(row[below[-1]])} the step before" if below.size
+                          and math.isfinite(row[below[-1]]) else "")
+                if before and ent is not None and math.isfinite(ent[below[-1]]):
+                    before += f", its entropy {_fmt(ent[below[-1]])} nats"
                 ev = (f"{what} {_fmt(v)}, past the danger level {_fmt(danger)} since step {since}"
-                      + (f" (from {_fmt(row[below[-1]])} the step before)" if below.size
-                         and math.isfinite(row[below[-1]]) else "")
+                      + (before + ")" if before else "")
                       + (f"; its softmax entropy {_fmt(spread)} nats (collapsed: ≤ {ENTROPY_COLLAPSE})"
                          if spread is not None else "")
                       + (f"; ×{math.exp(slope):.3g} per recorded step over the last {w}" if growing else ""))

@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=7, help="timed calls per point of the N sweep")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it needs a C++ compiler)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-small", action="store_true", help="skip the per-call cost of small inputs")
     ap.add_argument("--plot", default="kernels_gbps.png", help="where to write the GB/s plot ('' for none)")
     ap.add_argument("--system-malloc", action="store_true", help="keep glibc's default mmap/trim behaviour")
     args = ap.parse_args(argv)
@@ -218,6 +219,8 @@ def main(argv=None) -> int:
                                      for k in ("rms", "ln")))
     if args.device == "cuda":
         return 0
+    if not args.no_small:
+        small_calls(args)
     if args.no_sweep:
         return 0
     total = m * n
@@ -252,6 +255,33 @@ def main(argv=None) -> int:
         fig.savefig(args.plot, dpi=110)
         print(f"plot: {args.plot}")
     return 0
+
+
+def small_calls(args, calls: int = 200) -> None:
+    """Microseconds per call of an RMS forward on a few rows (decoding one token, a small batch), where the cost of
+    a call (argument checks, tensor views, the kernel launch) outweighs the rows: eager, normscope without autograd
+    (no input requires grad, or under no_grad) and with it; ``calls`` back-to-back calls per timing."""
+    n = args.hidden
+    print(f"\nsmall inputs: µs per call of an RMS forward (hidden {n}, float32; median over {args.rounds} rounds of "
+          f"{calls} calls)")
+    print(f"{'rows':>6}{'eager':>10}{'normscope':>11}{'(autograd)':>12}{'eager / normscope':>19}")
+    for rows in (1, 8, 64, 512):
+        t = _small_point(rows, n, args.rounds, calls)
+        us = {k: statistics.median(v) / calls * 1e6 for k, v in t.items()}
+        ratio = statistics.median(per_round(t["eager"], t["normscope"]))
+        print(f"{rows:>6}{us['eager']:>10.1f}{us['normscope']:>11.1f}{us['autograd']:>12.1f}{ratio:>19.2f}")
+
+
+def _small_point(rows: int, n: int, rounds: int, calls: int) -> dict[str, list[float]]:
+    x, w = torch.randn(rows, n), 1 + 0.1 * torch.randn(n)
+    xg = x.clone().requires_grad_()
+
+    def many(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    return interleaved({"eager": many(lambda: F.rms_norm(x, (n,), w, 1e-6)),
+                        "normscope": many(lambda: norm(x, RMS, w)),
+                        "autograd": many(lambda: norm(xg, RMS, w))}, rounds)
 
 
 def _sweep_point(rows: int, n: int, args) -> tuple[list[float], str]:

@@ -162,6 +162,52 @@ def test_residual_fusion_equals_the_unfused_sum_and_its_gradients():
     assert torch.equal(w.grad, w0.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_with_nothing_to_differentiate_skips_autograd_with_the_same_numbers(dtype):
+    """Under no_grad, or with no input that requires grad, the kernel runs without the autograd function: the same
+    outputs, no graph. Any input that requires grad (γ alone, the residual alone) gets the graph."""
+    spec = NormSpec.preset("torch_layernorm")
+    g = torch.Generator().manual_seed(5)
+    x, r = torch.randn(6, 40, generator=g).to(dtype), torch.randn(6, 40, generator=g).to(dtype)
+    w, b = torch.randn(40, generator=g).to(dtype), torch.randn(40, generator=g).to(dtype)
+    y, h = norm(x, spec, w, b, residual=r)
+    assert y.grad_fn is None and h.grad_fn is None and not y.requires_grad
+    plain = norm(x, spec, w, b)
+    for needs in ("x", "gamma", "beta", "residual"):
+        args = {"x": x, "gamma": w, "beta": b, "residual": r}
+        args[needs] = args[needs].clone().requires_grad_()
+        y1, h1 = norm(args["x"], spec, args["gamma"], args["beta"], residual=args["residual"])
+        assert y1.grad_fn is not None and torch.equal(y1.detach(), y) and torch.equal(h1.detach(), h), needs
+        y1.float().sum().backward()
+        assert args[needs].grad is not None, needs
+        with torch.no_grad():
+            y2 = norm(args["x"], spec, args["gamma"], args["beta"])
+        assert y2.grad_fn is None and torch.equal(y2, plain), needs
+
+
+def test_small_inputs_run_the_serial_build_with_the_parallel_builds_numbers(monkeypatch):
+    """Under SERIAL_BELOW elements a kernel runs on the calling thread (waking the pool costs more than a few rows):
+    forward, fused add and backward give the parallel build's numbers bit for bit."""
+    from normscope.kernels import numba_host
+
+    spec = NormSpec.preset("torch_layernorm")
+    g = torch.Generator().manual_seed(9)
+    x, r = torch.randn(3, 4096, generator=g), torch.randn(3, 4096, generator=g)
+    w = torch.randn(4096, generator=g)
+    assert x.numel() < numba_host.SERIAL_BELOW
+
+    def run():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y, h = norm(xg, spec, wg, residual=r)
+        (y.square().sum() + h.sum()).backward()
+        return y.detach(), h.detach(), xg.grad, wg.grad
+
+    serial = run()
+    monkeypatch.setattr(numba_host, "SERIAL_BELOW", 0)
+    for a, b in zip(serial, run(), strict=True):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------------------------------ streaming stores
 @pytest.mark.parametrize("dtype", [np.float32, np.uint16])
 def test_stream_row_copies_exactly_at_every_alignment_and_length(dtype):
@@ -298,7 +344,7 @@ def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
     import numba
 
     before = torch.get_num_threads()
-    x = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(256, 128, requires_grad=True)  # large enough for the parallel build (SERIAL_BELOW)
     try:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # numba's default: all of its threads
         torch.set_num_threads(1)
@@ -312,7 +358,7 @@ def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
 def test_a_forked_child_runs_the_numba_kernels_serially_with_the_same_numbers():
     """GNU OpenMP terminates a forked child that launches parallel work after its parent did: the child runs each
     kernel's serial build, and gets the parent's numbers bit for bit."""
-    x = torch.randn(64, 48, requires_grad=True)
+    x = torch.randn(512, 48, requires_grad=True)  # large enough for the parallel build (SERIAL_BELOW)
     spec = NormSpec.preset("torch_layernorm")
     y = norm(x, spec, backend="numba")
     (g,) = torch.autograd.grad(y.square().sum(), x)

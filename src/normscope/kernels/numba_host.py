@@ -11,24 +11,33 @@ from . import streaming
 from .contract import RowContract
 
 
-def _flat(t2: torch.Tensor, rs: int) -> torch.Tensor:
-    """The storage that (rows, hidden) rows with row stride ``rs`` span, as one 1-D tensor (a view)."""
-    rows, n = t2.shape
-    span = (rows - 1) * rs + n if rows else 0
-    return torch.as_strided(t2, (span,), (1,), t2.storage_offset())
-
-
-def _np(t: torch.Tensor, fmt: int) -> np.ndarray:
-    """A 1-D contiguous tensor as NumPy: float32 as is, 16-bit floats as their uint16 bit patterns."""
-    if fmt == 0:
-        return t.numpy()
-    return t.view(torch.int16).numpy().view(np.uint16)
+def _np(t: torch.Tensor, fmt: int, rs: int | None = None) -> np.ndarray:
+    """(rows, hidden) rows with unit stride along hidden and row stride ``rs`` (None: contiguous) as the 1-D NumPy
+    array of the memory they span, a view: float32 as is, 16-bit floats as their uint16 bit patterns. The views
+    are taken on the NumPy side, where they cost a fraction of torch's (a small call's time is mostly such costs)."""
+    a = t.numpy() if fmt == 0 else t.view(torch.int16).numpy().view(np.uint16)
+    if rs is None or a.ndim < 2 or a.shape[0] < 2 or rs == a.shape[1]:
+        return a.reshape(-1)
+    rows, n = a.shape
+    return np.lib.stride_tricks.as_strided(a, ((rows - 1) * rs + n,), (a.itemsize,))
 
 
 def _streamed(out: torch.Tensor) -> bool:
     """Whether a kernel writes ``out`` with streaming stores: when it is too large to stay in cache for its reader
     (:data:`.streaming.STREAM_MIN_BYTES`, read at each call)."""
     return out.numel() * out.element_size() >= streaming.STREAM_MIN_BYTES
+
+
+#: Below this many elements a kernel runs on the calling thread: waking the pool costs more than the rows (one row
+#: of 4096: ~3 µs serial, ~7 µs parallel).
+SERIAL_BELOW = 1 << 14
+
+
+def _run(parallel, serial, elements: int, *args) -> None:
+    if elements < SERIAL_BELOW:  # read at each call
+        serial(*args)
+    else:
+        launch(parallel, serial, *args)
 
 
 _EMPTY_F32 = np.zeros(1, np.float32)
@@ -44,18 +53,18 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
     if rows == 0 or n == 0:
         return y, h, stats
     empty = _EMPTY_F32 if fmt == 0 else _EMPTY_U16
-    xs = _np(_flat(x2, x_rs), fmt)
-    rs = _np(_flat(r2, r_rs), fmt) if r2 is not None else empty
-    hs = _np(h.view(-1), fmt) if h is not None else empty
+    xs = _np(x2, fmt, x_rs)
+    rs = _np(r2, fmt, r_rs) if r2 is not None else empty
+    hs = _np(h, fmt) if h is not None else empty
     sc = scale.contiguous().numpy() if scale is not None else _EMPTY_F32
     sh = shift.contiguous().numpy() if shift is not None else _EMPTY_F32
     common = (rows, n, sc, sh, scale is not None, shift is not None, rc.center, rc.one_pass, rc.unbiased,
               np.float32(rc.eps), rc.placement)
     if fmt == 0:
-        launch(k.forward_f32, k.forward_f32_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), 0), hs,
+        _run(k.forward_f32, k.forward_f32_serial, rows * n, xs, x_rs, rs, r_rs, r2 is not None, _np(y, 0), hs,
                stats.numpy(), *common, _streamed(y))
     else:
-        launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y.view(-1), fmt), hs,
+        _run(k.forward_16, k.forward_16_serial, rows * n, xs, x_rs, rs, r_rs, r2 is not None, _np(y, fmt), hs,
                stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y))
     return y, h, stats
 
@@ -71,15 +80,15 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
         if dy2.dtype != d:
             dy2 = dy2.to(d)
         empty = _EMPTY_F32 if fmt == 0 else _EMPTY_U16
-        dhs = _np(dh2.to(d).contiguous().view(-1), fmt) if dh2 is not None else empty
+        dhs = _np(dh2.to(d).contiguous(), fmt) if dh2 is not None else empty
         sc = scale.contiguous().numpy() if scale is not None else _EMPTY_F32
-        args = (_np(h2.view(-1), fmt), _np(dy2.view(-1), fmt), dhs, dh2 is not None, _np(dx.view(-1), fmt),
+        args = (_np(h2, fmt), _np(dy2, fmt), dhs, dh2 is not None, _np(dx, fmt),
                 stats.numpy(), rows, n, chunks, sc, scale is not None, want_dg, want_db, rc.center, rc.one_pass,
                 rc.unbiased, np.float32(rc.eps), rc.placement)
         if fmt == 0:
-            launch(k.backward_f32, k.backward_f32_serial, *args, dg, db, _streamed(dx))
+            _run(k.backward_f32, k.backward_f32_serial, rows * n, *args, dg, db, _streamed(dx))
         else:
-            launch(k.backward_16, k.backward_16_serial, *args, fmt, k.F16_TABLE, dg, db, _streamed(dx))
+            _run(k.backward_16, k.backward_16_serial, rows * n, *args, fmt, k.F16_TABLE, dg, db, _streamed(dx))
     dgamma = torch.from_numpy(dg.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_dg else None
     dbeta = torch.from_numpy(db.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_db else None
     return dx, dgamma, dbeta

@@ -9,6 +9,7 @@ input, or ``x + residual``) with the per-row float32 mean, variance and denomina
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,6 +36,13 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t2, rs
 
 
+@functools.lru_cache(maxsize=256)
+def _row_contract(spec: NormSpec, ndim: int, dtype: str) -> RowContract:
+    """:func:`.contract.row_contract`, kept per (spec, ndim, dtype): a spec is immutable, and a model calls its
+    norms with the same few."""
+    return row_contract(spec, ndim, dtype)
+
+
 def _param(p, name: str, n: int, want: bool, x: torch.Tensor) -> torch.Tensor | None:
     if p is None:
         return None
@@ -51,11 +59,11 @@ def _param(p, name: str, n: int, want: bool, x: torch.Tensor) -> torch.Tensor | 
 
 def pick_backend(x: torch.Tensor, backend: str) -> str:
     """The kernel family for ``x``'s device (``backend='auto'``), or ``backend`` checked against the device."""
+    if backend == "auto":
+        return "numba" if x.device.type == "cpu" else "triton"
     if backend not in BACKENDS:
         raise InputError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}; got {backend!r}")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if backend == "auto":
-        return "numba" if x.device.type == "cpu" else "triton"
     if backend == "numba" and x.device.type != "cpu":
         raise InputError(f"backend='numba' runs on the CPU; x is on {x.device} (use backend='triton')")
     if backend == "triton" and x.device.type != "cuda" and not interpret:
@@ -81,32 +89,36 @@ def _impl(backend: str):
     return triton_gpu
 
 
+def _forward(x, gamma, beta, residual, rc: RowContract, fmt: int, backend: str):
+    """The forward kernel: ``(y, h, what the backward needs: (the normalized rows, their statistics, γ as the
+    backward applies it))``, y and h in x's shape (h None without a residual)."""
+    impl = _impl(backend)
+    d = x.dtype
+    scale_fwd = scale_bwd = shift = None
+    if gamma is not None:
+        wd = gamma.detach().to(d)
+        scale_bwd = (rc.gamma_offset + wd.float()) if rc.gamma_offset else wd.float()
+        # cast_then_scale multiplies by γ in the input dtype: γ_offset + w is rounded there
+        scale_fwd = (rc.gamma_offset + wd).float() if (rc.cast_then_scale and rc.gamma_offset) else scale_bwd
+    if beta is not None:
+        shift = beta.detach().to(d).float()
+    x2, x_rs = _rows(x.detach())
+    r2, r_rs = _rows(residual.detach()) if residual is not None else (None, 0)
+    y2, h2, stats = impl.forward(x2, x_rs, r2, r_rs, scale_fwd, shift, rc, fmt)
+    h = h2.view(x.shape) if h2 is not None else None
+    return y2.view(x.shape), h, (h2 if h2 is not None else x2, stats, scale_bwd)
+
+
 class _FusedNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gamma, beta, residual, rc: RowContract, fmt: int, backend: str):
         ctx.set_materialize_grads(False)
-        impl = _impl(backend)
-        d = x.dtype
-        n = x.shape[-1]
-        scale_fwd = scale_bwd = shift = None
-        if gamma is not None:
-            wd = gamma.detach().to(d)
-            scale_bwd = (rc.gamma_offset + wd.float()) if rc.gamma_offset else wd.float()
-            # cast_then_scale multiplies by γ in the input dtype: γ_offset + w is rounded there
-            scale_fwd = (rc.gamma_offset + wd).float() if (rc.cast_then_scale and rc.gamma_offset) else scale_bwd
-        if beta is not None:
-            shift = beta.detach().to(d).float()
-        x2, x_rs = _rows(x.detach())
-        r2, r_rs = _rows(residual.detach()) if residual is not None else (None, 0)
-        y2, h2, stats = impl.forward(x2, x_rs, r2, r_rs, scale_fwd, shift, rc, fmt)
-        ctx.save_for_backward(h2 if h2 is not None else x2, stats, scale_bwd)
+        y, h, saved = _forward(x, gamma, beta, residual, rc, fmt, backend)
+        ctx.save_for_backward(*saved)
         ctx.meta = (rc, fmt, backend, x.shape, gamma is not None and ctx.needs_input_grad[1],
                     beta is not None and ctx.needs_input_grad[2], residual is not None,
-                    None if gamma is None else gamma.dtype, None if beta is None else beta.dtype, n)
-        y = y2.view(x.shape)
-        if h2 is None:
-            return y
-        return y, h2.view(x.shape)
+                    None if gamma is None else gamma.dtype, None if beta is None else beta.dtype, x.shape[-1])
+        return y if h is None else (y, h)
 
     @staticmethod
     def backward(ctx, dy, dh=None):
@@ -145,7 +157,7 @@ def norm(x: torch.Tensor, spec: NormSpec, gamma: torch.Tensor | None = None, bet
     if x.dim() == 0 or x.shape[-1] == 0:
         raise InputError(f"x must have a last axis of size ≥ 1 to normalize; got shape {tuple(x.shape)}")
     name = dtype_name(x.dtype)
-    rc = row_contract(spec, x.dim(), name)
+    rc = _row_contract(spec, x.dim(), name)
     be = pick_backend(x, backend)
     n = x.shape[-1]
     gamma = _param(gamma, "gamma", n, spec.gamma, x)
@@ -158,4 +170,8 @@ def norm(x: torch.Tensor, spec: NormSpec, gamma: torch.Tensor | None = None, bet
                              f"got {got}")
         if residual.device != x.device:
             raise InputError(f"residual is on {residual.device} but x is on {x.device}")
-    return _FusedNorm.apply(x, gamma, beta, residual, rc, FORMATS[name], be)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gamma, beta, residual)):
+        return _FusedNorm.apply(x, gamma, beta, residual, rc, FORMATS[name], be)
+    # nothing to differentiate: the kernel without the autograd function's cost (a third of a small call's time)
+    y, h, _ = _forward(x, gamma, beta, residual, rc, FORMATS[name], be)
+    return y if h is None else (y, h)

@@ -115,6 +115,39 @@ def test_a_reused_leaf_output_is_never_shared():
     assert d.site("mix").status == "within"
 
 
+def _sequential_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+
+
+def _sequential_convnet() -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+    with torch.no_grad():
+        for bn in (m[1], m[4]):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(1e-4, 2e-3)  # small: ε matters
+    return m.eval()
+
+
+def test_leaves_that_a_layer_list_repeats_are_judged():
+    """``nn.Sequential(Linear, GELU, Linear)`` repeats Linear, which reads as a list of blocks; a block's own error is
+    its sites', but a leaf holds none. The second Linear ×1.5 (the output off by 32 %) was a PASS with exit 0, and a
+    conv net's second BatchNorm with ε 1e-3 for 1e-5 was inconclusive; both are found at their site."""
+    bad = _sequential_mlp()
+    with torch.no_grad():
+        bad[2].weight.mul_(1.5)
+    d = diff(_sequential_mlp(), bad, {"input": torch.randn(2, 8)}, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "2", d.summary()
+    assert diff(_sequential_mlp(), _sequential_mlp(), {"input": torch.randn(2, 8)}, progress=False).verdict == "pass"
+    bad = _sequential_convnet()
+    bad[4].eps = 1e-3
+    d = diff(_sequential_convnet(), bad, {"input": torch.randn(2, 3, 8, 8)}, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "4", d.summary()
+    assert any("found ε=0.001" in line for line in d.divergence["differences"]), d.divergence
+
+
 def test_a_comparison_that_raises_is_inconclusive(monkeypatch):
     errors = diff_metrics.errors
     calls = [0]

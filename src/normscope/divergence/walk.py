@@ -97,7 +97,9 @@ class Walk:
         if s.status == "reference_not_finite":
             return
         n = reduce_len(f["args"], y)
-        own_site = (leaf or f["leaf_children"]) and id(module) not in self.block_or_above
+        # a block holds sites of its own, judged there; a leaf holds none, so a leaf is judged even where a layer
+        # list repeats it (nn.Sequential(Linear, GELU, Linear): the two Linears read as blocks)
+        own_site = leaf or (f["leaf_children"] and id(module) not in self.block_or_above)
         if own_site:
             self.own_sites += 1
         if not own_site or r.module is None:

@@ -449,6 +449,16 @@ def _narrow(render, *objs) -> str:
     return buf.getvalue()
 
 
+def test_a_model_without_norms_says_so_instead_of_no_findings():
+    """A model with no norm printed "no findings: every site's contract was inferred", about no site at all."""
+    from normscope.sites.render import render_scan
+
+    r = scan(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()), torch.randn(2, 8), progress=False)
+    out = " ".join(_narrow(render_scan, r).split())
+    assert r.sites == [] and "no norm sites: no module, functional call or inline pattern" in out, out
+    assert "no findings" not in out
+
+
 def test_scan_output_at_80_columns_names_every_site(minilm):
     from normscope.sites.render import render_scan
     from normscope.sites.result import layer_ranges

@@ -187,6 +187,56 @@ def test_inline_norms_are_found_from_their_op_pattern():
     assert float(model[0].g1.detach().min()) >= 0.5  # the model is untouched
 
 
+class _LaidOutInline(torch.nn.Module):
+    """An inline RMSNorm that reads its input through a layout op (Qwen3-Next's gated norm on
+    ``core_attn_out.reshape(-1, head_dim)``): rows flattened, or two axes swapped."""
+
+    def __init__(self, layout: str, d=32):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.layout = layout
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = h.reshape(-1, h.shape[-1]) if self.layout == "reshape" else h.transpose(0, 1)
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        y = y.reshape(x.shape) if self.layout == "reshape" else y.transpose(0, 1)
+        return x + self.out(y)
+
+
+@pytest.mark.parametrize("layout", ["reshape", "transpose"])
+def test_an_inline_norm_that_reads_through_a_layout_op_is_found(layout):
+    """Its input was taken from before the layout op, whose shape the normalized value does not have, and the site
+    was dropped: no site and no finding."""
+    torch.manual_seed(0)
+    r = scan(_LaidOutInline(layout), torch.randn(2, 5, 32), dtypes="float32", progress=False)
+    assert [(s.kind, s.spec.kind, s.spec.eps, s.shape) for s in r.sites] == [
+        ("inline", "rmsnorm", pytest.approx(1e-6, rel=0.01), (10, 32) if layout == "reshape" else (5, 2, 32))]
+    assert r.findings == [] and r.sites[0].activation["ok"]
+
+
+def test_an_inline_norms_casts_are_decided_at_a_dtype_where_they_act():
+    """In a float32 forward Llama's upcast (``x.float()``) and its cast back return their input unchanged and leave
+    no op to replay: the statistics' precision and the order of γ and the cast are not decided (they were reported
+    as input-dtype statistics, decisive), and a note says how to decide them. In a bfloat16 forward the casts act:
+    float32 statistics, cast then scale — and the replay casts back to the dtype it is probed at (it cast to the
+    recorded bfloat16 at every probe, and the site was rejected as no normalization)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_InlineBlock(), _InlineBlock())
+    r = scan(model, torch.randn(2, 5, 32), progress=False)
+    rms = [s for s in r.sites if s.spec.kind == "rmsnorm"]
+    assert len(rms) == 2 and all(s.evidence["stats_dtype"]["confidence"] == "not probed" for s in rms)
+    assert [n["sites"] for n in r.notes if "not decided" in n["message"]] == [[s.name] for s in rms]
+    assert all(s.evidence["stats_dtype"]["confidence"] == "decisive" for s in r.sites if s.spec.kind == "layernorm")
+    r = scan(model.bfloat16(), torch.randn(2, 5, 32).bfloat16(), progress=False)
+    got = [(s.spec.kind, s.spec.stats_dtype, s.spec.affine_order, s.evidence["stats_dtype"]["confidence"])
+           for s in r.sites]
+    assert got == [("rmsnorm", "float32", "cast_then_scale", "decisive"), ("layernorm", "input", "scale_then_cast",
+                                                                            "decisive")] * 2, got
+    assert r.findings == [] and not [n for n in r.notes if "not decided" in n["message"]]
+
+
 def test_the_implementation_of_a_norm_module_is_not_an_inline_site(scans):
     # LlamaRMSNorm computes exactly the inline pattern; its call is the site, its ops are not another
     assert all(s.kind == "module" for s in scans("t5").sites)
@@ -313,6 +363,21 @@ def test_every_architecture(name):
     assert Counter(s.role for s in r.sites) == Counter(roles), [(s.name, s.role) for s in r.sites]
     assert r.findings == [], r.findings
     assert all(s.activation["ok"] for s in r.sites)
+
+
+def test_a_shared_expert_moe_is_one_branch_of_a_sequential_block():
+    """Qwen2-MoE's MLP sums a shared expert and the routed experts, both reading the post-attention norm's output:
+    two terms reading one stream value, in the block's second residual add. That block is pre-norm (it was
+    reported parallel); GPT-J's one add of attn + mlp stays parallel (the zoo above)."""
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=16, max_position_embeddings=64, **IDS)
+    r = scan(transformers.Qwen2MoeModel(cfg).eval(), _zoo_inputs("ids"), dtypes="float32", progress=False)
+    assert r.placement == "pre", (r.placement, r.blocks)
+    assert Counter(s.role for s in r.sites) == Counter({"pre": 4, "final": 1}) and r.findings == []
+    assert all(b["sublayers_reading_one_stream"] == 2 for b in r.blocks if b["layer"] is not None)
 
 
 @pytest.mark.parametrize("name", ZOO)

@@ -163,6 +163,16 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
                            "behaviour_candidates_untested": 0 if behaviour else len(untested)}
 
 
+SILENT_CAST = "not decided"
+
+
+def silent_cast_note(dtypes: tuple[str, ...]) -> str:
+    return (f"{SILENT_CAST}: the forward casts to {', '.join(dtypes)} a value already in {', '.join(dtypes)}, a cast "
+            "that leaves no trace at this dtype, so the precision of the statistics and the order of γ and the cast "
+            "back were not seen; scan with an input of another dtype (a bfloat16 tensor saved with torch.save, "
+            "given as --inputs x.pt) to decide them")
+
+
 def _maker(c: ModuleCall) -> Callable[[], torch.nn.Module]:
     return lambda: private_copy(c.module, training=False)
 
@@ -277,6 +287,11 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
         return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None, None
     inference = shared or (result, note, cand.name)
     evidence = {k: v.to_dict() for k, v in result.evidence.items()}
+    silent = getattr(module, "silent_casts", ())
+    if silent:  # the replay lacks the site's casts: what they do at another dtype was not seen
+        for field in ("stats_dtype", "affine_order"):
+            if field in evidence:
+                evidence[field] = {**evidence[field], "confidence": "not probed", "note": silent_cast_note(silent)}
     calls = 0 if shared else result.calls
     if shared:
         evidence["shared_inference"] = {
@@ -410,6 +425,10 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                              "message": f"{s.name}: the inferred contract reproduces the recorded activation only to "
                                         f"{s.activation['max_relative_error']:.3g} (tolerance "
                                         f"{s.activation['tolerance']:g})"})
+    for s in sites:
+        ev = (s.evidence or {}).get("stats_dtype") or {}
+        if ev.get("confidence") == "not probed" and ev.get("note", "").startswith(SILENT_CAST):
+            notes.append({"kind": "undecided", "sites": [s.name], "message": f"{s.name}: {ev['note']}"})
     for r in rejected:
         if r["kind"] != "behaviour":
             findings.append({"kind": "not_a_normalization", "sites": [r["name"]],

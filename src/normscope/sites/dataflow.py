@@ -392,15 +392,22 @@ class Dataflow:
         records = []
         for block, updates in by_block.items():
             reads: dict[int, int] = {}
+            readers: dict[int, set[int]] = {}  # stream value → the updates with a term that reads it
             for k in updates:
                 for term in self.terms(self.residuals[k].branch):
                     rv = self.read(term)
                     reads[rv] = reads.get(rv, 0) + 1
+                    readers.setdefault(rv, set()).add(k)
             kinds = [_update_kind(attached[k]) for k in updates]
             scales = [self.residuals[k].scale for k in updates]
             if set(kinds) == {"post"} and all(c != 1.0 for c in scales):
                 kinds = ["deepnorm"] * len(kinds)  # post-norm over α·x + f(x)
-            parallel = any(n >= 2 for rv, n in reads.items() if rv >= 0)
+            # parallel: sublayers that read one stream value and are added back together (GPT-J, NeoX, Phi: one
+            # update with attn + mlp) or in adds of their own (each reads the value from before the other's add).
+            # Terms of one update in a block with several (a shared-expert MoE: shared(n(h)) + routed(n(h)) after
+            # the attention's add) are one sublayer's branch: that block is sequential
+            parallel = any(n >= 2 and (len(updates) == 1 or len(readers[rv]) >= 2)
+                           for rv, n in reads.items() if rv >= 0)
             if parallel:
                 placement = "parallel"
             elif len(set(kinds)) == 1:

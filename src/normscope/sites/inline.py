@@ -38,6 +38,9 @@ class InlineSite:
     call: int | None
     first_op: int
     centred: bool
+    # dtypes a cast inside the site asked for that its value already had: a no-op in this forward, so absent from
+    # the replay, which then cannot show what the cast does at another dtype (Llama's upcast in a float32 model)
+    silent_casts: tuple[str, ...] = ()
 
 
 class _Flow:
@@ -60,6 +63,16 @@ class _Flow:
         for _ in range(8):
             op = self.producer(v)
             if op is None or op.name not in _CASTS | TRANSPARENT or len(self.acts(op)) != 1:
+                return v
+            v = self.acts(op)[0]
+        return v
+
+    def uncast(self, v: int) -> int:
+        """Through dtype casts only, back to the value they carry (the layout a norm reads, a reshape or a
+        transpose, decides which axis it normalizes)."""
+        for _ in range(8):
+            op = self.producer(v)
+            if op is None or op.name not in _CASTS or len(self.acts(op)) != 1:
                 return v
             v = self.acts(op)[0]
         return v
@@ -90,8 +103,9 @@ def _squared(f: _Flow, v: int) -> int | None:
     return None
 
 
-def _statistic(f: _Flow, r: int) -> tuple[int, bool] | None:
-    """For the input of a rsqrt/sqrt: (the value squared, whether it is centred)."""
+def _statistic(f: _Flow, r: int) -> tuple[int, bool, int] | None:
+    """For the input of a rsqrt/sqrt: (the value squared up to casts and layout ops, whether it is centred, the value
+    the statistic reads: the one squared, or the centred one's minuend)."""
     v = f.back(r)
     op = f.producer(v)
     if op is not None and op.name in _ADDS and len(f.acts(op)) == 1 and op.tensor_args == 1:
@@ -99,17 +113,24 @@ def _statistic(f: _Flow, r: int) -> tuple[int, bool] | None:
         op = f.producer(v)
     if op is None or op.name not in _MEANS or len(f.acts(op)) != 1:
         return None
-    q = _squared(f, f.back(f.acts(op)[0]))
-    if q is None:
+    squared = _squared(f, f.back(f.acts(op)[0]))
+    if squared is None:
         return None
-    q = f.back(q)
+    q = f.back(squared)
     sub = f.producer(q)
     if sub is not None and sub.name in _SUBS and len(sub.inputs) == 2:
         a, m = sub.inputs
         mean = f.producer(f.back(m))
         if mean is not None and mean.name in _MEANS and f.back(f.acts(mean)[0]) == f.back(a):
-            return q, True
-    return q, False
+            return q, True, a
+    return q, False, squared
+
+
+def _inputs(f: _Flow, v: int) -> tuple[int, ...]:
+    """Where a site whose statistic reads ``v`` may take its input, first to last: through layout ops and casts (a
+    grouped norm views its input into groups and its output back), then through casts only (a norm of rows that a
+    reshape or a transpose made: the layout decides the axis normalized)."""
+    return tuple(dict.fromkeys((f.back(v), f.uncast(v))))
 
 
 def _scales(f: _Flow, root_op, q: int) -> int | None:
@@ -184,24 +205,34 @@ def find_inline(trace: Trace, skip_calls: set[int]) -> list[InlineSite]:
         stat = _statistic(f, f.acts(op)[0])
         if stat is None:
             continue
-        q, centred = stat
+        q, centred, read = stat
         xhat = _scales(f, op, q)
         if xhat is None:
             continue
-        x = f.back(q)
-        if centred:
-            sub = f.producer(q)
-            x = f.back(sub.inputs[0])
-        shape = trace.values[x].shape
-        y = _affine_tail(f, xhat, shape)
-        if trace.values[y].shape != shape:
+        for x in _inputs(f, read):  # the first whose shape the site's output comes back to
+            shape = trace.values[x].shape
+            y = _affine_tail(f, xhat, shape)
+            if trace.values[y].shape == shape:
+                break
+        else:
             continue
         ops = _between(f, x, y)
         if not ops:
             continue
         taken.update(ops)
-        out.append(InlineSite(x, y, ops, op.call, ops[0], centred))
+        out.append(InlineSite(x, y, ops, op.call, ops[0], centred, _silent_casts(trace, x, ops)))
     return out
+
+
+def _silent_casts(trace: Trace, x: int, ops: list[int]) -> tuple[str, ...]:
+    """The dtypes of the site's values that a cast among its ops returned unchanged (the recorder keeps such an op
+    without an output: the value it returned is the one it read)."""
+    values = {x} | {v for i in ops for v in trace.ops[i].outputs}
+    found = []
+    for op in trace.ops[ops[0]:ops[-1] + 1]:
+        if op.name in _CASTS and not op.outputs and op.inputs and op.inputs[0] in values:
+            found.append(str(trace.values[op.inputs[0]].dtype).replace("torch.", ""))
+    return tuple(sorted(set(found)))
 
 
 class InlineNorm(torch.nn.Module):
@@ -211,6 +242,8 @@ class InlineNorm(torch.nn.Module):
     def __init__(self, trace: Trace, site: InlineSite):
         super().__init__()
         self.x, self.y = site.x, site.y
+        self.silent_casts = site.silent_casts
+        self.x_dtype = trace.values[site.x].dtype  # a cast to it is a cast back to the input's dtype
         self.steps: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
         self.names: dict[int, str] = {}
         produced = {site.x}
@@ -232,6 +265,19 @@ class InlineNorm(torch.nn.Module):
             self.steps.append((func, args, kwargs, op.outputs))
             produced.update(op.outputs)
 
+    def _cast_back(self, func, args, kwargs, dtype: torch.dtype):
+        """A recorded cast to the recorded input's dtype (``y.to(x.dtype)``, recorded as its value) as a cast to the
+        replayed input's dtype: probed at another dtype, the site casts back to that one, as its code does. Only a
+        16-bit input's: a cast to float32 is an upcast for precision whatever the input was."""
+        if dtype == self.x_dtype or self.x_dtype not in (torch.float16, torch.bfloat16):
+            return func, args, kwargs
+        named = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "double": torch.float64}
+        if named.get(func.__name__) == self.x_dtype:
+            return torch.Tensor.to, (args[0], dtype), {}
+        args = tuple(dtype if a is self.x_dtype else a for a in args)
+        kwargs = {k: (dtype if v is self.x_dtype else v) for k, v in kwargs.items()}
+        return func, args, kwargs
+
     def _arg(self, obj, env: dict[int, torch.Tensor], depth: int = 0):
         if isinstance(obj, Ref):
             return env[obj.value] if obj.value in env else getattr(self, self.names[obj.value])
@@ -244,7 +290,10 @@ class InlineNorm(torch.nn.Module):
     def forward(self, x):
         env = {self.x: x}
         for func, args, kwargs, outputs in self.steps:
-            out = func(*self._arg(args, env), **self._arg(kwargs, env))
+            args, kwargs = self._arg(args, env), self._arg(kwargs, env)
+            if getattr(func, "__name__", "") in _CASTS:
+                func, args, kwargs = self._cast_back(func, args, kwargs, x.dtype)
+            out = func(*args, **kwargs)
             for v, t in zip(outputs, _tensors(out, []), strict=False):
                 env[v] = t
         return env[self.y]

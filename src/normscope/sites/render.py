@@ -80,6 +80,10 @@ def _findings(result: ModelScan, console: Console, evidence: bool) -> None:
         for f in result.findings:
             indented(console, f"• {f['message']}", 2, 2)
         return
+    if not result.sites:
+        indented(console, "no norm sites: no module, functional call or inline pattern of this forward was found "
+                          "to normalize (what the scan cannot see: docs/scan.md, Limits)", 0, 2)
+        return
     measured = [s.activation for s in result.sites if s.activation and "max_relative_error" in s.activation]
     checked = "every site reproduces its real activation" if measured else "every site's contract was inferred"
     if evidence and measured:

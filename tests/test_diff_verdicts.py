@@ -148,6 +148,43 @@ def test_leaves_that_a_layer_list_repeats_are_judged():
     assert any("found ε=0.001" in line for line in d.divergence["differences"]), d.divergence
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _in_bfloat16(block: nn.Module) -> None:
+    """The block run in bfloat16 inside a float32 model: its input cast down, its output cast back."""
+    forward = block.to(torch.bfloat16).forward
+    block.forward = lambda x: forward(x.to(torch.bfloat16)).float()
+
+
+def test_a_module_the_candidate_runs_at_another_dtype_is_teacher_forced_at_that_dtype():
+    """One block of a float32 candidate runs in bfloat16: its modules were teacher-forced with the reference's float32
+    input, raised (mixed dtypes), and the diff was inconclusive. They get the input at the dtype they ran at: the
+    block's first module departs from the float32 reference, where the precision changed."""
+    cand = _Stack().eval()
+    _in_bfloat16(cand.layers[1])
+    d = diff(_Stack().eval(), cand, {"x": torch.randn(4, 8, 16)}, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "layers.1.ln", (d.summary(), d.inconclusive)
+
+
 def test_a_comparison_that_raises_is_inconclusive(monkeypatch):
     errors = diff_metrics.errors
     calls = [0]

@@ -186,7 +186,8 @@ class TorchCandidate(Candidate):
                 seen.add(kept.data_ptr())
                 live += kept.numel() * kept.element_size()
                 peak = max(peak, live)
-            self.records.append(Record(path, number, module, kept))
+            x = input_of(a, kw, t if isinstance(t, torch.Tensor) else None)
+            self.records.append(Record(path, number, module, kept, x.dtype if x is not None else None))
 
         hooks = Hooks(self.model, lambda *a: None, post)
         with hooks.active(), torch.no_grad(), self.ac():
@@ -201,9 +202,13 @@ class TorchCandidate(Candidate):
     def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
         if not (stateless(args) and stateless(kw)):
             raise NotMeasured("own error not measured: the call takes a stateful argument (a cache object)")
+        dtype = self.torch_dtype
+        x = input_of(args, kw)
+        if dtype is None and x is not None and r.input_dtype is not None and r.input_dtype != x.dtype:
+            dtype = r.input_dtype  # a module the candidate runs at another dtype (one layer cast to bfloat16)
         try:
             with torch.no_grad(), self.ac.observe() as seen, memo.on():
-                yc = primary(r.module(*memo.cast(args, self.torch_dtype), **memo.cast(kw, self.torch_dtype, True)))
+                yc = primary(r.module(*memo.cast(args, dtype), **memo.cast(kw, dtype, True)))
         except Exception as exc:
             # its own forward ran this module fine: on the reference's input it is another operation (or aligned
             # wrongly), so nothing is compared here, and that is not a divergence

@@ -354,10 +354,11 @@ def site_name(path: str, number: int) -> str:
 
 
 class Record:
-    __slots__ = ("path", "number", "module", "shape", "output", "used", "version", "alternatives")
+    __slots__ = ("path", "number", "module", "shape", "output", "used", "version", "alternatives", "input_dtype")
 
-    def __init__(self, path, number, module, output):
+    def __init__(self, path, number, module, output, input_dtype: torch.dtype | None = None):
         self.path, self.number, self.module = path, number, module
+        self.input_dtype = input_dtype  # the dtype of the call's main input in the candidate's own forward
         self.alternatives = None  # an ONNX scope's several outputs, (module key, tensor) each
         self.output = output
         self.version = output._version if output is not None else None

@@ -585,6 +585,20 @@ def test_token_inputs_for_an_encoder_decoder_include_the_decoders():
     t5.eval()(**inputs)  # runs
 
 
+def test_shaped_inputs_take_the_models_parameter_dtype():
+    """--inputs 2,16 gave a float32 tensor whatever the model: a float64 or bfloat16 model refused it (mixed dtypes)."""
+    import torch
+
+    from normscope.model_options import model_inputs
+
+    for dtype in (torch.float64, torch.bfloat16, torch.float32):
+        ln = torch.nn.LayerNorm(16).to(dtype)
+        x = model_inputs("2,16", ln, "scan")
+        assert x.dtype == dtype and tuple(x.shape) == (2, 16)
+        ln(x)  # runs
+    assert model_inputs("2,16", torch.nn.ReLU(), "scan").dtype == torch.float32  # no parameters: float32
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the finalizer's ignored exception
 def test_a_command_deadline_that_fires_inside_a_finalizer_still_ends_the_command():
     """The timer's exception raised inside a ``__del__`` (a finalizer the garbage collector runs at any point) is

@@ -136,7 +136,8 @@ def check_size(model: Any, what: str, batch: int, length: int | None, elements: 
 
 
 def model_inputs(text: str | None, model: Any, what: str) -> Any:
-    """``--inputs`` for ``model``: None (the model's default), a float tensor of a shape, token ids ``ids:B,T``
+    """``--inputs`` for ``model``: None (the model's default), a float tensor of a shape (at the dtype of the model's
+    parameters), token ids ``ids:B,T``
     (below the model's vocabulary; a Hugging Face model gets them as ``input_ids=``), or what a ``.pt`` file
     holds. Refused up front (with the estimate) when one forward would not fit in memory."""
     import torch
@@ -171,4 +172,8 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
     shape = parse_shape(text)
     check_size(model, f"{what} --inputs {text}", shape[0], None, math.prod(shape),
                ",".join(map(str, (2, *shape[1:]))))
-    return torch.randn(shape, generator=g)
+    x = torch.randn(shape, generator=g)
+    # at the dtype of the model's parameters (a float64 or bfloat16 model would refuse a float32 input)
+    params = model.parameters() if isinstance(model, torch.nn.Module) else ()
+    dtype = next((p.dtype for p in params if p.is_floating_point()), None)
+    return x.to(dtype) if dtype is not None else x

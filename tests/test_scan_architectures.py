@@ -7,6 +7,7 @@ from its modeling source (the class cited beside it); the scan never sees a name
 
 from __future__ import annotations
 
+import io
 import os
 from collections import Counter
 
@@ -363,6 +364,25 @@ def test_every_architecture(name):
     assert Counter(s.role for s in r.sites) == Counter(roles), [(s.name, s.role) for s in r.sites]
     assert r.findings == [], r.findings
     assert all(s.activation["ok"] for s in r.sites)
+
+
+def test_names_fold_per_block_path_in_a_model_of_stages():
+    """Swin numbers its blocks within each stage (encoder.layers.<stage>.blocks.<i>): the names were folded on the
+    first number equal to the layer index, giving overlapping patterns (encoder.layers.*.blocks.0, …), so every
+    site was listed twice. Each stage's blocks fold on their own index."""
+    from rich.console import Console
+
+    from normscope.sites.render import render_scan
+
+    torch.manual_seed(0)
+    model, inputs = _zoo(transformers)["swin"][0](), _zoo_inputs("image")
+    r = scan(model.eval(), inputs, dtypes="float32", progress=False)
+    buf = io.StringIO()
+    render_scan(r, Console(file=buf, width=200, force_terminal=False))
+    out = buf.getvalue()
+    assert "encoder.layers.0.blocks.*.{layernorm_before, layernorm_after}" in out, out
+    assert "encoder.layers.1.blocks.*.{layernorm_before, layernorm_after}" in out, out
+    assert "encoder.layers.*" not in out, out
 
 
 def test_a_shared_expert_moe_is_one_branch_of_a_sequential_block():

@@ -29,15 +29,37 @@ def _gamma(sites) -> str:
     return f"{prefix}w̄ {mean} [{fmt(lo)}, {fmt(hi)}]"
 
 
-def _names(sites) -> str:
-    """The group's names with the layer index as ``*``: model.layers.*.input_layernorm."""
-    patterns: list[str] = []
+def _names(sites, blocks: list[str]) -> str:
+    """The group's names with their block's index as ``*``: model.layers.*.input_layernorm. ``blocks``: the blocks'
+    paths; a block's index is the last number of its path (Swin's encoder.layers.1.blocks.*: the layer counts
+    blocks across stages, so its number is not in the path)."""
+    named = []  # (name, its block's path or None)
     for s in sites:
-        name = s.name if s.layer is None else re.sub(rf"\.{s.layer}(?=[.:#]|$)", ".*", re.sub(r"#\d+$", "", s.name),
-                                                     count=1)  # a shared block's later calls: name#1, name#2
+        name = re.sub(r"#\d+$", "", s.name)  # a shared block's later calls: name#1, name#2
+        block = max((b for b in blocks if name.startswith(b) and name[len(b):len(b) + 1] in (".", ":")), key=len,
+                    default=None) if s.layer is not None else None
+        named.append((name, block))
+    # a block's index generalizes only where the group spans several blocks of that path (one shared block called
+    # three times, ALBERT's, keeps its one path)
+    spans: dict[str, set[str]] = {}
+    for _, block in named:
+        if block is not None:
+            spans.setdefault(re.sub(r"\.\d+$", ".*", block), set()).add(block)
+    patterns: list[str] = []
+    for (name, block), s in zip(named, sites, strict=True):
+        if block is not None:
+            general = re.sub(r"\.\d+$", ".*", block)
+            if len(spans[general]) > 1:
+                name = general + name[len(block):]
+        elif s.layer is not None:
+            name = re.sub(rf"\.{s.layer}(?=[.:#]|$)", ".*", name, count=1)
         if name not in patterns:
             patterns.append(name)
     return "\n".join(patterns)
+
+
+def _block_paths(result: ModelScan) -> list[str]:
+    return [b["block"] for b in result.blocks if b.get("block")]
 
 
 def _activation(sites, spec) -> str:
@@ -140,8 +162,8 @@ def render_scan(result: ModelScan, console: Console, full: bool = False) -> None
             kind = "" if g["kind"] == "module" else f", by {g['kind']}"
             measured = _activation(sites, g["spec"])
             bad = "" if measured.startswith(("reproduced", "not measured")) else " (NOT reproduced)"
-            indented(console, f"role {g['role']}{where}{kind}{bad}: {_folded(_names(sites).split(chr(10)))}",
-                     2, 4)
+            names = _names(sites, _block_paths(result)).split("\n")
+            indented(console, f"role {g['role']}{where}{kind}{bad}: {_folded(names)}", 2, 4)
     for r in result.rejected:
         if r["kind"] == "behaviour":
             indented(console, f"not a normalization: {r['name']} ({r['class']}): {r['reason']}", 0, 2)
@@ -160,7 +182,7 @@ def render_scan_full(result: ModelScan, console: Console) -> None:
         where = f", layers {layer_ranges(layers)}" if layers else ""
         console.print()
         console.print(f"[bold]{len(sites)} × {escape(g['class'])}[/]{escape(kind)}: role {g['role']}{where}")
-        for name in _names(sites).split("\n"):
+        for name in _names(sites, _block_paths(result)).split("\n"):
             indented(console, name, 2)
         indented(console, f"contract: {g['summary']}", 4)
         indented(console, f"γ (stored): {_gamma(sites)}", 4)

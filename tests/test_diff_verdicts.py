@@ -183,6 +183,7 @@ def test_a_module_the_candidate_runs_at_another_dtype_is_teacher_forced_at_that_
     _in_bfloat16(cand.layers[1])
     d = diff(_Stack().eval(), cand, {"x": torch.randn(4, 8, 16)}, progress=False)
     assert d.verdict == "fail" and d.first_divergence == "layers.1.ln", (d.summary(), d.inconclusive)
+    assert d.candidate == "_Stack, partly bfloat16" and d.candidate_dtype == "float32"  # the header names it
 
 
 def test_a_comparison_that_raises_is_inconclusive(monkeypatch):

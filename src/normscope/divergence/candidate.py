@@ -228,7 +228,11 @@ class ModuleCandidate(TorchCandidate):
                  stack: contextlib.ExitStack):
         stack.enter_context(untouched(candidate))
         dtype = model_dtype(candidate)
-        super().__init__(candidate.eval(), type(candidate).__name__, dtype, ref_dtype)
+        # parameters at another dtype than the first's (a layer cast to bfloat16): named, not hidden behind one dtype
+        others = sorted({dtype_name(str(t.dtype).replace("torch.", "")) for t in candidate.parameters()
+                         if t.is_floating_point()} - {dtype})
+        desc = type(candidate).__name__ + (f", partly {', '.join(others)}" if others else "")
+        super().__init__(candidate.eval(), desc, dtype, ref_dtype)
         if dtype != ref_dtype:
             self.twin = private_copy(reference, dtype=getattr(torch, dtype))
 

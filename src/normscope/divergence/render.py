@@ -101,11 +101,12 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
     if not all_sites:
         console.print(f"[dim]{len(shown)} of {len(d.sites)} sites shown (--all: every site; --json: everything). "
                       "err = ‖c − r‖/‖r‖; own: the candidate's module on the reference's input; at norm sites the "
-                      "bound is the worst element's |Δ|/its bound[/]")
+                      "bound is a/b: the worst element's distance a from the contract's float64 value, its bound b[/]")
     else:
         console.print("[dim]err = ‖candidate − reference‖ / ‖reference‖ at the site; own = the candidate's module on "
                       "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
-                      "is the worst element's |Δ| / its bound under the error model of the site's contract[/]")
+                      "is a/b: the worst element's distance a from the site contract's float64 value, and its bound b "
+                      "under that contract's error model[/]")
     for s in [s for s in d.sites if s.status == "regrouped"][:3]:
         console.print(f"[cyan]regrouped:[/] {escape(s.name)}: {escape(s.note)}")
     for n in d.notes[:5]:

@@ -188,13 +188,13 @@ def test_a_call_with_nothing_to_differentiate_skips_autograd_with_the_same_numbe
 def test_small_inputs_run_the_serial_build_with_the_parallel_builds_numbers(monkeypatch):
     """Under SERIAL_BELOW elements a kernel runs on the calling thread (waking the pool costs more than a few rows):
     forward, fused add and backward give the parallel build's numbers bit for bit."""
-    from normscope.kernels import numba_host
+    from normscope import numba_threads
 
     spec = NormSpec.preset("torch_layernorm")
     g = torch.Generator().manual_seed(9)
     x, r = torch.randn(3, 4096, generator=g), torch.randn(3, 4096, generator=g)
     w = torch.randn(4096, generator=g)
-    assert x.numel() < numba_host.SERIAL_BELOW
+    assert x.numel() < numba_threads.SERIAL_BELOW
 
     def run():
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -203,7 +203,7 @@ def test_small_inputs_run_the_serial_build_with_the_parallel_builds_numbers(monk
         return y.detach(), h.detach(), xg.grad, wg.grad
 
     serial = run()
-    monkeypatch.setattr(numba_host, "SERIAL_BELOW", 0)
+    monkeypatch.setattr(numba_threads, "SERIAL_BELOW", 0)
     for a, b in zip(serial, run(), strict=True):
         assert torch.equal(a, b)
 

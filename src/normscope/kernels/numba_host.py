@@ -28,18 +28,6 @@ def _streamed(out: torch.Tensor) -> bool:
     return out.numel() * out.element_size() >= streaming.STREAM_MIN_BYTES
 
 
-#: Below this many elements a kernel runs on the calling thread: waking the pool costs more than the rows (one row
-#: of 4096: ~3 µs serial, ~7 µs parallel).
-SERIAL_BELOW = 1 << 14
-
-
-def _run(parallel, serial, elements: int, *args) -> None:
-    if elements < SERIAL_BELOW:  # read at each call
-        serial(*args)
-    else:
-        launch(parallel, serial, *args)
-
-
 _EMPTY_F32 = np.zeros(1, np.float32)
 _EMPTY_U16 = np.zeros(1, np.uint16)
 
@@ -61,11 +49,11 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
     common = (rows, n, sc, sh, scale is not None, shift is not None, rc.center, rc.one_pass, rc.unbiased,
               np.float32(rc.eps), rc.placement)
     if fmt == 0:
-        _run(k.forward_f32, k.forward_f32_serial, rows * n, xs, x_rs, rs, r_rs, r2 is not None, _np(y, 0), hs,
-               stats.numpy(), *common, _streamed(y))
+        launch(k.forward_f32, k.forward_f32_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y, 0), hs,
+               stats.numpy(), *common, _streamed(y), elements=rows * n)
     else:
-        _run(k.forward_16, k.forward_16_serial, rows * n, xs, x_rs, rs, r_rs, r2 is not None, _np(y, fmt), hs,
-               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y))
+        launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y, fmt), hs,
+               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y), elements=rows * n)
     return y, h, stats
 
 
@@ -86,9 +74,10 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
                 stats.numpy(), rows, n, chunks, sc, scale is not None, want_dg, want_db, rc.center, rc.one_pass,
                 rc.unbiased, np.float32(rc.eps), rc.placement)
         if fmt == 0:
-            _run(k.backward_f32, k.backward_f32_serial, rows * n, *args, dg, db, _streamed(dx))
+            launch(k.backward_f32, k.backward_f32_serial, *args, dg, db, _streamed(dx), elements=rows * n)
         else:
-            _run(k.backward_16, k.backward_16_serial, rows * n, *args, fmt, k.F16_TABLE, dg, db, _streamed(dx))
+            launch(k.backward_16, k.backward_16_serial, *args, fmt, k.F16_TABLE, dg, db, _streamed(dx),
+                   elements=rows * n)
     dgamma = torch.from_numpy(dg.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_dg else None
     dbeta = torch.from_numpy(db.sum(axis=0, dtype=np.float64).astype(np.float32)) if want_db else None
     return dx, dgamma, dbeta

@@ -163,11 +163,8 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
                            "behaviour_candidates_untested": 0 if behaviour else len(untested)}
 
 
-SILENT_CAST = "not decided"
-
-
-def silent_cast_note(dtypes: tuple[str, ...]) -> str:
-    return (f"{SILENT_CAST}: the forward casts to {', '.join(dtypes)} a value already in {', '.join(dtypes)}, a cast "
+def _silent_cast_note(dtypes: tuple[str, ...]) -> str:
+    return (f"not decided: the forward casts to {', '.join(dtypes)} a value already in {', '.join(dtypes)}, a cast "
             "that leaves no trace at this dtype, so the precision of the statistics and the order of γ and the cast "
             "back were not seen; scan with an input of another dtype (a bfloat16 tensor saved with torch.save, "
             "given as --inputs x.pt) to decide them")
@@ -291,7 +288,8 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
     if silent:  # the replay lacks the site's casts: what they do at another dtype was not seen
         for field in ("stats_dtype", "affine_order"):
             if field in evidence:
-                evidence[field] = {**evidence[field], "confidence": "not probed", "note": silent_cast_note(silent)}
+                evidence[field] = {**evidence[field], "confidence": "not probed", "note": _silent_cast_note(silent),
+                                   "measured": {**evidence[field].get("measured", {}), "silent_casts": list(silent)}}
     calls = 0 if shared else result.calls
     if shared:
         evidence["shared_inference"] = {
@@ -427,7 +425,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                                         f"{s.activation['tolerance']:g})"})
     for s in sites:
         ev = (s.evidence or {}).get("stats_dtype") or {}
-        if ev.get("confidence") == "not probed" and ev.get("note", "").startswith(SILENT_CAST):
+        if ev.get("measured", {}).get("silent_casts"):
             notes.append({"kind": "undecided", "sites": [s.name], "message": f"{s.name}: {ev['note']}"})
     for r in rejected:
         if r["kind"] != "behaviour":

@@ -28,6 +28,7 @@ _ADDS = frozenset({"add", "__add__", "__radd__"})
 _SUBS = frozenset({"sub", "__sub__"})
 _DIVS = frozenset({"div", "__truediv__"})
 _CASTS = frozenset({"to", "float", "type_as", "type", "half", "bfloat16", "double"})
+_NAMED_CASTS = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "double": torch.float64}
 
 
 @dataclasses.dataclass
@@ -271,8 +272,7 @@ class InlineNorm(torch.nn.Module):
         16-bit input's: a cast to float32 is an upcast for precision whatever the input was."""
         if dtype == self.x_dtype or self.x_dtype not in (torch.float16, torch.bfloat16):
             return func, args, kwargs
-        named = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32, "double": torch.float64}
-        if named.get(func.__name__) == self.x_dtype:
+        if _NAMED_CASTS.get(func.__name__) == self.x_dtype:
             return torch.Tensor.to, (args[0], dtype), {}
         args = tuple(dtype if a is self.x_dtype else a for a in args)
         kwargs = {k: (dtype if v is self.x_dtype else v) for k, v in kwargs.items()}

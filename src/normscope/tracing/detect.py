@@ -428,6 +428,13 @@ def _lr_jump_triggers(jumps: list[tuple], groups: int) -> list[_Trigger]:
     return out
 
 
+def _where(key: tuple) -> str:
+    """A series' place in words: layer, site and head where it has them."""
+    where = f"layer {key[1]}" if key[1] is not None else "the model"
+    where += f" · {key[2]}" if key[2] else ""
+    return where + (f" · head {key[3]}" if key[3] is not None else "")
+
+
 def _largest_before(row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per column t: the largest finite value of ``row`` over the columns before t (-inf where none) and how many
     finite values there were — running values, one pass for a whole run."""
@@ -654,11 +661,8 @@ class _Detector:
                 a, b = row[t - 1], row[t]
                 if (math.isfinite(a) and math.isfinite(b) and 0 <= a < danger and b >= danger / DANGER_JUMP
                         and b >= DANGER_JUMP * a):
-                    where = f"layer {key[1]}" if key[1] is not None else "the model"
-                    where += f" · {key[2]}" if key[2] else ""
-                    where += f" · head {key[3]}" if key[3] is not None else ""
                     out.append(_Trigger(t, "danger_jump", key[4], float(b), float(a),
-                                        f"{what} ({where}) {_fmt(b)} from {_fmt(a)} the step before (×{b / a:.3g}), "
+                                        f"{what} ({_where(key)}) {_fmt(b)} from {_fmt(a)} the step before (×{b / a:.3g}), "
                                         + (f"past the danger level {_fmt(danger)} in one step" if b >= danger else
                                            f"in one step, within ×{danger / b:.2g} of the danger level "
                                            f"{_fmt(danger)}"), key))
@@ -680,10 +684,8 @@ class _Detector:
                 a, b = row[t - 1], row[t]
                 if (math.isfinite(a) and math.isfinite(b) and a > ENTROPY_COLLAPSE and 0 <= b <= ENTROPY_COLLAPSE
                         and b * DANGER_JUMP <= a):
-                    where = f"layer {key[1]}" + (f" · {key[2]}" if key[2] else "") + (
-                        f" · head {key[3]}" if key[3] is not None else "")
                     out.append(_Trigger(t, "danger_jump", "entropy", float(b), float(a),
-                                        f"attention entropy ({where}) {_fmt(b)} nats from {_fmt(a)} the step before "
+                                        f"attention entropy ({_where(key)}) {_fmt(b)} nats from {_fmt(a)} the step before "
                                         f"(÷{a / max(b, 1e-12):.3g}): collapsed onto one or two keys in one step",
                                         key))
                     break
@@ -1046,11 +1048,6 @@ class _Detector:
                        site=site, sample_ids=trig.sample_ids, score=trig.score, order=order)
 
     # ------------------------------------------------------------------ drifts
-    def _entropy_at_end(self, key: tuple) -> float | None:
-        """The mean softmax entropy of ``key``'s head at the run's last recorded step, None where not recorded."""
-        v = float(self._context_row(key, "entropy")[-1]) if self.T else math.nan
-        return v if math.isfinite(v) else None
-
     def drifts(self) -> list[Drift]:
         s, T = self.s, self.T
         if T < self.min_history + 1:
@@ -1072,13 +1069,14 @@ class _Detector:
             slope, noise = (float(f.slope[0]), float(f.scale[0])) if f.ok[0] else (0.0, math.inf)
             k = max(1, w // 3)
             growing = slope > 0 and slope * (w - k) >= 3 * noise
+            # a head's softmax entropy beside its max logit: the series, and its value at the last recorded step
+            ent = self._context_row(key, "entropy") if metric == "max_logit" else None
+            spread = float(ent[-1]) if ent is not None and math.isfinite(ent[-1]) else None
             if v >= danger:  # in the danger zone, however it got there (a jump stays there without growing)
-                spread = self._entropy_at_end(key) if metric == "max_logit" else None
                 if spread is not None and spread > ENTROPY_COLLAPSE:
                     continue  # large logits whose softmax still spreads: not the collapse regime
                 row = s.values[r]
                 zone = row >= danger
-                ent = self._context_row(key, "entropy") if metric == "max_logit" else None
                 if ent is not None:  # the collapse regime: large logits with collapsed entropy (unknown: counted)
                     zone &= ~(ent > ENTROPY_COLLAPSE)
                 below = np.flatnonzero(~zone)
@@ -1100,7 +1098,6 @@ class _Detector:
             steps = (math.log(danger) - math.log(v)) / slope
             if steps > horizon:
                 continue
-            spread = self._entropy_at_end(key) if metric == "max_logit" else None
             ev = (f"{what} {_fmt(v)}, ×{math.exp(slope):.3g} per recorded step over the last {w}; "
                   f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate"
                   + (f" (its softmax entropy now {_fmt(spread)} nats; collapsed at ≤ {ENTROPY_COLLAPSE})"

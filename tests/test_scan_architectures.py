@@ -228,6 +228,9 @@ def test_an_inline_norms_casts_are_decided_at_a_dtype_where_they_act():
     r = scan(model, torch.randn(2, 5, 32), progress=False)
     rms = [s for s in r.sites if s.spec.kind == "rmsnorm"]
     assert len(rms) == 2 and all(s.evidence["stats_dtype"]["confidence"] == "not probed" for s in rms)
+    # the contract line says so too: it printed "input-dtype statistics" beside the note that it was undecided
+    assert all("statistics dtype undecided" in s.summary and "input-dtype" not in s.summary for s in rms), \
+        [s.summary for s in rms]
     assert [n["sites"] for n in r.notes if "not decided" in n["message"]] == [[s.name] for s in rms]
     assert all(s.evidence["stats_dtype"]["confidence"] == "decisive" for s in r.sites if s.spec.kind == "layernorm")
     r = scan(model.bfloat16(), torch.randn(2, 5, 32).bfloat16(), progress=False)
@@ -235,6 +238,7 @@ def test_an_inline_norms_casts_are_decided_at_a_dtype_where_they_act():
            for s in r.sites]
     assert got == [("rmsnorm", "float32", "cast_then_scale", "decisive"), ("layernorm", "input", "scale_then_cast",
                                                                             "decisive")] * 2, got
+    assert all("undecided" not in s.summary for s in r.sites)
     assert r.findings == [] and not [n for n in r.notes if "not decided" in n["message"]]
 
 

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -318,6 +319,33 @@ def test_summary_mentions_distinguishing_fields():
     assert "no affine" in NormSpec.preset("torch_instancenorm").summary()
     assert "input-dtype statistics" in NormSpec(stats_dtype="input").summary()
     assert "unbiased two-pass" in NormSpec(variance="unbiased").summary()
+
+
+def test_summary_marks_undecided_precision_fields_instead_of_stating_them():
+    """A field the evidence did not decide is not stated as if measured (a float32-only target's statistics dtype
+    read "fp32 statistics, scale then cast", the values inference reports when its experiment cannot run)."""
+    spec = NormSpec.preset("torch_layernorm")
+    assert spec.summary({"affine_order"}).endswith("γ β over [-1], fp32 statistics")
+    assert spec.summary({"stats_dtype"}).endswith("γ β over [-1], statistics dtype undecided")
+    both = spec.replace(param_dtype="float32").summary({"stats_dtype", "affine_order", "param_dtype"})
+    assert both.endswith("γ β over [-1], statistics and γ/β dtypes undecided"), both
+    assert spec.replace(param_dtype="float32").summary({"param_dtype"}).endswith("scale then cast, γ/β dtype undecided")
+    assert NormSpec(gamma=False, beta=False).summary({"stats_dtype", "param_dtype"}).endswith(
+        "no affine, statistics dtype undecided")
+
+
+def test_a_float32_only_targets_contract_line_leaves_its_precision_undecided():
+    def f32_only(x):
+        if x.dtype != torch.float32:
+            raise TypeError("float32 only")
+        return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=1e-5)
+
+    from normscope import infer
+
+    inf = infer(f32_only, shape=(4, 64), framework="torch")
+    assert inf.evidence["stats_dtype"].confidence == "not probed"
+    assert inf.summary.endswith("no affine, statistics dtype undecided"), inf.summary
+    assert inf.to_dict()["summary"] == inf.summary and "fp32 statistics" not in inf.summary
 
 
 # ------------------------------------------------------------------------------------------ presets

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from .errors import SpecError
@@ -214,8 +214,11 @@ class NormSpec:
             return "instancenorm"
         return "layernorm"
 
-    def summary(self) -> str:
-        """One line a person can read, e.g. ``LayerNorm over [-1], ε=1e-05 inside √, ...``."""
+    def summary(self, undecided: Collection[str] = ()) -> str:
+        """One line a person can read, e.g. ``LayerNorm over [-1], ε=1e-05 inside √, ...``.
+
+        ``undecided``: fields whose value the evidence did not decide (a float32-only target's statistics dtype);
+        the line says so instead of stating the field's default as if it were measured."""
         parts = [f"{_KIND_TITLES[self.kind]} over {list(self.axes)}"]
         if self.groups is not None:
             parts[0] += f" in {self.groups} groups along axis {self.group_axis}"
@@ -236,9 +239,13 @@ class NormSpec:
             parts.append(text)
         else:
             parts.append("no affine")
-        stats = "fp32 statistics" if self.stats_dtype == "float32" else "input-dtype statistics"
-        parts.append(stats)
-        if self.stats_dtype == "float32" and (self.gamma or self.beta):
+        if "stats_dtype" in undecided:
+            both = "param_dtype" in undecided and (self.gamma or self.beta)
+            parts.append("statistics and γ/β dtypes undecided" if both else "statistics dtype undecided")
+        else:
+            parts.append("fp32 statistics" if self.stats_dtype == "float32" else "input-dtype statistics")
+        if self.stats_dtype == "float32" and (self.gamma or self.beta) and not {"stats_dtype", "affine_order"} & set(
+                undecided):
             parts.append(self.affine_order.replace("_", " "))
         if self.batch_stats == "frozen":
             parts.append("frozen running statistics (both modes, never updated)")
@@ -246,7 +253,10 @@ class NormSpec:
             parts.append(f"{self.batch_stats} statistics")
         if self.output_dtype == "float32":
             parts.append("fp32 output")
-        if self.param_dtype == "float32" and (self.gamma or self.beta):
+        if "param_dtype" in undecided and (self.gamma or self.beta):
+            if "stats_dtype" not in undecided:
+                parts.append("γ/β dtype undecided")
+        elif self.param_dtype == "float32" and (self.gamma or self.beta):
             parts.append("fp32 γ/β")
         return ", ".join(parts)
 

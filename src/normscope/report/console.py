@@ -169,7 +169,7 @@ def render_inference(inf, console: Console) -> None:
     spec = inf.spec
     indented(console, f"{inf.target} at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, accepts "
                       f"{', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s", 0)
-    indented(console, f"contract: {spec.summary()}", 0)
+    indented(console, f"contract: {inf.summary}", 0)
     values = {
         "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
         "eps": f"{spec.eps:g}",

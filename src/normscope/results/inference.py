@@ -19,7 +19,7 @@ from ..jsonable import document, jsonable
 from ..spec import NormSpec
 from .params import NormParams
 
-__all__ = ["SCHEMA", "Confidence", "Evidence", "Inference"]
+__all__ = ["SCHEMA", "Confidence", "Evidence", "Inference", "undecided"]
 
 SCHEMA = "normscope.inference/1"
 
@@ -33,6 +33,24 @@ class Confidence(enum.StrEnum):
     NOT_PROBED = "not probed"  # the experiment could not run (e.g. no bfloat16/float16 inputs)
     WEAK = "weak"  # the winner is ahead, but not by the experiment's margin
     AMBIGUOUS = "ambiguous"  # the candidates do not separate beyond noise (both numbers are in ``measured``)
+
+
+# the precision fields a contract line states only when an experiment decided them: each has a conventional value
+# that inference reports when its experiment cannot run (float32-only inputs) or does not separate the candidates
+_PRECISION_FIELDS = ("stats_dtype", "affine_order", "param_dtype")
+_UNDECIDED = (Confidence.NOT_PROBED, Confidence.AMBIGUOUS)
+
+
+def undecided(evidence: dict[str, Any]) -> frozenset[str]:
+    """The precision fields whose evidence (:class:`Evidence` or its dict) did not decide them: what
+    :meth:`NormSpec.summary` marks undecided instead of stating the reported value as measured."""
+    out = set()
+    for field in _PRECISION_FIELDS:
+        ev = evidence.get(field)
+        confidence = ev.get("confidence") if isinstance(ev, dict) else getattr(ev, "confidence", None)
+        if confidence in _UNDECIDED:
+            out.add(field)
+    return frozenset(out)
 
 
 @dataclasses.dataclass
@@ -76,6 +94,11 @@ class Inference:
     seconds: float
     validation: dict[str, Any]
 
+    @property
+    def summary(self) -> str:
+        """The contract's line, its undecided precision fields marked as such."""
+        return self.spec.summary(undecided(self.evidence))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
@@ -84,7 +107,7 @@ class Inference:
             "probe_dtype": self.probe_dtype,
             "dtypes": list(self.dtypes),
             "spec": self.spec.to_dict(),
-            "summary": self.spec.summary(),
+            "summary": self.summary,
             "evidence": {k: v.to_dict() for k, v in self.evidence.items()},
             "params": self.params.to_json(),
             "validation": jsonable(self.validation),

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import InputError, SpecError
 from ..jsonable import document, jsonable, parse
+from ..results.inference import undecided
 from ..spec import NormSpec
 
 SCHEMA = "normscope.scan/1"
@@ -47,7 +48,9 @@ class Site:
 
     @property
     def summary(self) -> str:
-        return self.spec.summary() if self.spec is not None else f"not inferred: {self.error}"
+        if self.spec is None:
+            return f"not inferred: {self.error}"
+        return self.spec.summary(undecided(self.evidence or {}))
 
     @property
     def eps(self) -> float | None:

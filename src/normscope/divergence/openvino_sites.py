@@ -96,14 +96,15 @@ def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str
         nodes.append((sc, [_key(i.get_source_output()) for i in op.inputs()], [_key(o) for o in outs]))
         extra.extend(outs)
     model.add_outputs(extra)
+    if feeds is None:
+        feeds = _feeds(model, args, kwargs)
+    _static(model, feeds)
     try:
         compiled = core.compile_model(model, "CPU")
     except Exception as exc:
         raise TargetError(f"OpenVINO could not compile the candidate: {type(exc).__name__}: {exc}") from None
     precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").replace("'>", "")
     dtype = _DTYPES.get(precision, "float32")  # an unnamed precision: judged at float32, the strictest bound
-    if feeds is None:
-        feeds = _feeds(model, args, kwargs)
     try:
         result = compiled(feeds)
     except Exception as exc:
@@ -152,9 +153,23 @@ def convert(wrapped: torch.nn.Module, example: tuple[torch.Tensor, ...]):
 
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            return ov.convert_model(wrapped, example_input=example)
+            model = ov.convert_model(wrapped, example_input=example)
     except Exception as exc:
         raise NotConvertible(f"openvino.convert_model: {type(exc).__name__}: {str(exc)[:200]}") from None
+    _static(model, [t.numpy() for t in example])
+    return model
+
+
+def _static(model, feeds: dict[str, np.ndarray] | list[np.ndarray]) -> None:
+    """``model``'s inputs fixed to the shapes of the arrays it will be run with. The converter leaves every
+    dimension dynamic, and some CPU plugin passes refuse dynamic shapes on some CPUs (the fused LLM MLP of AMX
+    machines: "Check 'feature.is_static()' failed"); a model that will not take the shapes keeps its own."""
+    ov = require("openvino", "openvino")
+    items = feeds.items() if isinstance(feeds, dict) else enumerate(feeds)
+    try:
+        model.reshape({key: ov.PartialShape(list(np.shape(a))) for key, a in items})
+    except Exception:  # noqa: S110 - the model's own shapes then: compiling reports what fails
+        pass
 
 
 class _Primary(torch.nn.Module):

@@ -3,8 +3,9 @@
 The files the commands use (a Gemma 3 config, a Llama checkpoint and its GGUF, a traced run) are written by
 ``examples/readme_files.py``, as a user would write them (in a subprocess). Each command runs through
 ``normscope.cli.main``, the console script's function, from that folder. Each line of a README output block
-must appear in the output, in order (spacing and line wrapping aside); ``…`` or ``...`` elides, and a run time
-(``0.81 s``) may differ.
+must appear in the output, in order (spacing and line wrapping aside); ``…`` or ``...`` elides, a run time
+(``0.81 s``) may differ, and so may the digits of a rounding error in scientific notation (``3.813e−6``), which
+depend on the CPU's arithmetic (its vector width, its BLAS kernels): its order of magnitude may not.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def tour() -> list[tuple[str, list[str]]]:
 
 ELIDED = re.compile(r"^(…|\.\.\.)$")
 SECONDS = re.compile(r"^\d+(\.\d+)?$")
+ROUNDING = re.compile(r"^(\(?)\d\.\d+e([−-]\d+)([),;]?)$")  # 3.813e−6, (2.1e−7),
 
 
 def line_pattern(line: str) -> re.Pattern | None:
@@ -54,6 +56,8 @@ def line_pattern(line: str) -> re.Pattern | None:
         nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
         if SECONDS.match(tok) and re.match(r"^s\b|^s[,;)]?$", nxt):
             parts.append(r"[0-9.]+")  # a run time
+        elif m := ROUNDING.match(tok):
+            parts.append(re.escape(m[1]) + r"\d\.\d+e" + re.escape(m[2]) + re.escape(m[3]))  # its exponent only
         else:
             parts.append(r".*?".join(re.escape(piece) for piece in re.split(r"…|\.\.\.", tok)))
     return re.compile(r"\s+".join(parts))
@@ -132,3 +136,7 @@ def test_the_matcher_can_fail():
     assert mismatches("a b c", ["b", "a"]) == ["a"]  # order matters
     assert mismatches("x = 1", ["x = 2"]) == ["x = 2"]
     assert mismatches("weights from /long/path/model", ["weights from …/model"]) == []
+    # a rounding error's digits may differ from CPU to CPU; its order of magnitude may not
+    assert mismatches("error 3.763e−6, tolerance 1e−4", ["error 3.813e−6, tolerance 1e−4"]) == []
+    assert mismatches("error 3.763e−5, tolerance", ["error 3.813e−6, tolerance"]) == ["error 3.813e−6, tolerance"]
+    assert mismatches("(2.25e−7)", ["(2.1e−7)"]) == [] and mismatches("2.1e−7", ["(2.1e−7)"]) == ["(2.1e−7)"]

@@ -673,6 +673,46 @@ def test_eager_softmax_kernel_matches_torchs_path(fill):
     assert attention.eager_logit_stats(y)["nonfinite"] == 1
 
 
+def test_rows_read_in_one_pass_and_entry_by_entry_give_torchs_numbers():
+    """A row's range is read in one integer pass, and a row goes entry by entry only where that pass cannot
+    decide: a key more than SOFTMAX_SPAN below the row's largest, a non-finite logit, or a row whose entropy is
+    taken. Rows of each kind, all-negative rows, ±0 and a row of one live key give torch's numbers on both kernels
+    (eager logits and SDPA's recomputed ones)."""
+    from normscope.tracing import attention, fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(1)
+    n, h, t = 2, 3, 64  # every 4th query row's entropy is taken: the others may go in one pass
+    x = torch.randn(n, h, t, t, generator=g) * 4
+    x[0, 0, 3] -= 50  # every key far below zero
+    x[0, 1, 5, 2] = 90.0  # one key far above: the others fall below the span
+    x[1, 2, 7, :] = 0.0
+    x[1, 2, 7, 1] = -0.0
+    x[1, 0, 9, 4] = -120.0  # one key far below the rest: masked, not the head's max |logit|
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    y = x.masked_fill(~causal, torch.finfo(torch.float32).min)
+    stride = max(1, t // attention.ENTROPY_ROWS)
+    got = fused.logits_summary(y, stride)
+    want = attention.logit_stats(y, y <= torch.finfo(torch.float32).min / 2)
+    for k, v in want.items():
+        assert got[k] == (pytest.approx(v, rel=1e-5, abs=1e-6) if k in ("max_logit", "entropy_sum") else v), k
+    assert want["max_logit"][1] == pytest.approx(90.0) and want["max_logit"][0] < 100
+    # the same rows as SDPA's logits: q·k with q = the one-hot rows of the logits, k = the identity
+    q = x.clone()
+    k = torch.eye(t).expand(n, h, t, t).contiguous()
+    call = attention.SdpaCall((q, k, k), {"is_causal": True, "scale": 1.0})
+    got = attention.Group().stats(call)
+    want = _sdpa_stats((q, k, k), {"is_causal": True, "scale": 1.0})
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), name
+    y[1, 1, 11, 3] = float("inf")
+    assert fused.logits_summary(y, stride) is None  # not finite: torch's exact path
+    q[1, 1, 11, 3] = float("inf")
+    got = attention.Group().stats(attention.SdpaCall((q, k, k), {"is_causal": True, "scale": 1.0}))
+    assert got["nonfinite"] >= 1
+
+
 def test_logit_entropy_exact_and_float_masks():
     """The entropy equals -Σ p log p on the sampled rows; fill values of float masks (finfo.min, -10000) are masked
     keys, not logits of magnitude 3e38."""

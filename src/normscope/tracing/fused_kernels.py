@@ -145,6 +145,39 @@ def _as_f32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+_SIGN = np.int32(0x7FFFFFFF)
+_KEY_LOW, _KEY_HIGH = np.int32(-(1 << 31)), np.int32((1 << 31) - 1)
+_INF_BITS = np.int32(0x7F800000)
+_EVERY_KEY = np.float32(np.nan)  # as ``lowest`` of :func:`_row_range`: no value compares at or below it
+
+
+@numba.njit(**_JIT)
+def _key(bits):  # pragma: no cover - compiled
+    """A float32's bit pattern as an int32 that orders as the floats do (negative ones' magnitude bits flipped), so
+    a row's largest and smallest values are integer reductions, which vectorise (a float max does not without
+    fastmath's no-NaN flag). Its own inverse."""
+    return bits ^ ((bits >> np.int32(31)) & _SIGN)
+
+
+@numba.njit(**_JIT)
+def _row_range(row, bits, n, lowest):  # pragma: no cover - compiled
+    """One pass over a row's first n float32 values (``bits``: the same memory as int32), the entries above
+    ``lowest`` live (NaN is; a NaN ``lowest`` makes every entry live): (live entries, the largest and the smallest
+    live value as keys (:func:`_key`), the largest live |x| bit pattern). A pattern at or above the infinity's means
+    a live entry is not finite, and the keys are then not the floats' order."""
+    count = np.int32(0)
+    high, low, top = _KEY_LOW, _KEY_HIGH, np.int32(0)
+    for j in range(n):
+        w = bits[j]
+        a = np.int32(0) if row[j] <= lowest else np.int32(1)
+        k = _key(w)
+        count += a
+        high = max(high, k if a else _KEY_LOW)
+        low = min(low, k if a else _KEY_HIGH)
+        top = max(top, (w & _ABS) * a)
+    return count, high, low, top
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)  # ln 2 in two parts: t * _LN2_HI is exact for the |t| < 127 used here
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -251,11 +284,16 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
         # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a
         # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
         if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
-            for j in range(end):
-                top = max(top, row[j])
-            floor = top - SOFTMAX_SPAN
-            for j in range(end):
-                m = max(m, (bits[j] & _ABS) * (np.int32(0) if row[j] < floor else np.int32(1)))
+            _, high, low, hb = _row_range(row, bits, end, _EVERY_KEY)
+            if hb < _INF_BITS and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
+                top = _as_f32(_key(high))  # finite, every key within the span of the largest: all of them count
+                m = max(m, hb)
+            else:
+                for j in range(end):
+                    top = max(top, row[j])
+                floor = top - SOFTMAX_SPAN
+                for j in range(end):
+                    m = max(m, (bits[j] & _ABS) * (np.int32(0) if row[j] < floor else np.int32(1)))
             if not sample:
                 continue
             _exp_shifted(row, top, ex, end)
@@ -327,17 +365,21 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
     es = 0.0
     er = 0
     for i in range(tq):
-        row = numba.carray(_f32_at(x + 4 * (a * xs[0] + b * xs[1] + i * xs[2])), (tk,))
-        live = np.float32(0.0)
+        address = x + 4 * (a * xs[0] + b * xs[1] + i * xs[2])
+        row = numba.carray(_f32_at(address), (tk,))
+        live, high, low, hb = _row_range(row, numba.carray(_i32_at(address), (tk,)), tk, lowest)
+        if live == 0:
+            full += 1
+            continue
+        if hb < _INF_BITS and i % stride != 0 and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
+            m = max(m, hb)  # finite, and every live key within the span of the row's largest: all of them count
+            continue
+        # a row with a key below the span, a non-finite logit, or one whose entropy is taken: entry by entry
         for j in range(tk):
             v = row[j]
             buf[j] = v
             k = np.float32(0.0) if v <= lowest else np.float32(1.0)
             keep[j] = k
-            live += k
-        if live == 0:
-            full += 1
-            continue
         top = np.float32(-np.inf)
         for j in range(tk):
             top = max(top, buf[j] if keep[j] > 0 else np.float32(-np.inf))

@@ -12,7 +12,12 @@ step timed against the mean of the two unrecorded steps around it (``--pairs`` o
 processes do not inflate.
 ``--model gpt2`` runs the same measurement on a Hugging Face GPT-2 of the same size (6 layers, 256 wide, 8 heads,
 eager attention, its default dropout): attention through an eager softmax instead of SDPA.
+``--width`` and ``--batch`` change the model's width and the batch (the targets are stated at 256 and 8): the
+tracer's statistics read every activation, gradient and parameter once or twice, work that grows with width × tokens
+and with the parameters, while a step's arithmetic grows with width² × tokens, so its share falls as models and
+batches grow.
 Run: .venv/bin/python bench/trace.py [--model decoder|gpt2] [--rounds 8] [--pairs 30] [--threads 1 --clock thread]
+     [--width 256] [--batch 8]
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class HookCache:
 
 
 def main():
+    global D, B
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=("decoder", "gpt2"), default="decoder",
                     help="the bench decoder (SDPA) or a Hugging Face GPT-2 of its size (eager softmax)")
@@ -110,7 +116,12 @@ def main():
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: CPU time of the training thread, insensitive to other load (needs --threads 1)")
+    ap.add_argument("--width", type=int, default=D, help=f"model width (default {D}; a multiple of {H} heads)")
+    ap.add_argument("--batch", type=int, default=B, help=f"sequences of {T} tokens per step (default {B})")
     args = ap.parse_args()
+    if args.width <= 0 or args.width % H or args.batch <= 0:
+        ap.error(f"--width must be a positive multiple of {H} and --batch positive")
+    D, B = args.width, args.batch
     if args.block % 10:
         ap.error("--block must be a multiple of 10 (each block then holds whole every=10 cycles)")
     if args.threads:

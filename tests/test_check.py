@@ -340,6 +340,24 @@ def test_wrong_modules_fail_the_right_finding(target, finding):
     assert finding in failed(r), r.text()
 
 
+def test_a_contract_with_learned_affine_fails_a_module_that_has_none():
+    """A LayerNorm built without γ or β (torch's elementwise_affine=False or bias=False, OLMo's parameter-free
+    LayerNorm) behaves like one with γ ≡ 1 and β ≡ 0, so every numeric finding passed against a contract with a
+    learned γ/β: but a checkpoint's γ/β has nowhere to go in it. A γ held per group and repeated per channel moves
+    with its parameters and still passes (the registry's per-group-affine case)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    del transformers
+    for module, missing in ((torch.nn.LayerNorm(64, elementwise_affine=False), {"gamma", "beta"}),
+                            (torch.nn.LayerNorm(64, bias=False), {"beta"}), (OlmoLayerNorm(64), {"gamma", "beta"})):
+        r = check(module, expect="torch_layernorm", shape=SHAPE, explain_failures=False)
+        assert failed(r) == {f"affine.is_parameter[parameter={f}]" for f in missing}, r.text()
+        assert "has nowhere to go" in r.text() and "=False" in r.text()
+        right = NormSpec.preset("torch_layernorm", **{f: False for f in missing})
+        assert_passes(check(module, expect=right, shape=SHAPE))
+
+
 def test_odd_hidden_size_passes():
     assert_passes(check(zoo.randomize(torch.nn.LayerNorm(7)), expect="torch_layernorm", shape=(2, 8, 7)))
 

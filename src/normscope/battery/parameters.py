@@ -118,6 +118,9 @@ def resolve(ctx: Context) -> Iterator[Finding]:
                         "ignores its input and no comparison below can mean anything", dtype=ctx.precise)
             candidates = [n for n, v in exposed.items() if v.size == target_values.size
                           and n not in ctx.param_names.values()]
+            held = candidates or [n for n, v in buffers.items() if v.size == target_values.size]
+            if not held and ctx.target.capabilities.whole_state and _fixed(ctx, field, target_values):
+                yield _not_held(ctx, field, target_values, exposed, buffers)
             if candidates:
                 rel = {n: float(np.max(np.abs(exposed[n].reshape(pshape) - target_values))) for n in candidates}
                 yield ctx.finding(
@@ -127,6 +130,37 @@ def resolve(ctx: Context) -> Iterator[Finding]:
                     + ("; γ may only differ by the variance estimator's scale" if field == "gamma" else ""),
                     parameter=field)
     ctx.params_source = "; ".join(sources) or "no affine parameters"
+
+
+def _fixed(ctx: Context, field: str, probed: np.ndarray) -> bool:
+    """Whether the γ/β the target applies stays what it is when every parameter it has takes other values: a
+    target without parameters, or whose parameters do not reach it (a LayerNorm built with γ but no β). A γ
+    computed from parameters of another shape (per group, then repeated per channel) moves with them."""
+    with ctx.target.perturbed_parameters(ctx.rng) as values:
+        if not values:
+            return True
+        again, _ = recover_affine(ctx)
+    tol = ctx.recovery_tolerance()
+    return bool(np.allclose(again.get(field), probed, rtol=tol, atol=tol))
+
+
+def _not_held(ctx: Context, field: str, probed: np.ndarray, exposed: dict, buffers: dict) -> Finding:
+    """The contract names a learned γ/β, and the target (a module: its parameters and buffers are all it holds)
+    has none of its size and applies one its parameters do not move (:func:`_fixed`): it is fixed by its code,
+    and a checkpoint's γ/β would be dropped — a LayerNorm built without affine checked against one with it
+    behaves alike only while γ ≡ 1 and β ≡ 0."""
+    sym = _SYMBOL[field]
+    identity = (1.0 - ctx.spec.gamma_offset) if field == "gamma" else 0.0
+    held = sorted(exposed) + sorted(buffers)
+    return ctx.finding(
+        "affine.is_parameter", f"{sym} is the target's parameter", "fail",
+        float(np.max(np.abs(probed - identity))), f"a parameter of shape {ctx.layout.param_shape}", None,
+        f"the contract has a learned {sym} of shape {ctx.layout.param_shape}, but the target holds no parameter or "
+        f"buffer of that size ({'it holds ' + ', '.join(held) if held else 'it holds none'}), and the {sym} it "
+        f"applies stays put when they change: it is fixed by its code (the probed {sym}'s largest distance from "
+        f"{identity:g} is shown), so a checkpoint's "
+        f"{sym} has nowhere to go; if the target is right, check it against a contract without {sym} "
+        f"({field}=False)", parameter=field)
 
 
 @contextlib.contextmanager

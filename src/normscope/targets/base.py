@@ -31,6 +31,9 @@ class Capabilities:
     modes: bool = False  # train/eval behaviour (``mode``, ``buffers_after_training_step``): torch modules
     noncontiguous: bool = False  # ``call_noncontiguous`` feeds a strided view
     parameters: bool = False  # ``parameters`` lists them and ``perturbed_parameters`` can change a private copy
+    # ``parameters`` and ``buffers`` hold every tensor the target applies (a module's state dict): a γ or β the
+    # contract names must be one of them, or a checkpoint's has nowhere to go
+    whole_state: bool = False
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,8 @@ class TorchFunctionTarget(Target):
 class TorchModuleTarget(TorchFunctionTarget):
     """A torch ``nn.Module``, probed through a private copy."""
 
-    capabilities = Capabilities(differentiable=True, noncontiguous=True, modes=True, parameters=True)
+    capabilities = Capabilities(differentiable=True, noncontiguous=True, modes=True, parameters=True,
+                                whole_state=True)
 
     def __init__(self, module, description: str | None = None, inputs: Sequence[str] = ("x",),
                  outputs: Sequence[str] = ("y",), device: object = None):

@@ -358,6 +358,35 @@ def test_a_contract_with_learned_affine_fails_a_module_that_has_none():
         assert_passes(check(module, expect=right, shape=SHAPE))
 
 
+def test_gammas_offset_is_undecided_on_a_target_without_parameters():
+    """Gemma's γ acts as 1 + w for a stored w: a function that applies it holds no w, and its probed γ fits any
+    offset — the finding is inconclusive, never a pass (it was not checked at all). The same code as a module
+    holding w decides it."""
+    w = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 0.3
+
+    def gemma(x):
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y * (1.0 + w.to(x.dtype).float())).to(x.dtype)  # w stored at the model's dtype, as Gemma's
+
+    r = check(gemma, expect="gemma_rmsnorm", shape=SHAPE, framework="torch", explain_failures=False)
+    undecided = [f.key for f in r.findings if f.status == "inconclusive"]
+    assert r.verdict == "inconclusive" and undecided == ["affine.gamma_offset"], r.text()
+    assert not failed(r) and "exposes no parameters" in r.text()
+
+    class Gemma(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w.clone())
+
+        def forward(self, x):
+            xf = x.float()
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+    assert_passes(check(Gemma(), expect="gemma_rmsnorm", shape=SHAPE))
+
+
 def test_odd_hidden_size_passes():
     assert_passes(check(zoo.randomize(torch.nn.LayerNorm(7)), expect="torch_layernorm", shape=(2, 8, 7)))
 

@@ -129,6 +129,13 @@ def resolve(ctx: Context) -> Iterator[Finding]:
                     f"probed {sym} is none of them (max |difference| per parameter shown)"
                     + ("; γ may only differ by the variance estimator's scale" if field == "gamma" else ""),
                     parameter=field)
+    if spec.gamma and spec.gamma_offset and "gamma" not in ctx.param_names and not exposed:
+        yield ctx.finding(
+            "affine.gamma_offset", "γ's offset", "inconclusive", None, f"γ acts as {spec.gamma_offset:g}+w", None,
+            f"the contract says the target applies {spec.gamma_offset:g}+w for a stored w: a statement about how it "
+            "stores γ, and this target exposes no parameters, so its γ was probed as it acts and any offset fits "
+            "it as well; check a module or graph that holds its weights (or the contract without the offset, "
+            "which states only what it applies) to decide it")
     ctx.params_source = "; ".join(sources) or "no affine parameters"
 
 

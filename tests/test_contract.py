@@ -158,6 +158,43 @@ def test_any_architecture_transformers_knows(tmp_path, arch):
     assert any("meta device" in n for n in c.notes)
 
 
+CONFIG_ONLY = {  # one built on the meta device, one whose forward reads values (built on the CPU, γ drawn)
+    "gpt_neox": lambda t: t.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, vocab_size=64),
+    "qwen3_next": lambda t: t.Qwen3NextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIG_ONLY))
+def test_a_config_states_no_weights_and_matches_its_trained_checkpoint(tmp_path, arch):
+    """A config has no weights: the γ of the model built to read its structure is drawn (Qwen3-Next builds on the
+    CPU, γ = 0 at init) and was stated as known, so the config against its own trained checkpoint read 11
+    mismatches; the checkpoint's sites read "γ has shape [32], the config implies []" besides."""
+    from normscope.artifacts import compare
+
+    cfg = CONFIG_ONLY[arch](transformers)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.2, 0.05)  # trained: far from the initial 1 and 0
+    model.save_pretrained(tmp_path / "ckpt")
+    cfg.save_pretrained(tmp_path / "cfg")
+    config = contract(tmp_path / "cfg" / "config.json")
+    assert all(s.gamma_stats is None and s.beta_stats is None for s in config.sites)
+    assert not {"gamma_stats", "beta_stats"} & {f for s in config.sites for f in s.known}
+    ckpt = contract(tmp_path / "ckpt")
+    assert all(s.gamma_stats["mean"] == pytest.approx(0.2, abs=0.05) for s in ckpt.sites if s.gamma_stats)
+    assert not [n for s in ckpt.sites for n in s.notes if "implies" in n]
+    result = compare(config, ckpt)
+    assert result.ok and not result.mismatches, [i.message for i in result.items]
+
+
 def test_gguf_states_a_parallel_block_and_matches_the_structure(tmp_path):
     import gguf
 

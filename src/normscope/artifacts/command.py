@@ -81,4 +81,8 @@ def _scanned(target: str, inputs: str | None = None):
 
     model, origin = load_model(target)
     x = model_inputs(inputs, model, "contract --live")
-    return ModelContract.from_scan(scan(model, x, progress=False), source=f"{target} (scanned: {origin})")
+    out = ModelContract.from_scan(scan(model, x, progress=False), source=f"{target} (scanned: {origin})")
+    if origin.startswith("random weights"):  # γ/β as drawn here, not a checkpoint's: not stated
+        for site in out.sites:
+            site.gamma_stats = site.beta_stats = None
+    return out

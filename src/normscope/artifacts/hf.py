@@ -174,9 +174,9 @@ def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
             w = handle.get_tensor(key).double().numpy()
         site.gamma_stats = value_stats(w)
         site.source = module_path(key)
-        if tuple(w.shape) != site.param_shape:
-            site.notes.append(f"γ has shape {list(w.shape)}, the config implies {list(site.param_shape or ())}")
-            site.param_shape = tuple(w.shape)
+        if site.param_shape is not None and tuple(w.shape) != site.param_shape:
+            site.notes.append(f"γ has shape {list(w.shape)}, the config implies {list(site.param_shape)}")
+        site.param_shape = tuple(w.shape)
         site.beta = "bias" in params
         if site.beta:
             f, key = tensors[params["bias"]]

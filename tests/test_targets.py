@@ -106,12 +106,35 @@ def test_onnx_model_with_two_inputs_and_two_outputs():
         normscope.infer(model, shape=(2, 4, 16))  # one clear error, not "ran on none of the dtypes"
 
 
+def test_an_onnx_graph_runs_at_bfloat16():
+    """onnxruntime runs a bfloat16 graph, but its NumPy binding takes and gives no bfloat16 array ("Numpy_type 256
+    can't be converted to MLDataType"): the values go by their bits, and a check asked for bfloat16 ran nowhere
+    and failed the target for it."""
+    pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    scale = numpy_helper.from_array(np.linspace(0.5, 1.5, 16).astype(np.float32), "scale")
+    node = helper.make_node("LayerNormalization", ["x", "scale"], ["y"], axis=-1, epsilon=1e-5)
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", 16]) for n in ("x", "y")]
+    model = helper.make_model(helper.make_graph([node], "ln", info[:1], info[1:], [scale]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    t = normscope.targets.onnx(model)
+    out = t.run({"x": X}, "bfloat16")
+    assert out.dtypes == {"y": "bfloat16"}
+    want = _layer_norm64(X) * np.linspace(0.5, 1.5, 16)
+    assert np.abs(out["y"] - want).max() < 0.05 * np.abs(want).max()
+    r = normscope.check(model, expect="onnxruntime_layernorm:beta=False", shape=(2, 4, 16),
+                        dtypes=("float32", "bfloat16"))
+    assert r.verdict == "pass", r.text()
+
+
 # ------------------------------------------------------------------------------------------ capabilities
 def test_capabilities_are_declared_once_per_kind_and_read_through_the_old_names():
     module = normscope.targets.torch(torch.nn.LayerNorm(16))
     function = normscope.targets.torch(fused_add_norm, inputs=("x", "r"))
     plain = normscope.targets.numpy(np.tanh)
-    assert module.capabilities == Capabilities(differentiable=True, modes=True, noncontiguous=True, parameters=True)
+    assert module.capabilities == Capabilities(differentiable=True, modes=True, noncontiguous=True, parameters=True,
+                                               whole_state=True)
     assert function.capabilities == Capabilities(differentiable=True, noncontiguous=True)
     assert plain.capabilities == Capabilities()
     assert (module.has_modes, function.has_modes, plain.differentiable) == (True, False, False)

@@ -129,7 +129,13 @@ class OnnxTarget(Target):
             x = inputs[name]
             self.check_shape(x.shape, name)
             feed[name] = x.astype(np.float32).astype(numpy_dtype(dtype)) if dtype != "float64" else x
-        out = self.session(dtype).run(None, feed)
+        if dtype == "bfloat16":  # onnxruntime's numpy binding takes no bfloat16 array: its own values, by bits
+            code = onnx_elem_type(dtype)
+            values = {k: self._ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                np.ascontiguousarray(v).view(np.uint16), code) for k, v in feed.items()}
+            out = [_array(v) for v in self.session(dtype).run_with_ort_values(None, values)]
+        else:
+            out = self.session(dtype).run(None, feed)
         return self.outputs_from(tuple(out), lambda v: np.asarray(v).astype(np.float64))
 
     def parameters(self):
@@ -161,6 +167,20 @@ class OnnxTarget(Target):
                 init.CopyFrom(numpy_helper.from_array(arr, init.name))
             self._sessions.clear()
 
+
+
+def _array(value) -> np.ndarray:
+    """An onnxruntime OrtValue as a NumPy array of its own dtype (a bfloat16 tensor read by its bits: the binding
+    has no NumPy type for it)."""
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    import ctypes
+
+    shape = tuple(value.shape())
+    n = int(np.prod(shape))
+    bits = np.frombuffer((ctypes.c_uint16 * n).from_address(value.data_ptr()), np.uint16, n) if n else \
+        np.empty(0, np.uint16)
+    return bits.copy().reshape(shape).view(numpy_dtype("bfloat16"))
 
 
 def _dims(vi) -> list[int | None] | None:

@@ -510,6 +510,46 @@ def test_differences_eps_placement():
     assert diffs == ["expected ε inside √ (sqrt(var+ε)); found ε outside √ (std+ε)"]
 
 
+def test_differences_never_state_an_undecided_field_as_found():
+    """A field inference assumed or could not probe differs from the expected one only by convention: the line
+    says it was not decided ("found biased" was printed for an unbiased target whose estimator is confounded with
+    its γ's scale). Where γ/β are stored is compared only where × γ runs in fp32 before the one cast."""
+    found = NormSpec(variance="biased", stats_dtype="input")
+    expected = NormSpec(variance="unbiased", stats_dtype="float32")
+    assert differences(found, expected, 3, undecided={"variance": "assumed"}) == [
+        "expected unbiased variance (÷d−1); not decided by inference (assumed)",
+        "expected fp32 statistics; found statistics in the input dtype"]
+    kept = NormSpec(stats_dtype="input", output_dtype="float32", param_dtype="float32")
+    assert differences(kept.replace(param_dtype="input"), kept, 3) == []  # input-dtype statistics: not applicable
+    fp32 = NormSpec(param_dtype="float32")
+    assert differences(fp32.replace(param_dtype="input"), fp32, 3) == [
+        "expected γ/β kept in fp32; found γ/β stored at the input's dtype"]
+
+
+def test_a_target_as_far_from_every_rounding_as_from_its_own_is_undecided_not_failed():
+    """A NumPy LayerNorm on bfloat16 arrays accumulates its statistics in bfloat16: at the rounding finding's 30σ
+    offset it is ~340 ulps from its contract and as far from every other, so the finding said FAIL although the
+    contract (statistics in the input dtype) says nothing of how they accumulate: inconclusive, with both
+    distances and what would decide it; nothing else fails."""
+    np = pytest.importorskip("numpy")
+    from normscope import check
+
+    g = np.linspace(0.5, 1.5, 64).astype(np.float32)
+
+    def annotated(x):  # the Annotated Transformer's LayerNorm: unbiased std, ε outside the root
+        mu = x.mean(-1, keepdims=True)
+        sd = x.std(-1, ddof=1, keepdims=True)
+        return g * (x - mu) / (sd + 1e-6)
+
+    spec = NormSpec(eps=1e-6, eps_placement="outside_sqrt", variance="unbiased", beta=False, stats_dtype="input",
+                    output_dtype="float32", param_dtype="float32")
+    r = check(annotated, expect=spec, shape=(2, 8, 64), framework="numpy")
+    bad = {f.key: f.status for f in r.findings if f.status in ("fail", "inconclusive")}
+    assert bad == {"reference.rounding[dtype=bfloat16]": "inconclusive"}, r.text()
+    assert r.verdict == "inconclusive" and "as far from every contract as from its own" in r.text()
+    assert r.differences == ["expected unbiased variance (÷d−1); not decided by inference (assumed)"]
+
+
 def test_differences_axes():
     diffs = differences(NormSpec(axes=[-2]), NormSpec(axes=[-1]), 3)
     assert "statistics reduce over [-2], expected [-1]" in diffs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from .errors import SpecError
@@ -396,14 +396,24 @@ def eps_close(a: float, b: float, rtol: float) -> bool:
 
 
 def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float = 0.01,
-                shape: tuple[int, ...] | None = None) -> list[str]:
+                shape: tuple[int, ...] | None = None, undecided: Mapping[str, str] | None = None) -> list[str]:
     """Plain-words differences between two contracts (empty when equivalent).
 
     ε values within ``eps_rtol`` (1%, the resolution of inference) count as equal; with the input
     ``shape``, degenerate groupings (one group, or one channel per group) compare as what they compute.
+    ``undecided``: fields of ``found`` that inference did not decide (field → why, e.g. "assumed"): where such a
+    field differs, the line says it was not decided instead of stating the reported value as found.
     """
     a, b = found.canonical(ndim, shape), expected.canonical(ndim, shape)
     out: list[str] = []
+    undecided = undecided or {}
+
+    def say(field: str, wanted: str, got: str) -> None:
+        if field in undecided:
+            out.append(f"expected {wanted}; not decided by inference ({undecided[field]})")
+        else:
+            out.append(f"expected {wanted}; found {got}")
+
     if a.center != b.center:
         out.append(
             "found the mean subtracted (centred)" if a.center else "found no mean subtraction (RMS)"
@@ -425,15 +435,14 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
         "none": "no ε",
     }
     if a.eps_placement != b.eps_placement:
-        out.append(f"expected {formulas[b.eps_placement]}; found {formulas[a.eps_placement]}")
+        say("eps_placement", formulas[b.eps_placement], formulas[a.eps_placement])
     if not eps_close(a.eps, b.eps, eps_rtol) and a.eps_placement == b.eps_placement:
-        out.append(f"expected ε={b.eps:g}; found ε={a.eps:g}")
+        say("eps", f"ε={b.eps:g}", f"ε={a.eps:g}")
     if a.variance != b.variance:
-        out.append(f"expected {b.variance} variance (÷{'d' if b.variance == 'biased' else 'd−1'}); found {a.variance}")
+        say("variance", f"{b.variance} variance (÷{'d' if b.variance == 'biased' else 'd−1'})", a.variance)
     if a.variance_algorithm != b.variance_algorithm:
-        out.append(
-            f"expected {b.variance_algorithm.replace('_', '-')} variance; found {a.variance_algorithm.replace('_', '-')}"
-        )
+        say("variance_algorithm", f"{b.variance_algorithm.replace('_', '-')} variance",
+            a.variance_algorithm.replace('_', '-'))
     identity = {"gamma": "γ ≡ 1", "beta": "β ≡ 0"}
     for name, sym in (("gamma", "γ"), ("beta", "β")):
         if getattr(a, name) and not getattr(b, name):
@@ -443,20 +452,23 @@ def differences(found: NormSpec, expected: NormSpec, ndim: int, eps_rtol: float 
     if (a.gamma or a.beta) and (b.gamma or b.beta) and a.param_axes != b.param_axes:
         out.append(f"γ/β indexed by axes {list(found.param_axes)}, expected {list(expected.param_axes)}")
     if a.gamma_offset != b.gamma_offset:
-        out.append(f"expected γ offset {b.gamma_offset:g}; found {a.gamma_offset:g}")
+        say("gamma_offset", f"γ offset {b.gamma_offset:g}", f"{a.gamma_offset:g}")
     if a.stats_dtype != b.stats_dtype:
         words = {"float32": "fp32 statistics", "input": "statistics in the input dtype"}
-        out.append(f"expected {words[b.stats_dtype]}; found {words[a.stats_dtype]}")
+        say("stats_dtype", words[b.stats_dtype], words[a.stats_dtype])
     if a.affine_order != b.affine_order and a.stats_dtype == b.stats_dtype == "float32":
-        out.append(f"expected {b.affine_order.replace('_', ' ')}; found {a.affine_order.replace('_', ' ')}")
+        say("affine_order", b.affine_order.replace('_', ' '), a.affine_order.replace('_', ' '))
     if a.batch_stats != b.batch_stats:
         words = {None: "statistics of each input (no train/eval modes)", "batch": "batch statistics",
                  "running": "running statistics", "frozen": "frozen running statistics (both modes, never updated)"}
         out.append(f"expected {words[b.batch_stats]}; found {words[a.batch_stats]}")
     if a.output_dtype != b.output_dtype:
         words = {"input": "the output at the input's dtype", "float32": "an fp32 output"}
-        out.append(f"expected {words[b.output_dtype]}; found {words[a.output_dtype]}")
-    if a.param_dtype != b.param_dtype and (a.gamma or a.beta) and (b.gamma or b.beta):
+        say("output_dtype", words[b.output_dtype], words[a.output_dtype])
+    # where γ/β are stored shows only where × γ runs in fp32 before the one cast: elsewhere neither contract says
+    applies = all(c.stats_dtype == "float32" and c.affine_order == "scale_then_cast" and (c.gamma or c.beta)
+                  for c in (a, b))
+    if a.param_dtype != b.param_dtype and applies:
         words = {"input": "γ/β stored at the input's dtype", "float32": "γ/β kept in fp32"}
-        out.append(f"expected {words[b.param_dtype]}; found {words[a.param_dtype]}")
+        say("param_dtype", words[b.param_dtype], words[a.param_dtype])
     return out

@@ -96,7 +96,8 @@ def check(
         try:
             inferred = infer(t, shape=shape, dtypes=dtypes, seed=seed)
             report.inferred = inferred.spec
-            report.differences = differences(inferred.spec, spec, len(shape), shape=shape)
+            report.differences = differences(inferred.spec, spec, len(shape), shape=shape,
+                                             undecided=inferred.unsettled)
         except (NotANormalization, NormscopeError) as exc:
             report.inference_error = str(exc)
         report.calls = t.calls - calls_before

@@ -148,6 +148,19 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
                                   f"per draw), or the contract's cast order and statistics dtype checked on the "
                                   f"target's source" + own_words, dtype=d)
             continue
+        if ctx.spec.stats_dtype == "input" and not sep["beyond_noise"]:
+            # as far from every contract's rounding as from its own: not a rounding order but statistics that lose
+            # more than the contract's emulation (accumulated in the input dtype, say), which the contract, silent
+            # on how statistics accumulate, neither states nor rules out
+            yield ctx.finding("reference.rounding", f"rounding at {d}", "inconclusive", mine_mean, mean, limit,
+                              f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to {closest} "
+                              f"{nearest_mean:.3g}: as far from every contract as from its own "
+                              f"({pe.not_separated_because(sep)}), on inputs where half the groups sit "
+                              f"{pe.GROUP_OFFSET:g}σ off zero — the target's statistics lose more than rounding the "
+                              f"exact ones to {d} does (accumulated in {d}?), which the contract does not state; what "
+                              "would decide it: how the target accumulates its statistics, read from its source"
+                              + own_words, dtype=d)
+            continue
         yield ctx.finding("reference.rounding", f"rounding at {d}", "fail", mine_mean, mean, limit,
                           f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to {closest} "
                           f"{nearest_mean:.3g}" + (f" (separated: ratio {sep['ratio']:.3g}, sign test z = "

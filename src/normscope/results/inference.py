@@ -99,6 +99,13 @@ class Inference:
         """The contract's line, its undecided precision fields marked as such."""
         return self.spec.summary(undecided(self.evidence))
 
+    @property
+    def unsettled(self) -> dict[str, str]:
+        """The contract's fields that no experiment decided (assumed, not probed, ambiguous), each with that word:
+        values reported by convention, never to be stated as found."""
+        return {k: e.confidence.value for k, e in self.evidence.items()
+                if e.confidence in (Confidence.ASSUMED, Confidence.NOT_PROBED, Confidence.AMBIGUOUS)}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,

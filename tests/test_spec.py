@@ -321,6 +321,16 @@ def test_summary_mentions_distinguishing_fields():
     assert "unbiased two-pass" in NormSpec(variance="unbiased").summary()
 
 
+def test_summary_titles_follow_the_statistics_not_the_family_alone():
+    """A BatchNorm without running statistics (torch's track_running_stats=False) reduces over the batch axis:
+    not an InstanceNorm; a grouped norm without centring (Mamba2's gated RMSNorm) is an RMSNorm in groups."""
+    assert NormSpec(axes=[0, 2, 3], param_axes=[1]).summary().startswith("BatchNorm over [0, 2, 3]")
+    assert NormSpec(axes=[2, 3], param_axes=[1]).summary().startswith("InstanceNorm over [2, 3]")
+    grouped = NormSpec(center=False, axes=[2], groups=4, group_axis=2, beta=False)
+    assert grouped.kind == "groupnorm" and grouped.summary().startswith("RMSNorm over [2] in 4 groups along axis 2")
+    assert NormSpec(axes=[1, 2, 3], groups=4, group_axis=1, param_axes=[1]).summary().startswith("GroupNorm")
+
+
 def test_summary_marks_undecided_precision_fields_instead_of_stating_them():
     """A field the evidence did not decide is not stated as if measured (a float32-only target's statistics dtype
     read "fp32 statistics, scale then cast", the values inference reports when its experiment cannot run)."""

@@ -219,7 +219,12 @@ class NormSpec:
 
         ``undecided``: fields whose value the evidence did not decide (a float32-only target's statistics dtype);
         the line says so instead of stating the field's default as if it were measured."""
-        parts = [f"{_KIND_TITLES[self.kind]} over {list(self.axes)}"]
+        title = _KIND_TITLES[self.kind]
+        if self.kind == "groupnorm" and not self.center:
+            title = "RMSNorm"  # per group, no mean subtracted (Mamba2's gated norm): "in G groups" follows
+        elif self.kind == "instancenorm" and 0 in self.axes:
+            title = "BatchNorm"  # statistics over the batch axis, per input (a BatchNorm without running ones)
+        parts = [f"{title} over {list(self.axes)}"]
         if self.groups is not None:
             parts[0] += f" in {self.groups} groups along axis {self.group_axis}"
         if self.eps_placement == "none":

@@ -128,6 +128,21 @@ def test_an_onnx_graph_runs_at_bfloat16():
     assert r.verdict == "pass", r.text()
 
 
+def test_a_module_that_needs_more_arguments_says_how_to_fix_the_others():
+    """A gated norm's forward(x, gate) called with one input failed at every dtype with Python's "missing 1
+    required positional argument"; the error now names the arguments and how to hold them fixed."""
+    class Gated(torch.nn.Module):
+        def forward(self, hidden_states, gate, scale=1.0):
+            return torch.nn.functional.rms_norm(hidden_states, hidden_states.shape[-1:]) * gate * scale
+
+    with pytest.raises(TargetError, match=r"Gated.forward needs 2 arguments \(hidden_states, gate\) and is given 1.*"
+                                          r"lambda x: module\(x, gate\)"):
+        normscope.targets.torch(Gated())
+    gate = torch.rand(16) + 0.5
+    assert normscope.infer(lambda x: Gated()(x, gate.to(x.dtype)), shape=(2, 4, 16), framework="torch").spec.kind \
+        == "rmsnorm"
+
+
 # ------------------------------------------------------------------------------------------ capabilities
 def test_capabilities_are_declared_once_per_kind_and_read_through_the_old_names():
     module = normscope.targets.torch(torch.nn.LayerNorm(16))

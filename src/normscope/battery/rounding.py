@@ -116,7 +116,7 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
         nearest_mean = mean[closest]
         # nearer its own contract than any other, and within a couple of ulps of it on average
         limit = min(nearest_mean + C.ROUNDING_MARGIN_ULPS, C.ROUNDING_MAX_ULPS)
-        own_words = ("" if values else " (the target's own γ/β)")
+        own_words = "" if values or not (ctx.spec.gamma or ctx.spec.beta) else " (the target's own γ/β)"
         if mine_mean <= limit:
             yield ctx.finding("reference.rounding", f"rounding at {d}", "pass", mine_mean, mean, limit,
                               f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to the nearest "

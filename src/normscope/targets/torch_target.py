@@ -160,6 +160,26 @@ class TorchFunctionTarget(Target):
         return self._backward(self.fn, x, dy, dtype), {}
 
 
+def _takes(module, given: int) -> None:
+    """A TargetError naming the fix when ``module.forward`` needs more arguments than the target gives it (a gated
+    norm's ``gate``): called with one, it fails at every dtype with only Python's "missing argument"."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    needed = [p.name for p in params if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(needed) > given:
+        cls = type(module).__name__
+        extra = ", ".join(needed[given:])
+        raise TargetError(
+            f"{cls}.forward needs {len(needed)} arguments ({', '.join(needed)}) and is given {given}: hold the "
+            f"others fixed in a function and pass that, e.g. normscope.infer(lambda x: module(x, {extra}), "
+            f"shape=..., framework='torch') with {extra} a tensor of the right shape")
+
+
 class TorchModuleTarget(TorchFunctionTarget):
     """A torch ``nn.Module``, probed through a private copy."""
 
@@ -186,6 +206,7 @@ class TorchModuleTarget(TorchFunctionTarget):
         self._master = self._master.to(device)
         Target.__init__(self, description or f"torch module {type(module).__name__}", inputs, outputs, device)
         self.module_class = type(module).__name__
+        _takes(module, len(self.inputs))
 
     def _copy(self, dtype: str):
         if dtype not in self._copies:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1215,3 +1216,56 @@ def test_keys_a_finite_mask_puts_out_of_the_softmax_are_masked_on_every_path(mon
     overflow[0, 1, 2, 3] = math.inf
     assert attention.eager_logit_stats(overflow)["max_logit"][1] == math.inf or \
         attention.eager_logit_stats(overflow)["nonfinite"] > 0
+
+
+def _synthetic_run(path, steps: int, gamma_at: int, logit_bump_at: int | None, update_bump_at: int | None):
+    """A run file written by hand: a steady stream, one head's max logit rising smoothly (×1.6 for one step at
+    ``logit_bump_at``), an update ratio steady (×1.64 for one step at ``update_bump_at``), and layer 1's γ written
+    ×100 and kept from ``gamma_at``; losses with batch noise."""
+    rng = np.random.default_rng(0)
+    lines = [{"schema": "normscope.trace/1", "kind": "header", "every": 1, "world_size": 1, "time": 0.0,
+              "model": "M", "blocks": ["b.0", "b.1"], "norms": ["1:ln"]}]
+    n = 4096
+    for t in range(steps):
+        noise = 1 + 0.01 * rng.standard_normal(4)
+        logit = (1.0 + 0.02 * t) * noise[1] * (1.6 if t == logit_bump_at else 1.0)
+        gamma = 100.0 if t >= gamma_at else 1.0
+        ratio = 1e-3 * noise[2] * (1.64 if t == update_bump_at else 1.0)
+        lines.append({"kind": "step", "step": t, "time": float(t), "entries": [
+            {"stage": "layer_input", "layer": 0, "site": "", "sumsq": n * noise[0], "n": n, "max": 3.0,
+             "nonfinite": 0},
+            {"stage": "attention_logits", "layer": 0, "site": "", "max_logit": [logit], "masked_rows": [0],
+             "masked_samples": [0], "rows": [64], "entropy_sum": [64 * 3.0], "entropy_rows": [64], "nonfinite": 0,
+             "nonfinite_heads": [0]},
+            {"stage": "norm_output", "layer": 1, "site": "ln", "sumsq": n * gamma ** 2, "n": n, "max": 3.0 * gamma,
+             "nonfinite": 0, "max_scale_rms": gamma},
+            {"stage": "loss", "layer": None, "site": "", "sum": 2.5 * noise[3], "count": 1, "nonfinite": 0},
+            {"stage": "update", "layer": 1, "site": "mlp", "sumsq": n * ratio ** 2, "n": n, "param_sumsq": float(n),
+             "max": 3 * ratio, "nonfinite": 0, "max_lr": 1e-3}]})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "trace.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _causes(d) -> list[tuple]:
+    return [(i.step, i.kind, i.cause.stage, i.cause.step, i.cause.metric) for i in d.incidents]
+
+
+def test_a_parameter_written_before_a_step_precedes_that_steps_forward_in_the_chain(tmp_path):
+    """A γ written ×100 between steps is set before the step's forward runs: it is the first cause even where an
+    earlier layer's series wobbles at the same step (a head's max logit ×1.6 while it rises, which came first in
+    forward order and was named the cause)."""
+    d = diagnose(_synthetic_run(tmp_path / "same", 60, gamma_at=46, logit_bump_at=46, update_bump_at=None))
+    assert d.incidents and d.incidents[0].step == 46, _causes(d)
+    c = d.incidents[0].cause
+    assert (c.step, c.stage, c.layer, c.metric) == (46, "norm_output", 1, "scale_rms"), _causes(d)
+
+
+def test_an_earlier_update_wobble_that_carried_into_nothing_is_not_the_cause(tmp_path):
+    """An update ratio ×1.64 for one step, three steps before a γ written ×100: no forward series moved in
+    between, so it reaches nothing (it was named the first cause, as any earlier update was)."""
+    d = diagnose(_synthetic_run(tmp_path / "earlier", 60, gamma_at=40, logit_bump_at=None, update_bump_at=37))
+    assert d.incidents and d.incidents[0].step == 40, _causes(d)
+    c = d.incidents[0].cause
+    assert (c.step, c.stage, c.layer, c.metric) == (40, "norm_output", 1, "scale_rms"), _causes(d)
+

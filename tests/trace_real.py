@@ -293,6 +293,13 @@ def _hidden_times(factor: float, layer: int = 1):
     return change
 
 
+def _hf_mlp_times(factor: float, layer: int = 1):
+    """A Hugging Face decoder's MLP output × ``factor`` for one step (a forward hook, removed after it)."""
+    def change(st: Step):
+        return st.model.model.layers[layer].mlp.register_forward_hook(lambda m, a, out: out * factor).remove
+    return change
+
+
 def _mlp_garbage(st: Step):
     """A broken fused kernel for one step: the MLP's hidden activation comes back as large noise."""
     g = torch.Generator().manual_seed(5)
@@ -355,6 +362,8 @@ CASES = {
         "postln", at(_mlp_garbage), "sublayer_output", layer=1, site="mlp"),
     "stream: a post-LN sum ×400 for one step, normalized before anything reads it": Case(
         "postln", at(_hidden_times(1000.0, layer=0)), "sublayer_output", layer=0, site="mlp", kind="danger_jump"),
+    "stream: a pre-LN MLP ×1000 for one step, the stream leaping below its danger level": Case(
+        "llama", at(_hf_mlp_times(1000.0)), "sublayer_output", layer=1, site="mlp", kind="danger_jump"),
     "norm: a γ written ×20": Case(
         "llama", at(_scale_param(lambda m: m.model.layers[1].post_attention_layernorm.weight, 20.0, undo=False)),
         "norm_output", layer=1, site="post_attention_layernorm", metric="scale_rms"),

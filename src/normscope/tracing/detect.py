@@ -429,9 +429,10 @@ def _lr_jump_triggers(jumps: list[tuple], groups: int) -> list[_Trigger]:
             same = [j for j in same if j not in alike]
             who = _group(key)
             if len(alike) > 1:
-                who = (f"all {len(alike)} parameter groups" if len(alike) == groups else
-                       f"{len(alike)} of the {groups} parameter groups ({', '.join(_group(j[1]) for j in alike)})"
-                       ) + f" ({who} shown)"
+                # the traced groups are the tracer's own (per block and sublayer), not the optimizer's
+                who = (f"the parameters of every traced layer and module ({len(alike)})" if len(alike) == groups else
+                       f"the parameters of {len(alike)} of the {groups} traced layers and modules "
+                       f"({', '.join(_group(j[1]) for j in alike)})") + f" ({who} shown)"
             out.append(_Trigger(t, "lr_jump", "lr", lr, highest,
                                 f"learning rate {_fmt(lr)} for {who} is ×{lr / highest:.3g} the highest its schedule "
                                 f"reached before ({_fmt(highest)}); update ratio {_fmt(ratio)}", key))
@@ -594,11 +595,14 @@ class _Detector:
                 + ": a hard or mislabelled example, not an incident")
         return kept
 
-    def unusual_inputs(self, explained: set[int]) -> None:
+    def unusual_inputs(self, explained: set[int], rewritten: set[int] = frozenset()) -> None:
         """Notes for samples whose input statistics (RMS or max |x| at the data stage) sit ``sample_factor`` times
         above the recent samples' median and far outside their spread, at steps no incident explains: no
         incident, but a user should know (a ViT image replaced by noise ×100 while the model was still at chance
-        level: no loss could move). Each note also says what moved downstream at its step."""
+        level: no loss could move). Each note also says what moved downstream at its step. Not where every sample
+        of the batch moved within ``window`` steps after an incident that rewrote parameters (``rewritten``: a
+        learning rate ×1000 rewrites the embedding table, and the embedded inputs of the next ten steps each read
+        as a whole batch of corrupt inputs)."""
         if not any(r.get("samples") for r in self.records):
             return
         self.scores()
@@ -607,7 +611,11 @@ class _Detector:
             step = int(self.s.steps[t])
             if t in explained or step in self.notes:
                 continue
+            after = any(t - self.window <= c < t for c in rewritten)
             for a in self._sample_departures(t, t):
+                batch = self._batch_size(t)
+                if after and batch and len(a.sample_ids or ()) >= batch:
+                    continue
                 if (a.metric in ("rms", "max") and a.baseline and math.isfinite(a.value)
                         and a.value >= factor * a.baseline):
                     who = f"sample {a.sample_ids[0]}" if len(a.sample_ids or ()) == 1 else f"samples {a.sample_ids}"
@@ -615,6 +623,12 @@ class _Detector:
                                         f"×{a.value / a.baseline:.3g} the recent samples' median {_fmt(a.baseline)}, "
                                         f"{self._downstream(t)}: an unusual or corrupt input, not an incident")
                     break
+
+    def _batch_size(self, t: int) -> int | None:
+        """The number of samples column ``t`` recorded per-sample statistics for (None where it recorded none)."""
+        sizes = [len(v) for d in (self.records[t].get("samples") or {}).values() if isinstance(d, dict)
+                 for v in d.values() if isinstance(v, list)]
+        return max(sizes) if sizes else None
 
     def _downstream(self, t: int) -> str:
         """What the forward did after an unusual input at column ``t``, as the note states it: the series past the
@@ -1209,7 +1223,8 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                 continue
             incidents.append(det.localize(trig))
         det.unusual_inputs({_col(det, i.step) for i in incidents}
-                           | {_col(det, a.step) for i in incidents for a in i.departures})
+                           | {_col(det, a.step) for i in incidents for a in i.departures},
+                           {_col(det, i.step) for i in incidents if i.cause is not None and i.cause.stage == "update"})
     drifts = det.drifts() if run.records else []
     disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})

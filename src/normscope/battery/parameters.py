@@ -163,8 +163,10 @@ def _not_held(ctx: Context, field: str, probed: np.ndarray, exposed: dict, buffe
         "affine.is_parameter", f"{sym} is the target's parameter", "fail",
         float(np.max(np.abs(probed - identity))), f"a parameter of shape {ctx.layout.param_shape}", None,
         f"the contract has a learned {sym} of shape {ctx.layout.param_shape}, but the target holds no parameter or "
-        f"buffer of that size ({'it holds ' + ', '.join(held) if held else 'it holds none'}), and the {sym} it "
-        f"applies stays put when they change: it is fixed by its code (the probed {sym}'s largest distance from "
+        f"buffer of that size "
+        + (f"(it holds {', '.join(held)}), and the {sym} it applies stays put when they change: it" if held else
+           f"(it holds none at all): the {sym} it applies")
+        + f" is fixed by its code (the probed {sym}'s largest distance from "
         f"{identity:g} is shown), so a checkpoint's "
         f"{sym} has nowhere to go; if the target is right, check it against a contract without {sym} "
         f"({field}=False)", parameter=field)

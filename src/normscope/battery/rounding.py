@@ -23,7 +23,7 @@ from ..numerics import constants as C
 from ..precision import Precision
 from ..probe import precision_experiment as pe
 from ..results.check import Finding
-from .context import Context
+from .context import Context, useless_emulation
 from .parameters import perturbed
 
 ESCALATION = 16  # more draws of inputs and γ/β before an ambiguous rounding finding gives up
@@ -67,11 +67,7 @@ def _chaotic(ctx: Context, x: np.ndarray, d: str) -> bool:
     nothing, so distances in ulps measure their operation order, not their contract — the offset is then left
     out (as the offset finding skips such inputs)."""
     with np.errstate(all="ignore"):
-        exact = ctx.ref(x)
-        emul = ctx.emulate(x, d)
-        scale = float(np.nanmax(np.abs(exact))) if np.isfinite(exact).any() else 1.0
-        err = np.abs(emul - exact)
-    return not np.all(np.isfinite(err)) or float(err.max()) > C.FAITHFUL_USELESS * max(scale, 1e-300)
+        return useless_emulation(ctx.ref(x), ctx.emulate(x, d)) is not None
 
 
 def _escalate(ctx: Context, d: str, closest: str, first: tuple[pe.Distance, pe.Distance], repeat: float) -> dict:

@@ -17,6 +17,7 @@ from ..inputs import probe_shape, quiet, spec_fits
 from ..loading import read_json_file
 from ..presets import preset_from_text
 from ..results.check import Finding, Report
+from ..results.inference import unsettled
 from ..spec import NormSpec, differences
 from ..targets import as_target
 from ..targets.base import check_dtype_list
@@ -97,7 +98,7 @@ def check(
             inferred = infer(t, shape=shape, dtypes=dtypes, seed=seed)
             report.inferred = inferred.spec
             report.differences = differences(inferred.spec, spec, len(shape), shape=shape,
-                                             undecided=inferred.unsettled)
+                                             undecided=unsettled(inferred.evidence))
         except (NotANormalization, NormscopeError) as exc:
             report.inference_error = str(exc)
         report.calls = t.calls - calls_before

@@ -19,7 +19,7 @@ from ..jsonable import document, jsonable
 from ..spec import NormSpec
 from .params import NormParams
 
-__all__ = ["SCHEMA", "Confidence", "Evidence", "Inference", "undecided"]
+__all__ = ["SCHEMA", "Confidence", "Evidence", "Inference", "undecided", "unsettled"]
 
 SCHEMA = "normscope.inference/1"
 
@@ -37,20 +37,25 @@ class Confidence(enum.StrEnum):
 
 # the precision fields a contract line states only when an experiment decided them: each has a conventional value
 # that inference reports when its experiment cannot run (float32-only inputs) or does not separate the candidates
-_PRECISION_FIELDS = ("stats_dtype", "affine_order", "param_dtype")
-_UNDECIDED = (Confidence.NOT_PROBED, Confidence.AMBIGUOUS)
+_PRECISION_FIELDS = frozenset({"stats_dtype", "affine_order", "param_dtype"})
+_UNSETTLED = (Confidence.ASSUMED, Confidence.NOT_PROBED, Confidence.AMBIGUOUS)
+
+
+def unsettled(evidence: dict[str, Any]) -> dict[str, str]:
+    """The fields no experiment decided (assumed, not probed, ambiguous), each with that word, from evidence as
+    :class:`Evidence` or its dict: values reported by convention, never to be stated as found."""
+    out = {}
+    for field, ev in evidence.items():
+        confidence = ev.get("confidence") if isinstance(ev, dict) else getattr(ev, "confidence", None)
+        if confidence in _UNSETTLED:
+            out[field] = str(confidence)
+    return out
 
 
 def undecided(evidence: dict[str, Any]) -> frozenset[str]:
-    """The precision fields whose evidence (:class:`Evidence` or its dict) did not decide them: what
-    :meth:`NormSpec.summary` marks undecided instead of stating the reported value as measured."""
-    out = set()
-    for field in _PRECISION_FIELDS:
-        ev = evidence.get(field)
-        confidence = ev.get("confidence") if isinstance(ev, dict) else getattr(ev, "confidence", None)
-        if confidence in _UNDECIDED:
-            out.add(field)
-    return frozenset(out)
+    """The precision fields among :func:`unsettled`'s: what :meth:`NormSpec.summary` marks undecided instead of
+    stating the reported value as measured."""
+    return frozenset(unsettled(evidence)) & _PRECISION_FIELDS
 
 
 @dataclasses.dataclass
@@ -99,12 +104,6 @@ class Inference:
         """The contract's line, its undecided precision fields marked as such."""
         return self.spec.summary(undecided(self.evidence))
 
-    @property
-    def unsettled(self) -> dict[str, str]:
-        """The contract's fields that no experiment decided (assumed, not probed, ambiguous), each with that word:
-        values reported by convention, never to be stated as found."""
-        return {k: e.confidence.value for k, e in self.evidence.items()
-                if e.confidence in (Confidence.ASSUMED, Confidence.NOT_PROBED, Confidence.AMBIGUOUS)}
 
     def to_dict(self) -> dict[str, Any]:
         return {

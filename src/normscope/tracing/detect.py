@@ -398,6 +398,12 @@ def _group(key: tuple | None) -> str:
     return f"layer {key[1]} ({key[2]})" if key[1] is not None else key[2]
 
 
+def _unusual(a: Anomaly, factor: float) -> bool:
+    """Is a sample's input departure ``a`` (RMS or max |x| at the data stage) ``factor`` × above the recent
+    samples' median: an unusual or corrupt input?"""
+    return a.metric in ("rms", "max") and bool(a.baseline) and math.isfinite(a.value) and a.value >= factor * a.baseline
+
+
 def _can_make_nonfinite(deps: list[Anomaly]) -> list[Anomaly]:
     """The departures that can be a non-finite incident's cause: the non-finite ones, and before the first of them
     in the chain only a finite value far from its range (× ``DANGER_JUMP`` or more either way: a γ written ×50 that
@@ -611,13 +617,11 @@ class _Detector:
             step = int(self.s.steps[t])
             if t in explained or step in self.notes:
                 continue
-            after = any(t - self.window <= c < t for c in rewritten)
+            batch = self._batch_size(t) if any(t - self.window <= c < t for c in rewritten) else None
             for a in self._sample_departures(t, t):
-                batch = self._batch_size(t)
-                if after and batch and len(a.sample_ids or ()) >= batch:
+                if batch and len(a.sample_ids or ()) >= batch:
                     continue
-                if (a.metric in ("rms", "max") and a.baseline and math.isfinite(a.value)
-                        and a.value >= factor * a.baseline):
+                if _unusual(a, factor):
                     who = f"sample {a.sample_ids[0]}" if len(a.sample_ids or ()) == 1 else f"samples {a.sample_ids}"
                     self.notes[step] = (f"step {step}: {who}: input ({a.site}) {a.metric} up to {_fmt(a.value)}, "
                                         f"×{a.value / a.baseline:.3g} the recent samples' median {_fmt(a.baseline)}, "
@@ -720,9 +724,7 @@ class _Detector:
         if not any(r.get("samples") for r in self.records):
             return False
         self.scores()
-        factor = self.factors["sample"]
-        return any(a.metric in ("rms", "max") and a.baseline and math.isfinite(a.value)
-                   and a.value >= factor * a.baseline for a in self._sample_departures(t, t))
+        return any(_unusual(a, self.factors["sample"]) for a in self._sample_departures(t, t))
 
     def _entropy_collapses(self) -> list[_Trigger]:
         """Heads whose mean softmax entropy falls ≥ ``DANGER_JUMP`` × in one step into the collapse regime (≤

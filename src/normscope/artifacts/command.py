@@ -82,7 +82,4 @@ def _scanned(target: str, inputs: str | None = None):
     model, origin = load_model(target)
     x = model_inputs(inputs, model, "contract --live")
     out = ModelContract.from_scan(scan(model, x, progress=False), source=f"{target} (scanned: {origin})")
-    if origin.startswith("random weights"):  # γ/β as drawn here, not a checkpoint's: not stated
-        for site in out.sites:
-            site.gamma_stats = site.beta_stats = None
-    return out
+    return out.without_weights() if origin.startswith("random weights") else out  # γ/β drawn here: not stated

@@ -126,6 +126,13 @@ class ModelContract:
         canonical slots describe (pre, post, sandwich, reordered, parallel, mixed)."""
         return self.stated_placement or placement_of(s.name for s in self.sites)
 
+    def without_weights(self) -> ModelContract:
+        """The contract with no γ/β statistics stated (itself, changed): for one read from a model whose weights
+        were drawn here (a config built to read its structure), not loaded from a checkpoint."""
+        for s in self.sites:
+            s.gamma_stats = s.beta_stats = None
+        return self
+
     def site(self, name: str) -> ContractSite | None:
         return next((s for s in self.sites if s.name == name), None)
 

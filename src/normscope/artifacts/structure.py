@@ -93,9 +93,7 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     if not result.sites:
         raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture has no normalization "
                          "site that a forward on shapes meets")
-    out = ModelContract.from_scan(result, source=source)
-    for site in out.sites:  # the weights of a model built here are drawn, not the checkpoint's: a config states none
-        site.gamma_stats = site.beta_stats = None
+    out = ModelContract.from_scan(result, source=source).without_weights()  # drawn here: a config states none
     out.kind = "hf-config"
     out.architecture = config.get("model_type")
     out.stated_placement = result.placement

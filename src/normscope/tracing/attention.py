@@ -106,10 +106,10 @@ class Group:
     """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule):
     the mask is prepared once for all of them.
 
-    On the CPU with numba, a call's logits are computed and summarised row by row in one kernel when the call is
-    made (:func:`.fused.attention_summary`: no (Tq, Tk) matrix, a causal row only up to its query, its q and k
-    still in cache). Elsewhere, or when a logit is not finite, the call's logits are recomputed with torch
-    (:func:`sdpa_logits`) and get :func:`logit_stats`.
+    On the CPU with numba, a call's logits are computed and summarised four query rows at a time in one kernel
+    when the call is made (:func:`.fused.attention_summary`: no (Tq, Tk) matrix, a causal block only up to its
+    last query, its q and k still in cache). Elsewhere, or when a logit is not finite, the call's logits are
+    recomputed with torch (:func:`sdpa_logits`) and get :func:`logit_stats`.
     """
 
     def __init__(self, buffer=None):

@@ -20,6 +20,7 @@ from . import fused
 _FAST = {"reassoc", "contract", "nsz"}
 _ABS = np.int32(0x7FFFFFFF)
 CHUNK = 1 << 16  # elements per unit of work
+_ROWS = 4  # query rows whose attention logits are computed together
 _STAGE = 1024  # update differences staged per block, so the max |d| runs on their bit patterns (vectorised)
 _JIT = {"cache": True, "nogil": True, "fastmath": _FAST, "boundscheck": False}
 
@@ -227,13 +228,11 @@ def _entropy(ex, z, top, n):  # pragma: no cover - compiled
 @numba.njit(**_JIT)
 def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                     entropy_sum, entropy_rows):  # pragma: no cover - compiled
-    """One (sample, head) of :func:`attention_summary_serial`: its logits row by row into a small buffer (never
-    the whole (Tq, Tk) matrix), each row only up to its last unmasked key."""
+    """One (sample, head) of :func:`attention_summary_serial`: its logits four query rows at a time into a small
+    buffer (never the whole (Tq, Tk) matrix), each block only up to its rows' last unmasked key."""
     h, tq, tk, d, group = dims[1], dims[2], dims[3], dims[4], dims[5]
     a, b = u // h, u % h
     mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
-    has_bias = bias.shape[3] > 1
-    bn, bh, bq = bias.shape[0] > 1, bias.shape[1] > 1, bias.shape[2] > 1
     width = (tk + 7) // 8 * 8  # rows computed in whole vectors: the zero padding of kt makes the tail harmless
     kt = np.zeros((d, width), np.float32)  # this head's keys transposed: a row's logits are then sums of axpys
     base = k + 4 * (a * ks[0] + (b // group) * ks[1])
@@ -241,84 +240,127 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
         key = numba.carray(_f32_at(base + 4 * j * ks[2]), (d,))
         for c in range(d):
             kt[c, j] = key[c]
-    row = np.empty(width, np.float32)
-    bits = row.view(np.int32)
+    block = np.empty((_ROWS, width), np.float32)  # a block's logits, one query row each
+    block_bits = block.view(np.int32)
+    qb = np.zeros((_ROWS, d), np.float32)  # its queries, scaled
+    ends = np.zeros(_ROWS, np.int64)
     ex = np.empty(width, np.float32)
-    qi = np.empty(d, np.float32)
-    d8 = d - d % 8
+    d4 = d - d % 4
     m = np.int32(0)
     full = 0
     es = 0.0
     er = 0
-    for i in range(tq):
-        ma, mb, mi = a if mn else 0, b if mh else 0, i if mq else 0
-        end = extent[ma, mb, mi]
-        if end == 0:
-            full += 1
-            continue
-        query = numba.carray(_f32_at(q + 4 * (a * qs[0] + b * qs[1] + i * qs[2])), (d,))
-        for c in range(d):
-            qi[c] = query[c] * scale
-        span = (end + 7) // 8 * 8
+    for i0 in range(0, tq, _ROWS):
+        n = min(_ROWS, tq - i0)
+        span = 0
+        for r in range(_ROWS):  # a block past the last query row repeats that row, its results unread
+            i = min(i0 + r, tq - 1)
+            ends[r] = extent[a if mn else 0, b if mh else 0, i if mq else 0] if r < n else 0
+            span = max(span, ends[r])
+            query = numba.carray(_f32_at(q + 4 * (a * qs[0] + b * qs[1] + i * qs[2])), (d,))
+            for c in range(d):
+                qb[r, c] = query[c] * scale
+        span = (span + 7) // 8 * 8
         for j in range(span):
-            row[j] = 0.0
-        for c in range(0, d8, 8):  # eight keys' dimensions per pass over the row
-            q0, q1, q2, q3 = qi[c], qi[c + 1], qi[c + 2], qi[c + 3]
-            q4, q5, q6, q7 = qi[c + 4], qi[c + 5], qi[c + 6], qi[c + 7]
+            block[0, j] = 0.0
+            block[1, j] = 0.0
+            block[2, j] = 0.0
+            block[3, j] = 0.0
+        # four keys' dimensions per pass over the block: each key value loaded once for the four rows
+        for c in range(0, d4, 4):
+            a0, a1, a2, a3 = qb[0, c], qb[0, c + 1], qb[0, c + 2], qb[0, c + 3]
+            b0, b1, b2, b3 = qb[1, c], qb[1, c + 1], qb[1, c + 2], qb[1, c + 3]
+            c0, c1, c2, c3 = qb[2, c], qb[2, c + 1], qb[2, c + 2], qb[2, c + 3]
+            e0, e1, e2, e3 = qb[3, c], qb[3, c + 1], qb[3, c + 2], qb[3, c + 3]
             k0, k1, k2, k3 = kt[c], kt[c + 1], kt[c + 2], kt[c + 3]
-            k4, k5, k6, k7 = kt[c + 4], kt[c + 5], kt[c + 6], kt[c + 7]
             for j in range(span):
-                row[j] += (q0 * k0[j] + q1 * k1[j] + q2 * k2[j] + q3 * k3[j]) + (
-                    q4 * k4[j] + q5 * k5[j] + q6 * k6[j] + q7 * k7[j])
-        for c in range(d8, d):
-            qc = qi[c]
+                x0, x1, x2, x3 = k0[j], k1[j], k2[j], k3[j]
+                block[0, j] += (a0 * x0 + a1 * x1) + (a2 * x2 + a3 * x3)
+                block[1, j] += (b0 * x0 + b1 * x1) + (b2 * x2 + b3 * x3)
+                block[2, j] += (c0 * x0 + c1 * x1) + (c2 * x2 + c3 * x3)
+                block[3, j] += (e0 * x0 + e1 * x1) + (e2 * x2 + e3 * x3)
+        for c in range(d4, d):
+            a0, b0, c0, e0 = qb[0, c], qb[1, c], qb[2, c], qb[3, c]
             kc = kt[c]
             for j in range(span):
-                row[j] += qc * kc[j]
-        if has_bias:
-            brow = bias[a if bn else 0, b if bh else 0, i if bq else 0]
-            for j in range(end):
-                row[j] += brow[j]
-        sample = i % stride == 0
-        top = np.float32(-np.inf)
-        # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a
-        # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
-        if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
-            _, high, low, hb = _row_range(row, bits, end, _EVERY_KEY)
-            if hb < _INF_BITS and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
-                top = _as_f32(_key(high))  # finite, every key within the span of the largest: all of them count
-                m = max(m, hb)
-            else:
-                for j in range(end):
-                    top = max(top, row[j])
-                floor = top - SOFTMAX_SPAN
-                for j in range(end):
-                    m = max(m, (bits[j] & _ABS) * (np.int32(0) if row[j] < floor else np.int32(1)))
-            if not sample:
+                x0 = kc[j]
+                block[0, j] += a0 * x0
+                block[1, j] += b0 * x0
+                block[2, j] += c0 * x0
+                block[3, j] += e0 * x0
+        for r in range(n):
+            i = i0 + r
+            end = ends[r]
+            if end == 0:
+                full += 1
                 continue
-            _exp_shifted(row, top, ex, end)
-        else:
-            mrow = masked[ma, mb, mi]  # the key at end - 1 is unmasked: the row has a live key
-            for j in range(end):
-                if mrow[j] == 0:
-                    top = max(top, row[j])
-            floor = top - SOFTMAX_SPAN
-            for j in range(end):  # a masked entry (even NaN): 0
-                m = max(m, (bits[j] & _ABS) * (np.int32(1) - np.int32(mrow[j]))
-                        * (np.int32(0) if row[j] < floor else np.int32(1)))
-            if not sample:
-                continue
-            for j in range(end):  # a masked key's logit (any value, inf or NaN) replaced: weight 0 below
-                row[j] = row[j] if mrow[j] == 0 else top
-            _exp_shifted(row, top, ex, end)
-            for j in range(end):
-                ex[j] *= np.float32(1 - mrow[j])
-        es += _entropy(ex, row, top, end)
-        er += 1
+            hb, e, sampled = _row_summary(block, block_bits, r, ex, end, a, b, i, bias, masked, prefix,
+                                          i % stride == 0)
+            m = max(m, hb)
+            if sampled:
+                es += e
+                er += 1
     maxbits[a, b] = m
     full_rows[a, b] = full
     entropy_sum[a, b] = es
     entropy_rows[a, b] = er
+
+
+@numba.njit(inline="always", **_JIT)
+def _row_summary(block, bits, r, ex, end, a, b, i, bias, masked, prefix, sample):  # pragma: no cover - compiled
+    """Query row ``r`` of a :func:`_attention_unit` block (``bits``: the block as int32), its logits (the bias not
+    yet added) with an unmasked key before ``end``: (the largest live |logit| bit pattern, the softmax entropy,
+    whether it was taken (``sample``)). Indexed in the block, not through a view per row: a view's reference
+    counting cost as much as the row's statistics."""
+    mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
+    ma, mb, mi = a if mn else 0, b if mh else 0, i if mq else 0
+    if bias.shape[3] > 1:
+        brow = bias[a if bias.shape[0] > 1 else 0, b if bias.shape[1] > 1 else 0, i if bias.shape[2] > 1 else 0]
+        for j in range(end):
+            block[r, j] += brow[j]
+    m = np.int32(0)
+    top = np.float32(-np.inf)
+    # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a
+    # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
+    if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
+        high, low, hb = _KEY_LOW, _KEY_HIGH, np.int32(0)
+        for j in range(end):  # the row's range in one pass of integer reductions (see _row_range)
+            w = bits[r, j]
+            k = _key(w)
+            high = max(high, k)
+            low = min(low, k)
+            hb = max(hb, w & _ABS)
+        if hb < _INF_BITS and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
+            top = _as_f32(_key(high))  # finite, every key within the span of the largest: all of them count
+            m = hb
+        else:
+            for j in range(end):
+                top = max(top, block[r, j])
+            floor = top - SOFTMAX_SPAN
+            for j in range(end):
+                m = max(m, (bits[r, j] & _ABS) * (np.int32(0) if block[r, j] < floor else np.int32(1)))
+        if not sample:
+            return m, 0.0, False
+        row = block[r]
+        _exp_shifted(row, top, ex, end)
+    else:
+        mrow = masked[ma, mb, mi]  # the key at end - 1 is unmasked: the row has a live key
+        for j in range(end):
+            if mrow[j] == 0:
+                top = max(top, block[r, j])
+        floor = top - SOFTMAX_SPAN
+        for j in range(end):  # a masked entry (even NaN): 0
+            m = max(m, (bits[r, j] & _ABS) * (np.int32(1) - np.int32(mrow[j]))
+                    * (np.int32(0) if block[r, j] < floor else np.int32(1)))
+        if not sample:
+            return m, 0.0, False
+        row = block[r]
+        for j in range(end):  # a masked key's logit (any value, inf or NaN) replaced: weight 0 below
+            row[j] = row[j] if mrow[j] == 0 else top
+        _exp_shifted(row, top, ex, end)
+        for j in range(end):
+            ex[j] *= np.float32(1 - mrow[j])
+    return m, _entropy(ex, row, top, end), True
 
 
 @numba.njit(**_JIT)

@@ -22,6 +22,8 @@ from .streaming import store_fence, stream_row
 _FM = {"reassoc", "contract"}
 _OPTS = {"cache": True, "fastmath": _FM, "error_model": "numpy"}
 
+_U32 = np.uint32
+
 #: float16 bit pattern → float32 value.
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -31,11 +33,10 @@ F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 def _round_row(buf, bits, n, fmt):
     """Round a float32 row to bfloat16 (fmt 1) or float16 (fmt 2) values, nearest-even, in place."""
     if fmt == 1:
-        for j in range(n):
+        for j in range(n):  # branch-free, in 32-bit lanes (numba widens integer arithmetic: each step cast back)
             u = bits[j]
-            if (u & np.uint32(0x7F800000)) != np.uint32(0x7F800000):  # finite: round; inf/NaN unchanged
-                u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-                bits[j] = u
+            r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
+            bits[j] = r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else u  # finite: rounded; inf/NaN kept
     elif fmt == 2:
         for j in range(n):
             v = buf[j]
@@ -54,34 +55,36 @@ def _round_row(buf, bits, n, fmt):
 
 @njit(**_OPTS)
 def _decode(src, start, n, fmt, table, buf, bits):
+    row = src[start:start + n]  # a view indexed from 0: an offset index (src[start + j]) did not vectorize
     if fmt == 1:
         for j in range(n):
-            bits[j] = np.uint32(src[start + j]) << np.uint32(16)
+            bits[j] = _U32(_U32(row[j]) << _U32(16))
     else:
         for j in range(n):
-            buf[j] = table[src[start + j]]
+            buf[j] = table[row[j]]
 
 
 @njit(**_OPTS)
 def _encode(buf, bits, n, fmt, dst, start):
     """Store a row already rounded to the format (``_round_row``) as 16-bit patterns."""
+    out = dst[start:start + n]  # indexed from 0, as in _decode
     if fmt == 1:
         for j in range(n):
-            dst[start + j] = np.uint16(bits[j] >> np.uint32(16))
+            out[j] = np.uint16(bits[j] >> _U32(16))
     else:
         for j in range(n):
             u = bits[j]
             sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
             e = np.int64((u >> np.uint32(23)) & np.uint32(0xFF))
             if e == 255:
-                dst[start + j] = sign | np.uint16(0x7C00) | (np.uint16(0x200) if (u & np.uint32(0x7FFFFF)) else
-                                                             np.uint16(0))
+                out[j] = sign | np.uint16(0x7C00) | (np.uint16(0x200) if (u & np.uint32(0x7FFFFF)) else
+                                                     np.uint16(0))
             elif abs(buf[j]) == np.float32(np.inf):
-                dst[start + j] = sign | np.uint16(0x7C00)
+                out[j] = sign | np.uint16(0x7C00)
             elif e - 112 >= 1:  # normal float16
-                dst[start + j] = sign | np.uint16(((e - 112) << 10) | ((u & np.uint32(0x7FFFFF)) >> np.uint32(13)))
+                out[j] = sign | np.uint16(((e - 112) << 10) | ((u & np.uint32(0x7FFFFF)) >> np.uint32(13)))
             else:  # subnormal or zero: the value is a multiple of 2^-24
-                dst[start + j] = sign | np.uint16(np.int64(abs(buf[j]) * np.float32(16777216.0)))
+                out[j] = sign | np.uint16(np.int64(abs(buf[j]) * np.float32(16777216.0)))
 
 
 @njit(**_OPTS)
@@ -328,8 +331,9 @@ def _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale,
                       stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
                       want_dgamma, want_dbeta)
         if has_dh:
+            dhr = dh[i * n:(i + 1) * n]
             for j in range(n):
-                dxr[j] += dh[i * n + j]
+                dxr[j] += dhr[j]
         if stream:
             stream_row(dx[i * n:(i + 1) * n], dxr, n)
     if stream:

@@ -288,6 +288,33 @@ def test_16_bit_rounding_and_encoding_match_torch(fmt, dtype):
     assert torch.equal(torch.from_numpy(buf)[~nan], want[~nan].float())
 
 
+@pytest.mark.parametrize("fmt,dtype", [(1, torch.bfloat16), (2, torch.float16)])
+def test_16_bit_rounding_matches_torch_at_every_value_and_every_tie(fmt, dtype):
+    """Every 16-bit pattern, the float32 midpoint between each two neighbours (a tie: to even) and the float32 values
+    just either side of it round and encode as torch's cast does; float16 decodes to the table's value."""
+    from normscope.kernels import numba_cpu as k
+
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).float()
+    finite = every[torch.isfinite(every)].unique()  # sorted
+    mid = ((finite[:-1].double() + finite[1:].double()) / 2).float()  # exact in float32: one more bit
+    bits = mid.view(torch.int32)
+    v = torch.cat([every, mid, (bits + 1).view(torch.float32), (bits - 1).view(torch.float32)])
+    buf = v.numpy().copy()
+    k._round_row(buf, buf.view(np.uint32), buf.size, fmt)
+    out = np.empty(buf.size, np.uint16)
+    k._encode(buf, buf.view(np.uint32), buf.size, fmt, out, 0)
+    want = v.to(dtype)
+    got = torch.from_numpy(out.view(np.int16)).view(dtype)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(torch.isnan(torch.from_numpy(buf)), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))  # ±0 told apart
+    assert torch.equal(torch.from_numpy(buf)[~nan].view(torch.int32), want[~nan].float().view(torch.int32))
+    if fmt == 2:
+        decoded = np.empty(65536, np.float32)
+        k._decode(np.arange(65536, dtype=np.uint16), 0, 65536, 2, k.F16_TABLE, decoded, decoded.view(np.uint32))
+        assert np.array_equal(decoded.view(np.uint32), k.F16_TABLE.view(np.uint32))
+
+
 # ------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("spec,shape,dtype,field", [
     (NormSpec.preset("torch_groupnorm", groups=2), (2, 4, 3, 3), torch.float32, "groups"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..numba_bits import as_float32, as_uint32
 from .streaming import store_fence, stream_row
 
 _FM = {"reassoc", "contract"}
@@ -33,24 +34,46 @@ F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 def _round_row(buf, bits, n, fmt):
     """Round a float32 row to bfloat16 (fmt 1) or float16 (fmt 2) values, nearest-even, in place."""
     if fmt == 1:
-        for j in range(n):  # branch-free, in 32-bit lanes (numba widens integer arithmetic: each step cast back)
-            u = bits[j]
-            r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
-            bits[j] = r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else u  # finite: rounded; inf/NaN kept
-    elif fmt == 2:
         for j in range(n):
-            v = buf[j]
-            a = abs(v)
-            if not a < np.float32(np.inf):
-                continue  # inf/NaN
-            if a < np.float32(6.103515625e-05):  # below 2^-14: float16 subnormal spacing 2^-24
-                buf[j] = np.float32(np.rint(v * np.float32(16777216.0))) * np.float32(5.9604644775390625e-08)
-            else:
-                u = bits[j]
-                u = (u + np.uint32(0x0FFF) + ((u >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
-                bits[j] = u
-                if abs(buf[j]) > np.float32(65504.0):
-                    buf[j] = np.float32(np.inf) if v > 0 else np.float32(-np.inf)
+            bits[j] = _bf16_rounded(bits[j])
+    elif fmt == 2:
+        for j in range(n):  # to the nearest float16 value and back: one branch-free loop over the row
+            buf[j] = _f16_value(_f16_bits(as_uint32(buf[j])))
+
+
+@njit(inline="always", **_OPTS)
+def _bf16_rounded(u):
+    """The float32 bits ``u`` rounded to bfloat16 (nearest, ties to even; its pattern is the upper half), inf and NaN
+    kept. Branch-free, in 32-bit lanes: numba widens integer arithmetic to 64 bits, so each step is cast back."""
+    r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
+    return r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else u
+
+
+@njit(inline="always", **_OPTS)
+def _f16_bits(u):
+    """The float16 bit pattern nearest (ties to even) to the float32 of bits ``u``: overflow to ±inf, NaN to a
+    quiet NaN, subnormals exact. Branch-free (each case computed, one selected), so a row's loop vectorises."""
+    sign = _U32(u & _U32(0x80000000))
+    a = _U32(u ^ sign)
+    # normal: the exponent rebased (127 → 15, mod 2^32) and half an ulp less one added, the odd bit breaking ties
+    normal = _U32(_U32(a + _U32(0xC8000FFF) + _U32(_U32(a >> _U32(13)) & _U32(1))) >> _U32(13))
+    # below 2^-14 (subnormal): adding 0.5 rounds |v| to float16's spacing 2^-24, which is 0.5's ulp in float32
+    sub = _U32(as_uint32(as_float32(a) + np.float32(0.5)) - _U32(0x3F000000))
+    special = _U32(0x7E00) if a > _U32(0x7F800000) else _U32(0x7C00)  # NaN, else ±inf (|v| >= 65536)
+    o = sub if a < _U32(113 << 23) else normal
+    o = special if a >= _U32(143 << 23) else o
+    return np.uint16(o | _U32(sign >> _U32(16)))
+
+
+@njit(inline="always", **_OPTS)
+def _f16_value(h):
+    """The float32 value of the float16 bit pattern ``h``, branch-free."""
+    magnitude = _U32(h & _U32(0x7FFF))
+    normal = as_float32(_U32(_U32(magnitude << _U32(13)) + _U32(0x38000000)))  # exponent rebased 15 → 127
+    special = as_float32(_U32(_U32(magnitude << _U32(13)) + _U32(0x70000000)))  # exponent 31 → 255: ±inf, NaN
+    sub = np.float32(magnitude) * np.float32(5.9604644775390625e-08)  # a multiple of 2^-24, exactly
+    v = sub if magnitude < _U32(0x0400) else (special if magnitude >= _U32(0x7C00) else normal)
+    return as_float32(_U32(as_uint32(v) | _U32(_U32(h & _U32(0x8000)) << _U32(16))))
 
 
 @njit(**_OPTS)
@@ -59,9 +82,9 @@ def _decode(src, start, n, fmt, table, buf, bits):
     if fmt == 1:
         for j in range(n):
             bits[j] = _U32(_U32(row[j]) << _U32(16))
-    else:
+    else:  # arithmetic, branch-free: a vector of table lookups (a gather) was slower
         for j in range(n):
-            buf[j] = table[row[j]]
+            buf[j] = _f16_value(_U32(row[j]))
 
 
 @njit(**_OPTS)
@@ -73,18 +96,7 @@ def _encode(buf, bits, n, fmt, dst, start):
             out[j] = np.uint16(bits[j] >> _U32(16))
     else:
         for j in range(n):
-            u = bits[j]
-            sign = np.uint16((u >> np.uint32(16)) & np.uint32(0x8000))
-            e = np.int64((u >> np.uint32(23)) & np.uint32(0xFF))
-            if e == 255:
-                out[j] = sign | np.uint16(0x7C00) | (np.uint16(0x200) if (u & np.uint32(0x7FFFFF)) else
-                                                     np.uint16(0))
-            elif abs(buf[j]) == np.float32(np.inf):
-                out[j] = sign | np.uint16(0x7C00)
-            elif e - 112 >= 1:  # normal float16
-                out[j] = sign | np.uint16(((e - 112) << 10) | ((u & np.uint32(0x7FFFFF)) >> np.uint32(13)))
-            else:  # subnormal or zero: the value is a multiple of 2^-24
-                out[j] = sign | np.uint16(np.int64(abs(buf[j]) * np.float32(16777216.0)))
+            out[j] = _f16_bits(as_uint32(buf[j]))
 
 
 @njit(**_OPTS)
@@ -152,22 +164,9 @@ def _finish_stats(h, n, s, ss, center, one_pass, unbiased, eps, placement):
 
 
 @njit(**_OPTS)
-def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, bits):
-    """out = affine((h − mean) / denom), rounded to the storage format ``fmt`` (``bits`` views ``out``)."""
+def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift):
+    """out = affine((h − mean) / denom), float32 rows (16-bit rows: ``_affine_16``, ``_affine_cast_16``)."""
     inv = np.float32(1.0) / denom
-    if cast_then_scale and fmt != 0:  # round x̂, then scale and shift in the storage dtype
-        for j in range(n):
-            out[j] = (h[j] - mean) * inv
-        _round_row(out, bits, n, fmt)
-        if has_scale:
-            for j in range(n):
-                out[j] = out[j] * scale[j]
-            _round_row(out, bits, n, fmt)
-        if has_shift:
-            for j in range(n):
-                out[j] = out[j] + shift[j]
-            _round_row(out, bits, n, fmt)
-        return
     if has_scale and has_shift:
         for j in range(n):
             out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
@@ -180,8 +179,59 @@ def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift, cast
     else:
         for j in range(n):
             out[j] = (h[j] - mean) * inv
-    if fmt != 0:
-        _round_row(out, bits, n, fmt)
+
+
+@njit(inline="always", **_OPTS)
+def _bits_16(v, fmt):
+    """A float32 value's nearest bfloat16 (fmt 1) or float16 (fmt 2) bit pattern."""
+    if fmt == 1:
+        return np.uint16(_bf16_rounded(as_uint32(v)) >> _U32(16))
+    return _f16_bits(as_uint32(v))
+
+
+@njit(**_OPTS)
+def _affine_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt):
+    """``_row_affine`` (scale then cast), ``_round_row`` and ``_encode`` in one pass: out gets the 16-bit patterns."""
+    inv = np.float32(1.0) / denom
+    if has_scale and has_shift:
+        for j in range(n):
+            out[j] = _bits_16((h[j] - mean) * inv * scale[j] + shift[j], fmt)
+    elif has_scale:
+        for j in range(n):
+            out[j] = _bits_16((h[j] - mean) * inv * scale[j], fmt)
+    elif has_shift:
+        for j in range(n):
+            out[j] = _bits_16((h[j] - mean) * inv + shift[j], fmt)
+    else:
+        for j in range(n):
+            out[j] = _bits_16((h[j] - mean) * inv, fmt)
+
+
+@njit(inline="always", **_OPTS)
+def _rounded_16(v, fmt):
+    """A float32 value rounded to the nearest bfloat16 (fmt 1) or float16 (fmt 2) value, as a float32."""
+    if fmt == 1:
+        return as_float32(_bf16_rounded(as_uint32(v)))
+    return _f16_value(_f16_bits(as_uint32(v)))
+
+
+@njit(**_OPTS)
+def _affine_cast_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt):
+    """``_affine_16`` for a contract that casts before it scales: x̂ rounded to the storage format, then each of
+    γ and β applied in it (rounded after each), the last rounding being the encoding itself."""
+    inv = np.float32(1.0) / denom
+    if has_scale and has_shift:
+        for j in range(n):
+            out[j] = _bits_16(_rounded_16(_rounded_16((h[j] - mean) * inv, fmt) * scale[j], fmt) + shift[j], fmt)
+    elif has_scale:
+        for j in range(n):
+            out[j] = _bits_16(_rounded_16((h[j] - mean) * inv, fmt) * scale[j], fmt)
+    elif has_shift:
+        for j in range(n):
+            out[j] = _bits_16(_rounded_16((h[j] - mean) * inv, fmt) + shift[j], fmt)
+    else:
+        for j in range(n):
+            out[j] = _bits_16((h[j] - mean) * inv, fmt)
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -212,7 +262,7 @@ def _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale
     stats[i, 1] = var
     stats[i, 2] = denom
     out = np.empty(n, np.float32) if stream else yr  # streamed: computed in a scratch row, which stays in L1
-    _row_affine(hr, out, n, mean, denom, scale, shift, has_scale, has_shift, False, 0, out.view(np.uint32))
+    _row_affine(hr, out, n, mean, denom, scale, shift, has_scale, has_shift)
     if stream:
         stream_row(yr, out, n)
         store_fence()
@@ -253,10 +303,15 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
     stats[i, 0] = mean
     stats[i, 1] = var
     stats[i, 2] = denom
-    obuf = np.empty(n, np.float32)
-    obits = obuf.view(np.uint32)
-    _row_affine(hbuf, obuf, n, mean, denom, scale, shift, has_scale, has_shift, cast_then_scale, fmt, obits)
-    _store_16(obuf, obits, n, fmt, y, i * n, stream)
+    # computed, rounded and encoded in one pass (into a scratch row when streamed)
+    yr = y[i * n:(i + 1) * n]
+    out = np.empty(n, np.uint16) if stream else yr
+    if cast_then_scale:
+        _affine_cast_16(hbuf, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt)
+    else:
+        _affine_16(hbuf, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt)
+    if stream:
+        stream_row(yr, out, n)
     if stream:
         store_fence()
 

@@ -14,6 +14,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from ..numba_bits import as_float32
 from . import fused
 
 # reassociation lets the sums vectorise; no "nnan"/"ninf": a NaN or an infinity still reaches the results
@@ -141,14 +142,6 @@ def _partials(n):  # pragma: no cover - compiled
     return np.empty(n), np.empty(n, np.int32), np.empty(n)
 
 
-@intrinsic
-def _as_f32(typingctx, bits):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return types.float32(types.int32), codegen
-
-
 _SIGN = np.int32(0x7FFFFFFF)
 _KEY_LOW, _KEY_HIGH = np.int32(-(1 << 31)), np.int32((1 << 31) - 1)
 _INF_BITS = np.int32(0x7F800000)
@@ -210,7 +203,7 @@ def _exp_shifted(x, top, out, n):  # pragma: no cover - compiled
         p = p * r + np.float32(0.5)
         p = p * r + np.float32(1.0)
         p = p * r + np.float32(1.0)
-        e = p * _as_f32((np.int32(t) + np.int32(127)) << np.int32(23))
+        e = p * as_float32((np.int32(t) + np.int32(127)) << np.int32(23))
         out[j] = e if low else np.float32(0.0)
 
 
@@ -333,8 +326,8 @@ def _row_summary(block, bits, r, ex, end, a, b, i, bias, masked, prefix, sample)
             high = max(high, k)
             low = min(low, k)
             hb = max(hb, _I32(w & _ABS))
-        if hb < _INF_BITS and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
-            top = _as_f32(_key(high))  # finite, every key within the span of the largest: all of them count
+        if hb < _INF_BITS and as_float32(_key(low)) >= as_float32(_key(high)) - SOFTMAX_SPAN:
+            top = as_float32(_key(high))  # finite, every key within the span of the largest: all of them count
             m = hb
         else:
             for j in range(end):
@@ -416,7 +409,7 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
         if live == 0:
             full += 1
             continue
-        if hb < _INF_BITS and i % stride != 0 and _as_f32(_key(low)) >= _as_f32(_key(high)) - SOFTMAX_SPAN:
+        if hb < _INF_BITS and i % stride != 0 and as_float32(_key(low)) >= as_float32(_key(high)) - SOFTMAX_SPAN:
             m = max(m, hb)  # finite, and every live key within the span of the row's largest: all of them count
             continue
         # a row with a key below the span, a non-finite logit, or one whose entropy is taken: entry by entry

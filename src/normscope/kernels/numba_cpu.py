@@ -82,9 +82,9 @@ def _decode(src, start, n, fmt, table, buf, bits):
     if fmt == 1:
         for j in range(n):
             bits[j] = _U32(_U32(row[j]) << _U32(16))
-    else:  # arithmetic, branch-free: a vector of table lookups (a gather) was slower
+    else:
         for j in range(n):
-            buf[j] = _f16_value(_U32(row[j]))
+            buf[j] = table[row[j]]
 
 
 @njit(**_OPTS)

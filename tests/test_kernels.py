@@ -278,14 +278,13 @@ def test_16_bit_rounding_and_encoding_match_torch(fmt, dtype):
 
 
 def _assert_rounded_and_encoded_as_torch(v: torch.Tensor, fmt: int, dtype: torch.dtype) -> None:
-    """The kernels' rounding of float32 values ``v`` to the storage format (``fmt``) and their encoding equal torch's
-    cast bit for bit (±0 told apart); NaN stays NaN."""
+    """The kernels' rounding of float32 values ``v`` to the storage format (``fmt``, as a float32 value) and their
+    encoding (the nearest 16-bit pattern) equal torch's cast bit for bit (±0 told apart); NaN stays NaN."""
     from normscope.kernels import numba_cpu as k
 
-    buf = v.numpy().copy()
-    k._round_row(buf, buf.view(np.uint32), buf.size, fmt)
+    buf = np.array([k._rounded_16(x, fmt) for x in v.numpy()], np.float32)
     out = np.empty(buf.size, np.uint16)
-    k._encode(buf, buf.view(np.uint32), buf.size, fmt, out, 0)
+    k._encode(v.numpy(), buf.size, fmt, out, 0)
     want = v.to(dtype)
     got = torch.from_numpy(out.view(np.int16)).view(dtype)
     nan = torch.isnan(want)

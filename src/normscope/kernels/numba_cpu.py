@@ -30,17 +30,6 @@ F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 
 
 # ------------------------------------------------------------------------------------------- formats
-@njit(**_OPTS)
-def _round_row(buf, bits, n, fmt):
-    """Round a float32 row to bfloat16 (fmt 1) or float16 (fmt 2) values, nearest-even, in place."""
-    if fmt == 1:
-        for j in range(n):
-            bits[j] = _bf16_rounded(bits[j])
-    elif fmt == 2:
-        for j in range(n):  # to the nearest float16 value and back: one branch-free loop over the row
-            buf[j] = _f16_value(_f16_bits(as_uint32(buf[j])))
-
-
 @njit(inline="always", **_OPTS)
 def _bf16_rounded(u):
     """The float32 bits ``u`` rounded to bfloat16 (nearest, ties to even; its pattern is the upper half), inf and NaN
@@ -76,6 +65,22 @@ def _f16_value(h):
     return as_float32(_U32(as_uint32(v) | _U32(_U32(h & _U32(0x8000)) << _U32(16))))
 
 
+@njit(inline="always", **_OPTS)
+def _bits_16(v, fmt):
+    """A float32 value's nearest bfloat16 (fmt 1) or float16 (fmt 2) bit pattern."""
+    if fmt == 1:
+        return np.uint16(_bf16_rounded(as_uint32(v)) >> _U32(16))
+    return _f16_bits(as_uint32(v))
+
+
+@njit(inline="always", **_OPTS)
+def _rounded_16(v, fmt):
+    """A float32 value rounded to the nearest bfloat16 (fmt 1) or float16 (fmt 2) value, as a float32."""
+    if fmt == 1:
+        return as_float32(_bf16_rounded(as_uint32(v)))
+    return _f16_value(_f16_bits(as_uint32(v)))
+
+
 @njit(**_OPTS)
 def _decode(src, start, n, fmt, table, buf, bits):
     row = src[start:start + n]  # a view indexed from 0: an offset index (src[start + j]) did not vectorize
@@ -88,25 +93,21 @@ def _decode(src, start, n, fmt, table, buf, bits):
 
 
 @njit(**_OPTS)
-def _encode(buf, bits, n, fmt, dst, start):
-    """Store a row already rounded to the format (``_round_row``) as 16-bit patterns."""
+def _encode(buf, n, fmt, dst, start):
+    """A float32 row as the 16-bit patterns nearest to it (``_bits_16``) in ``dst[start:start + n]``."""
     out = dst[start:start + n]  # indexed from 0, as in _decode
-    if fmt == 1:
-        for j in range(n):
-            out[j] = np.uint16(bits[j] >> _U32(16))
-    else:
-        for j in range(n):
-            out[j] = _f16_bits(as_uint32(buf[j]))
+    for j in range(n):
+        out[j] = _bits_16(buf[j], fmt)
 
 
 @njit(**_OPTS)
-def _store_16(buf, bits, n, fmt, dst, start, stream):
+def _store_16(buf, n, fmt, dst, start, stream):
     """``_encode`` into ``dst[start:start + n]``; with ``stream``, through a scratch row and streaming stores."""
     if not stream:
-        _encode(buf, bits, n, fmt, dst, start)
+        _encode(buf, n, fmt, dst, start)
         return
     row = np.empty(n, np.uint16)
-    _encode(buf, bits, n, fmt, row, 0)
+    _encode(buf, n, fmt, row, 0)
     stream_row(dst[start:start + n], row, n)
 
 
@@ -181,17 +182,10 @@ def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift):
             out[j] = (h[j] - mean) * inv
 
 
-@njit(inline="always", **_OPTS)
-def _bits_16(v, fmt):
-    """A float32 value's nearest bfloat16 (fmt 1) or float16 (fmt 2) bit pattern."""
-    if fmt == 1:
-        return np.uint16(_bf16_rounded(as_uint32(v)) >> _U32(16))
-    return _f16_bits(as_uint32(v))
-
-
 @njit(**_OPTS)
 def _affine_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt):
-    """``_row_affine`` (scale then cast), ``_round_row`` and ``_encode`` in one pass: out gets the 16-bit patterns."""
+    """``_row_affine`` (scale then cast), the rounding to the storage format and the encoding in one pass: out gets
+    the 16-bit patterns."""
     inv = np.float32(1.0) / denom
     if has_scale and has_shift:
         for j in range(n):
@@ -205,14 +199,6 @@ def _affine_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt):
     else:
         for j in range(n):
             out[j] = _bits_16((h[j] - mean) * inv, fmt)
-
-
-@njit(inline="always", **_OPTS)
-def _rounded_16(v, fmt):
-    """A float32 value rounded to the nearest bfloat16 (fmt 1) or float16 (fmt 2) value, as a float32."""
-    if fmt == 1:
-        return as_float32(_bf16_rounded(as_uint32(v)))
-    return _f16_value(_f16_bits(as_uint32(v)))
 
 
 @njit(**_OPTS)
@@ -295,10 +281,9 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
     if has_res:
         rbuf = np.empty(n, np.float32)
         _decode(res, i * res_rs, n, fmt, table, rbuf, rbuf.view(np.uint32))
-        for j in range(n):
-            hbuf[j] = hbuf[j] + rbuf[j]
-        _round_row(hbuf, hbits, n, fmt)  # h = x + residual in the storage dtype
-        _store_16(hbuf, hbits, n, fmt, h_out, i * n, stream)
+        for j in range(n):  # h = x + residual in the storage dtype
+            hbuf[j] = _rounded_16(hbuf[j] + rbuf[j], fmt)
+        _store_16(hbuf, n, fmt, h_out, i * n, stream)
     mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
     stats[i, 0] = mean
     stats[i, 1] = var
@@ -423,7 +408,7 @@ def _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, 
     gbuf = np.empty(n, np.float32)
     dbuf = np.empty(n, np.float32)
     tbuf = np.empty(n, np.float32)
-    dbits = dbuf.view(np.uint32)
+    scratch = np.empty(n if stream else 0, np.uint16)
     dg = dgamma_part[c]
     db = dbeta_part[c]
     for i in range(c * per, min(rows, (c + 1) * per)):
@@ -435,8 +420,12 @@ def _backward_16_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, 
             _decode(dh, i * n, n, fmt, table, tbuf, tbuf.view(np.uint32))
             for j in range(n):
                 dbuf[j] += tbuf[j]
-        _round_row(dbuf, dbits, n, fmt)
-        _store_16(dbuf, dbits, n, fmt, dx, i * n, stream)
+        dxr = dx[i * n:(i + 1) * n]
+        out = scratch if stream else dxr
+        for j in range(n):  # rounded and encoded in one pass
+            out[j] = _bits_16(dbuf[j], fmt)
+        if stream:
+            stream_row(dxr, out, n)
     if stream:
         store_fence()
 

@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normscope"
 
 # lowest first; a module belongs to the layer of its longest listed prefix ("" is the package's own __init__)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("errors", "exitcodes", "jsonable", "lazy", "numba_threads")),
+    ("base", ("errors", "exitcodes", "jsonable", "lazy", "numba_bits", "numba_threads")),
     ("contract", ("spec", "presets")),
     ("shapes and dtypes", ("layout", "groups", "dtypes")),
     ("boundary", ("extras", "loading", "sources", "inputs")),

@@ -303,7 +303,9 @@ def test_16_bit_rounding_matches_torch_at_every_value_and_every_tie(fmt, dtype):
     finite = every[torch.isfinite(every)].unique()  # sorted
     mid = ((finite[:-1].double() + finite[1:].double()) / 2).float()  # exact in float32: one more bit
     bits = mid.view(torch.int32)
-    v = torch.cat([every, mid, (bits + 1).view(torch.float32), (bits - 1).view(torch.float32)])
+    # NaNs whose payload is only in the float32's lower half (bfloat16 keeps the upper half): still NaN
+    nans = torch.tensor([0x7F800001, 0x7F80ABCD, -0x007F5433, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    v = torch.cat([every, mid, (bits + 1).view(torch.float32), (bits - 1).view(torch.float32), nans])
     _assert_rounded_and_encoded_as_torch(v, fmt, dtype)
     if fmt == 2:  # the arithmetic decoding inside the rounding gives the table's value for every pattern
         decoded = np.array([k._f16_value(np.uint32(h)) for h in range(65536)], np.float32)

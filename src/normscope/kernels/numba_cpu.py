@@ -32,10 +32,12 @@ F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 # ------------------------------------------------------------------------------------------- formats
 @njit(inline="always", **_OPTS)
 def _bf16_rounded(u):
-    """The float32 bits ``u`` rounded to bfloat16 (nearest, ties to even; its pattern is the upper half), inf and NaN
-    kept. Branch-free, in 32-bit lanes: numba widens integer arithmetic to 64 bits, so each step is cast back."""
+    """The float32 bits ``u`` rounded to bfloat16 (nearest, ties to even; its pattern is the upper half), inf kept,
+    NaN made quiet (a payload only in the lower half would otherwise leave inf's pattern). Branch-free, in 32-bit
+    lanes: numba widens integer arithmetic to 64 bits, so each step is cast back."""
     r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
-    return r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else u
+    special = _U32(u | _U32(0x00400000)) if _U32(u & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else u
+    return r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else special
 
 
 @njit(inline="always", **_OPTS)

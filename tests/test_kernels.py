@@ -267,6 +267,19 @@ def test_each_kernel_output_is_judged_against_the_streaming_threshold(monkeypatc
     assert judged == [3 * 40 * 4, 3 * 40 * 4]  # y in the forward, dx in the backward
 
 
+def test_a_second_derivative_through_a_kernel_raises_instead_of_coming_back_as_zeros():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    y = norm(x, NormSpec.preset("llama_rmsnorm"), gamma=w)
+    gx, = torch.autograd.grad(y.pow(3).sum(), x, create_graph=True)  # the first derivative is the kernel's
+    ref_x = x.detach().clone().requires_grad_()
+    ref = ref_x * torch.rsqrt(ref_x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.detach()
+    want, = torch.autograd.grad(ref.pow(3).sum(), ref_x)
+    torch.testing.assert_close(gx.detach(), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+
+
 # ------------------------------------------------------------------------------------------ storage formats
 @pytest.mark.parametrize("fmt,dtype", [(1, torch.bfloat16), (2, torch.float16)])
 def test_16_bit_rounding_and_encoding_match_torch(fmt, dtype):

@@ -13,6 +13,7 @@ import functools
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..dtypes import dtype_name
 from ..errors import InputError
@@ -121,6 +122,7 @@ class _FusedNorm(torch.autograd.Function):
         return y if h is None else (y, h)
 
     @staticmethod
+    @once_differentiable  # the kernels' backward is not differentiable: a second derivative raises, never zeros
     def backward(ctx, dy, dh=None):
         rc, fmt, backend, shape, want_dg, want_db, has_res, g_dtype, b_dtype, n = ctx.meta
         h2, stats, scale = ctx.saved_tensors

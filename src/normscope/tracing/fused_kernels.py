@@ -24,7 +24,7 @@ _ABS = np.int32(0x7FFFFFFF)
 # lanes (twice as many per vector: the sums kernel 5 → 8 Gelem/s, a row's range 2.2 → 3.7, same results)
 _I32 = np.int32
 CHUNK = 1 << 16  # elements per unit of work
-_ROWS = 4  # query rows whose attention logits are computed together
+_ROWS = 4  # query rows whose attention logits are computed together (its passes are unrolled for 4)
 _STAGE = 1024  # update differences staged per block, so the max |d| runs on their bit patterns (vectorised)
 _JIT = {"cache": True, "nogil": True, "fastmath": _FAST, "boundscheck": False}
 
@@ -157,16 +157,17 @@ def _key(bits):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _row_range(row, bits, n, lowest):  # pragma: no cover - compiled
-    """One pass over a row's first n float32 values (``bits``: the same memory as int32), the entries above
-    ``lowest`` live (NaN is; a NaN ``lowest`` makes every entry live): (live entries, the largest and the smallest
-    live value as keys (:func:`_key`), the largest live |x| bit pattern). A pattern at or above the infinity's means
-    a live entry is not finite, and the keys are then not the floats' order."""
+def _row_range(rows, bits, r, n, lowest):  # pragma: no cover - compiled
+    """One pass over the first n float32 values of row ``r`` of ``rows`` (``bits``: the same memory as int32), the
+    entries above ``lowest`` live (NaN is; a NaN ``lowest`` makes every entry live): (live entries, the largest and
+    the smallest live value as keys (:func:`_key`), the largest live |x| bit pattern). A pattern at or above the
+    infinity's means a live entry is not finite, and the keys are then not the floats' order. Indexed in the 2-D
+    block, not through a view of the row: a view's reference counting cost as much as the row's statistics."""
     count = np.int32(0)
     high, low, top = _KEY_LOW, _KEY_HIGH, np.int32(0)
     for j in range(n):
-        w = bits[j]
-        a = np.int32(0) if row[j] <= lowest else np.int32(1)
+        w = bits[r, j]
+        a = np.int32(0) if rows[r, j] <= lowest else np.int32(1)
         k = _key(w)
         count = _I32(count + a)
         high = max(high, k if a else _KEY_LOW)
@@ -306,8 +307,8 @@ def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, 
 def _row_summary(block, bits, r, ex, end, a, b, i, bias, masked, prefix, sample):  # pragma: no cover - compiled
     """Query row ``r`` of a :func:`_attention_unit` block (``bits``: the block as int32), its logits (the bias not
     yet added) with an unmasked key before ``end``: (the largest live |logit| bit pattern, the softmax entropy,
-    whether it was taken (``sample``)). Indexed in the block, not through a view per row: a view's reference
-    counting cost as much as the row's statistics."""
+    whether it was taken (``sample``)). Indexed in the block, not through a view per row (see
+    :func:`_row_range`)."""
     mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
     ma, mb, mi = a if mn else 0, b if mh else 0, i if mq else 0
     if bias.shape[3] > 1:
@@ -319,13 +320,7 @@ def _row_summary(block, bits, r, ex, end, a, b, i, bias, masked, prefix, sample)
     # a key more than SOFTMAX_SPAN below the row's largest logit has a weight too small to count: masked (a
     # finite additive mask such as Swin's -100); NaN compares false and stays, as does every key of a NaN row
     if prefix[ma, mb, mi]:  # every key before ``end`` unmasked (causal, padding on the right, no mask)
-        high, low, hb = _KEY_LOW, _KEY_HIGH, np.int32(0)
-        for j in range(end):  # the row's range in one pass of integer reductions (see _row_range)
-            w = bits[r, j]
-            k = _key(w)
-            high = max(high, k)
-            low = min(low, k)
-            hb = max(hb, _I32(w & _ABS))
+        _, high, low, hb = _row_range(block, bits, r, end, _EVERY_KEY)
         if hb < _INF_BITS and as_float32(_key(low)) >= as_float32(_key(high)) - SOFTMAX_SPAN:
             top = as_float32(_key(high))  # finite, every key within the span of the largest: all of them count
             m = hb
@@ -405,7 +400,8 @@ def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum
     for i in range(tq):
         address = x + 4 * (a * xs[0] + b * xs[1] + i * xs[2])
         row = numba.carray(_f32_at(address), (tk,))
-        live, high, low, hb = _row_range(row, numba.carray(_i32_at(address), (tk,)), tk, lowest)
+        live, high, low, hb = _row_range(numba.carray(_f32_at(address), (1, tk)),
+                                         numba.carray(_i32_at(address), (1, tk)), 0, tk, lowest)
         if live == 0:
             full += 1
             continue

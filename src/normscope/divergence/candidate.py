@@ -31,16 +31,20 @@ from . import llamacpp_sites, metrics, mlx_sites, onnxsites, openvino_sites
 from .execution import (
     Autocast,
     Hooks,
+    Kid,
     Memo,
     Record,
+    Replay,
     cast,
     device_type,
     input_at,
     input_of,
     model_dtype,
     primary,
+    restored,
     site_name,
     stateless,
+    versions,
 )
 
 WINDOW = 16  # order alignment: how far ahead in the candidate's calls a counterpart is looked for
@@ -115,12 +119,12 @@ class Candidate:
         """The reference itself at a lower dtype: the candidate is its own twin."""
         return self.twin is not None and self.twin is self.model and not self.ac
 
-    def private_models(self) -> list[torch.nn.Module]:
-        """The copies ``diff`` made itself, whose leaves may reuse their outputs (:class:`.execution.Memo`)."""
-        return []
-
     def run(self, args, kwargs) -> None:
         raise NotImplementedError
+
+    def parting(self, reference: torch.nn.Module) -> str | None:
+        """Where the candidate's structure parts from the reference's, for an alignment by execution order."""
+        return None
 
     def align(self, ref_paths: list[str]) -> Alignment:
         cand_paths = {r.path for r in self.records if r.path}
@@ -132,8 +136,14 @@ class Candidate:
         """None when ``r`` can stand for the reference's output ``y``, else why not."""
         return None
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
-        """The site's output on the reference's inputs, the dtype it ran at, and the module that ran it."""
+    #: a module's own error isolates its own code: its judged children replayed with the reference's outputs
+    #: (:class:`.execution.Replay`), so every module of the tree is judged, not only leaves
+    replays_children = False
+
+    def own(self, r: Record, args, kw, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[torch.Tensor, str, Any]:
+        """The site's output on the reference's inputs, the dtype it ran at, and the module that ran it. ``kids``:
+        the children to replay (candidates that :attr:`replays_children`; ``self.replay`` then says what the
+        module's code fed them); ``state``: the call's stateful arguments as they were before it."""
         raise NotImplementedError
 
     def recorded_input(self, r: Record) -> torch.Tensor | None:
@@ -147,18 +157,25 @@ class Candidate:
         return self._twin_modules
 
     def twin_error(self, path: str, r: Record, site_dtype: str, ref_dtype: str, own_error: float, args, kw,
-                   y: torch.Tensor, memo: Memo) -> tuple[float | None, str | None]:
-        """The reference's module at the candidate's dtype on the same inputs: the error precision alone makes."""
+                   y: torch.Tensor, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[float | None, str | None]:
+        """The reference's module at the candidate's dtype on the same inputs (its judged children replayed as in
+        the candidate's run): the error precision alone makes."""
         if self.twin is None or path not in self.twin_modules or site_dtype == ref_dtype:
             return None, None
         if self.twin is self.model and r.module is self.twin_modules[path]:
             tw = own_error
         else:
             try:
-                with torch.no_grad(), self.ac(), memo.on():
-                    yt = primary(self.twin_modules[path](*memo.cast(args, self.torch_dtype),
-                                                         **memo.cast(kw, self.torch_dtype, True)))
+                ready = restored(args, kw, state)
+                if isinstance(ready, str):
+                    return None, None
+                replay = Replay(list(kids), lambda kid: self.twin_modules.get(kid.path))
+                with torch.no_grad(), self.ac(), replay.installed():
+                    yt = primary(self.twin_modules[path](*memo.cast(ready[0], self.torch_dtype),
+                                                         **memo.cast(ready[1], self.torch_dtype, True)))
                 tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
+                if tw is not None and replay.feeds is not None:
+                    tw = max(tw, replay.feeds[0])
             except Exception:
                 tw = None
         if tw is not None and not math.isfinite(tw):
@@ -166,13 +183,34 @@ class Candidate:
         return tw, None
 
 
+def structure_parting(reference: torch.nn.Module, candidate: torch.nn.Module) -> str | None:
+    """Where two models' structures part (None: the same parameter shapes, in the same order, up to names): models
+    aligned by execution order must be the same architecture, or every comparison pairs unrelated modules."""
+    ref = [(n, tuple(p.shape)) for n, p in reference.named_parameters()]
+    cand = [(n, tuple(p.shape)) for n, p in candidate.named_parameters()]
+    if sorted(s for _, s in ref) == sorted(s for _, s in cand):
+        return None
+    for i, ((rn, rs), (cn, cs)) in enumerate(zip(ref, cand, strict=False)):
+        if rs != cs:
+            return (f"parameter {i + 1}: the reference's {rn} {list(rs)} against the candidate's {cn} {list(cs)} "
+                    f"({len(ref)} and {len(cand)} parameter tensors, {sum(math.prod(s) for _, s in ref):,} and "
+                    f"{sum(math.prod(s) for _, s in cand):,} values)")
+    longer, (n, shape) = ("reference", ref[len(cand)]) if len(ref) > len(cand) else ("candidate", cand[len(ref)])
+    return (f"the {longer} has more parameter tensors ({len(ref)} against {len(cand)}), from {n} {list(shape)} "
+            "on")
+
+
 class TorchCandidate(Candidate):
     """A torch module, run with forward hooks; its sites are its module calls."""
+
+    replays_children = True
 
     def __init__(self, model: torch.nn.Module, desc: str, dtype: str, ref_dtype: str):
         super().__init__(desc, dtype)
         self.model = model
         self.torch_dtype = getattr(torch, dtype) if dtype != ref_dtype and not self.ac else None
+        self.replay: Replay | None = None  # the last own run's replay (what the module's code fed its children)
+        self.wrote_input = False  # the last own run wrote its input in place (a parent cannot replay it then)
 
     def run(self, args, kwargs) -> None:
         """One forward; the primary output of every module call, in completion order, and where it raised."""
@@ -199,16 +237,25 @@ class TorchCandidate(Candidate):
                 self.failed = hooks.failed_at
         self.cache_bytes = peak
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
-        if not (stateless(args) and stateless(kw)):
-            raise NotMeasured("own error not measured: the call takes a stateful argument (a cache object)")
+    def parting(self, reference: torch.nn.Module) -> str | None:
+        return None if self.model is reference else structure_parting(reference, self.model)
+
+    def own(self, r: Record, args, kw, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[torch.Tensor, str, Any]:
+        self.replay = None
+        ready = restored(args, kw, state)
+        if isinstance(ready, str):
+            raise NotMeasured(f"own error not measured: {ready}")
+        args, kw = ready
         dtype = self.torch_dtype
         x = input_of(args, kw)
         if dtype is None and x is not None and r.input_dtype is not None and r.input_dtype != x.dtype:
             dtype = r.input_dtype  # a module the candidate runs at another dtype (one layer cast to bfloat16)
+        replay = Replay(list(kids))
+        args, kw = memo.cast(args, dtype), memo.cast(kw, dtype, True)
+        before = versions(args)
         try:
-            with torch.no_grad(), self.ac.observe() as seen, memo.on():
-                yc = primary(r.module(*memo.cast(args, dtype), **memo.cast(kw, dtype, True)))
+            with torch.no_grad(), self.ac.observe() as seen, replay.installed():
+                yc = primary(r.module(*args, **kw))
         except Exception as exc:
             # its own forward ran this module fine: on the reference's input it is another operation (or aligned
             # wrongly), so nothing is compared here, and that is not a divergence
@@ -216,6 +263,8 @@ class TorchCandidate(Candidate):
                               f"reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
         if not isinstance(yc, torch.Tensor):
             raise NotMeasured("the candidate's module returned no tensor on the reference's input")
+        self.replay = replay
+        self.wrote_input = versions(args) != before
         # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
         site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else self.dtype
         return yc, site_dtype, r.module
@@ -236,8 +285,6 @@ class ModuleCandidate(TorchCandidate):
         if dtype != ref_dtype:
             self.twin = private_copy(reference, dtype=getattr(torch, dtype))
 
-    def private_models(self):
-        return [self.twin] if self.twin is not None else []
 
 
 class CopyCandidate(TorchCandidate):
@@ -253,8 +300,6 @@ class CopyCandidate(TorchCandidate):
         if dtype != ref_dtype:
             self.twin = model if candidate is None else private_copy(reference, dtype=getattr(torch, dtype))
 
-    def private_models(self):
-        return [m for m in (self.model, self.twin) if m is not None]
 
 
 class AutocastCandidate(TorchCandidate):
@@ -321,7 +366,7 @@ class OnnxCandidate(GraphCandidate):
         declared = self.subgraphs.proto.graph.output
         self.final = self.values.get(declared[0].name) if len(declared) else None
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
         try:
             with torch.no_grad():
                 yc = torch.from_numpy(self.subgraphs.run(*r.module, args, kw))
@@ -349,7 +394,7 @@ class OpenVinoCandidate(GraphCandidate):
         self.values, self.scopes, self.desc, self.dtype, self.final = openvino_sites.run_candidate(
             self.model_obj, args, kwargs)
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
         if self.modules is None:
             raise NotMeasured(None, missing=openvino_sites.OWN_MISSING)
         try:
@@ -382,8 +427,6 @@ class MlxCandidate(Candidate):
             self.torch_dtype = getattr(torch, dtype)
             self.twin = private_copy(reference, dtype=self.torch_dtype)
 
-    def private_models(self):
-        return [self.twin] if self.twin is not None else []
 
     def run(self, args, kwargs) -> None:
         def record(path, number, call, out):
@@ -395,7 +438,7 @@ class MlxCandidate(Candidate):
     def recorded_input(self, r: Record) -> torch.Tensor | None:
         return mlx_sites.floating(mlx_sites.first_array(r.module.args))
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
         x = input_of(args, kw, None)
         if x is None:  # an embedding's token ids
             x = next((a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)), None)
@@ -477,7 +520,7 @@ class LlamaCppCandidate(Candidate):
         self.values = {}
         return Alignment(self.records, self.scopes_label, graph=True)
 
-    def own(self, r: Record, args, kw, memo: Memo) -> tuple[torch.Tensor, str, Any]:
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
         site = r.module
         module = self.modules.get(r.path)
         if site.input is None or module is None:

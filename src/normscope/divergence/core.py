@@ -129,12 +129,12 @@ def _block_or_above(reference: torch.nn.Module) -> set[int]:
     return out
 
 
-def _walk_reference(reference, args, kwargs, walk: Walk, cand: Candidate, memo: Memo) -> Hooks:
+def _walk_reference(reference, args, kwargs, walk: Walk) -> Hooks:
     """The reference's forward with the walk's callbacks on every module call; a comparison that raises is noted
     by the hooks, a forward that raises is the user's input error."""
     hooks = Hooks(reference, walk.pre, walk.post)
     try:
-        with hooks.active(), torch.no_grad(), memo.installed(*cand.private_models()):
+        with hooks.active(), torch.no_grad():
             reference(*args, **kwargs)
     except NormscopeError:
         raise
@@ -174,11 +174,14 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         if cand.error:
             notes.append(cand.error)
         alignment = cand.align([p for p, _ in reference.named_modules()])
-        memo = Memo()  # the copies diff made itself reuse their leaves' outputs
+        parting = cand.parting(reference) if alignment.mode == "order" else None
+        if parting is not None:
+            return _not_aligned(reference, cand, parting, args, kwargs, ref_dtype, autocast, grad, notes, started)
+        memo = Memo()  # one copy of each reference tensor for the teacher-forced runs
         walk = Walk(cand, alignment, ref_dtype=ref_dtype, block_or_above=_block_or_above(reference), keep=keep,
                     memo=memo, model_inputs=[*args, *kwargs.values()])
         say("running the reference, comparing site by site")
-        hooks = _walk_reference(reference, args, kwargs, walk, cand, memo)
+        hooks = _walk_reference(reference, args, kwargs, walk)
         result = _verdict(reference, cand, alignment.mode, walk, hooks.errors, notes, say)
         g = {"sites": [], "first": None, "divergence": None, "params": []}
         if grad:
@@ -192,9 +195,22 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                        **({"self_candidate": True, "error_added": verdict.error_added(sites, walk.input_errors,
                                                                                       ref_dtype)}
                           if cand.self_copy else {}),
-                       "own_measured": sum(s.own is not None for s in sites), "reused_leaf_outputs": memo.hits,
+                       "own_measured": sum(s.own is not None for s in sites),
+                       "children_replayed": sum(s.children_replayed for s in sites),
                        "candidate_cache_bytes": int(cand.cache_bytes)},
                 **result)
+
+
+def _not_aligned(reference, cand: Candidate, parting: str, args, kwargs, ref_dtype, autocast, grad, notes,
+                 started) -> Diff:
+    """Two models whose module names differ and whose structures part: nothing is compared."""
+    why = (f"the two models do not align: their module names differ, and aligned by execution order their structures "
+           f"part at {parting}; nothing was compared; what would decide it: a candidate with the reference's "
+           "architecture (its module names, or the same parameter shapes in the same order)")
+    return Diff(reference=type(reference).__name__, candidate=cand.desc, reference_dtype=ref_dtype,
+                candidate_dtype=cand.dtype, autocast=autocast, inputs=describe(args, kwargs), sites=[], notes=notes,
+                grad=grad, seconds=time.perf_counter() - started, stats={"alignment": "none", "sites": 0},
+                inconclusive=[why])
 
 
 def _verdict(reference, cand: Candidate, mode: str, walk: Walk, errors: list[str], notes: list[str],
@@ -222,7 +238,7 @@ def _verdict(reference, cand: Candidate, mode: str, walk: Walk, errors: list[str
     elif cand.error:
         divergence = {"site": None, "reason": cand.error}
     undecided = [] if culprit is not None or cand.error else verdict.undecided(
-        sites, walk.own_sites, errors, walk.nonfinite, mode, cand.graph)
+        sites, walk.own_sites, errors, walk.nonfinite, mode, cand.graph, cand.replays_children)
     return {"first_divergence": culprit.name if culprit is not None else None, "divergence": divergence,
             "unmatched_reference": unmatched_ref, "unmatched_candidate": unmatched_cand, "inconclusive": undecided,
             "failed": culprit is None and bool(cand.error), "tensors": tensors}

@@ -6,6 +6,8 @@ comparison and the gradient comparison (:mod:`.gradients`)."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -172,11 +174,13 @@ class CallStack:
     def __len__(self) -> int:
         return len(self.frames)
 
-    def enter(self, args) -> None:
+    def enter(self, args, state: dict | None = None) -> None:
+        """A call begins; ``state``: copies of its stateful arguments as they were before it (:func:`snapshot`)."""
         if self.frames:
             self.frames[-1]["children"] += 1
         self.frames.append({"args": args, "versions": versions(args), "children": 0, "leaf_children": True,
-                            "child_error": 0.0, "child_unmeasured": False})
+                            "child_error": 0.0, "child_unmeasured": False, "state": state, "kids": [],
+                            "child_sites": []})
 
     def leave(self) -> tuple[dict[str, Any], bool]:
         """(the call's frame, whether it is a leaf)."""
@@ -188,78 +192,14 @@ class CallStack:
 
 
 class Memo:
-    """Teacher forcing reuses what it has just run. On a private copy (a candidate or twin that ``diff`` made
-    itself, never the user's modules) each leaf remembers its last output by the identity and version counter of
-    its input tensors; a parent's teacher-forced run that calls the leaf on the very same tensor (an attention
-    module's query/key/value projections, an MLP's first linear) gets that output back instead of running the
-    leaf again. Inputs are cast once per reference tensor (:meth:`cast`), so a leaf's and its parent's
-    teacher-forced runs hand the leaf the same tensor object. A few entries only (children complete just before
-    their parent); an output changed in place since is run again. Active only inside teacher-forced calls, and
-    the copies' ``forward`` is restored on exit."""
+    """The reference's tensors as teacher-forced runs get them: one copy per reference tensor (and version), cast
+    to the run's dtype (:meth:`cast`), so a module and its twin are handed the same tensor object and never the
+    reference's live tensors."""
 
     SIZE = 8
 
     def __init__(self) -> None:
-        self.entries: dict[int, tuple] = {}
         self.casts: list[tuple] = []
-        self.active = False
-        self.hits = 0
-        self.patched: list[torch.nn.Module] = []
-
-    @contextlib.contextmanager
-    def installed(self, *models):
-        try:
-            for model in {id(m): m for m in models if m is not None}.values():
-                for m in model.modules():
-                    if next(m.children(), None) is None and "forward" not in vars(m):
-                        m.forward = self._wrap(m, m.forward)
-                        self.patched.append(m)
-            yield self
-        finally:
-            for m in self.patched:
-                vars(m).pop("forward", None)
-            self.patched.clear()
-            self.entries.clear()
-            self.casts.clear()
-
-    @contextlib.contextmanager
-    def on(self):
-        self.active = True
-        try:
-            yield
-        finally:
-            self.active = False
-
-    @staticmethod
-    def _key(args, kwargs):
-        key = []
-        for v in list(args) + [v for _, v in sorted(kwargs.items())]:
-            if isinstance(v, torch.Tensor):
-                key.append((id(v), v._version))
-            elif isinstance(v, SAFE):
-                key.append(v)
-            else:
-                return None
-        return tuple(key) + tuple(sorted(kwargs))
-
-    def _wrap(self, module, forward):
-        def memo_forward(*args, **kwargs):
-            key = self._key(args, kwargs) if self.active else None
-            if key is None:
-                return forward(*args, **kwargs)
-            hit = self.entries.get(id(module))
-            if hit is not None and hit[0] == key and hit[2]._version == hit[3]:
-                self.hits += 1
-                return hit[2].clone()  # each caller its own tensor: one may write it in place
-            out = forward(*args, **kwargs)
-            if isinstance(out, torch.Tensor):
-                self.entries.pop(id(module), None)
-                self.entries[id(module)] = (key, (args, kwargs), out, out._version)  # holds its inputs: ids stay
-                while len(self.entries) > self.SIZE:
-                    self.entries.pop(next(iter(self.entries)))
-            return out
-
-        return memo_forward
 
     def cast(self, obj, dtype: torch.dtype | None, clamp: bool = False):
         """The reference's tensors as a teacher-forced module gets them: :func:`cast` to ``dtype``, or a copy at
@@ -315,7 +255,7 @@ class Hooks:
         self.stack.append((module, n))
         self.paused = True
         try:
-            self.pre_cb(module, self.paths[id(module)], n, args)
+            self.pre_cb(module, self.paths[id(module)], n, args, call_kwargs())
         finally:
             self.paused = False
         return None
@@ -347,6 +287,173 @@ class Hooks:
             for h in handles:
                 h.remove()
             self.paused = False
+
+
+def call_kwargs() -> dict | None:
+    """The keyword arguments of the module call whose global forward pre-hook is running. torch hands such a hook
+    the positional arguments only; the keyword ones are a local of the ``Module._call_impl`` frame that calls it
+    (two frames up: this function, the hook). None where that frame does not hold them (another torch)."""
+    try:
+        kw = sys._getframe(2).f_locals.get("kwargs")
+    except (ValueError, AttributeError):
+        return None
+    return kw if isinstance(kw, dict) else None
+
+
+def snapshot(args, kwargs) -> dict | None:
+    """Deep copies of a call's stateful arguments (a KV-cache object that the call will write to), taken before
+    the call, keyed ``("arg", i)`` / ``("kw", name)``: a teacher-forced run of the same call gets a fresh copy of
+    the state the reference's call started from (:func:`restored`). None when the call has none; a value that
+    cannot be copied is kept as the reason (a string) instead."""
+    state = {}
+    for key, value in [(("arg", i), a) for i, a in enumerate(args)] + \
+            [(("kw", k), v) for k, v in (kwargs or {}).items()]:
+        if stateless(value):
+            continue
+        try:
+            state[key] = copy.deepcopy(value)
+        except Exception as exc:
+            state[key] = f"{type(value).__name__} could not be copied ({type(exc).__name__}: {exc})"
+    return state or None
+
+
+def restored(args, kwargs, state: dict | None) -> tuple[tuple, dict] | str:
+    """``args``/``kwargs`` with each stateful argument replaced by a fresh copy of its state before the call (one
+    copy per run: a teacher-forced run writes to it). A reason (a string) when one cannot be restored."""
+    args, kwargs = list(args), dict(kwargs)
+    for where, box in (("arg", args), ("kw", kwargs)):
+        keys = range(len(box)) if where == "arg" else list(box)
+        for k in keys:
+            if stateless(box[k]):
+                continue
+            saved = (state or {}).get((where, k))
+            if saved is None:
+                return (f"the call takes a stateful argument ({type(box[k]).__name__}) whose state before the call "
+                        "was not seen")
+            if isinstance(saved, str):
+                return saved
+            box[k] = copy.deepcopy(saved)
+    return tuple(args), kwargs
+
+
+class Unfrozen(Exception):
+    """A call's output holds an object that cannot be replayed (one that cannot be copied)."""
+
+
+class _Copied:
+    """Another object in a frozen output (a cache object), deep-copied once more at each replay."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
+def freeze(obj, dtype: torch.dtype | None = None, depth: int = 0):
+    """A private copy of a call's output (tensors detached and copied, floating ones cast to ``dtype``; tuples,
+    lists, dicts and Hugging Face ``ModelOutput`` rebuilt; any other object, such as the cache a model returns,
+    deep-copied), to be replayed in a parent's teacher-forced run (:class:`Replay`). Raises :class:`Unfrozen`
+    for an object that cannot be copied."""
+    if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point() and obj.dtype != dtype:
+            return obj.detach().to(dtype)
+        return obj.detach().clone()
+    if isinstance(obj, SAFE):
+        return obj
+    if depth < 4 and isinstance(obj, tuple | list):
+        items = [freeze(o, dtype, depth + 1) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if depth < 4 and isinstance(obj, Mapping):
+        items = {k: freeze(v, dtype, depth + 1) for k, v in obj.items()}
+        try:
+            return type(obj)(**items) if type(obj) is not dict else items
+        except Exception:
+            raise Unfrozen(type(obj).__name__) from None
+    try:
+        return _Copied(copy.deepcopy(obj))
+    except Exception:
+        raise Unfrozen(type(obj).__name__) from None
+
+
+def thawed(obj):
+    """A fresh copy of a frozen output for one replay (the parent may write it in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, tuple | list):
+        items = [thawed(o) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, Mapping):
+        items = {k: thawed(v) for k, v in obj.items()}
+        return type(obj)(**items) if type(obj) is not dict else items
+    if isinstance(obj, _Copied):
+        return copy.deepcopy(obj.obj)
+    return obj
+
+
+class Kid:
+    """A judged child call of a module, as its parent's teacher-forced run replays it: the reference's output
+    (frozen at the candidate's dtype) in place of the child's own, and the reference's input to it, against
+    which the input the parent's code hands the child is compared."""
+
+    __slots__ = ("path", "name", "module", "x", "out")
+
+    def __init__(self, path: str, name: str, module, x: torch.Tensor | None, out):
+        self.path, self.name, self.module, self.x, self.out = path, name, module, x, out
+
+
+class Replay:
+    """A module's own code, isolated: while it runs on the reference's inputs, each child call that was judged on
+    its own returns the reference's output for that call (in call order, per child module) instead of running,
+    and the input the parent's code handed it is compared with the reference's (``feeds``: the worst
+    ‖Δ‖/‖r‖, with the child's name). A child without a replay (one not judged on its own: no counterpart, or
+    no own error) runs as the candidate's module, so its error is the parent's. ``modules`` maps each kid to the
+    module that stands for it on this side (the candidate's, or the twin's)."""
+
+    def __init__(self, kids: list[Kid], module_of=lambda kid: kid.module):
+        self.queues: dict[int, list[Kid]] = {}
+        self.modules: dict[int, torch.nn.Module] = {}
+        for kid in kids:
+            m = module_of(kid)
+            if isinstance(m, torch.nn.Module):
+                self.queues.setdefault(id(m), []).append(kid)
+                self.modules[id(m)] = m
+        self.feeds: tuple[float, str] | None = None
+        self.replayed = 0
+
+    def _replacement(self, module, forward):
+        queue = self.queues[id(module)]
+
+        def replayed_forward(*args, **kwargs):
+            if not queue:
+                return forward(*args, **kwargs)  # called more often than in the reference: its own output
+            kid = queue.pop(0)
+            self.replayed += 1
+            if kid.x is not None:
+                from .metrics import errors
+
+                xc = input_of(args, kwargs, kid.x)
+                e = errors(xc, kid.x).get("normalized", float("inf")) if isinstance(xc, torch.Tensor) \
+                    else float("inf")
+                if self.feeds is None or not e <= self.feeds[0]:
+                    self.feeds = (e, kid.name)
+            return thawed(kid.out)
+
+        return replayed_forward
+
+    @contextlib.contextmanager
+    def installed(self):
+        saved = []
+        try:
+            for m in self.modules.values():
+                saved.append((m, vars(m).get("forward")))
+                m.forward = self._replacement(m, m.forward)
+            yield self
+        finally:
+            for m, previous in saved:
+                if previous is None:
+                    vars(m).pop("forward", None)
+                else:
+                    m.forward = previous
 
 
 def site_name(path: str, number: int) -> str:

@@ -154,7 +154,7 @@ class _GradientWalk:
         self.notes: list[str] = []
         self.frames = CallStack()
 
-    def pre(self, module, path, number, a):
+    def pre(self, module, path, number, a, kw=None):
         self.frames.enter(a)
 
     def post(self, module, path, number, a, kw, output):

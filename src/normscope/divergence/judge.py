@@ -40,7 +40,8 @@ def own_error(s: SiteDiff, *, site_dtype: str, ref_dtype: str, twin: float | Non
     if twin_expected and twin is None and site_dtype != ref_dtype:
         s.bound_rule += " (no faithful twin measured)"
     s.bound_rule += suffix
-    s.status = "diverged" if s.own["normalized"] > s.bound else "within"
+    worst = max(s.own["normalized"], s.feeds or 0.0)  # its output, and what its code handed its children
+    s.status = "diverged" if not worst <= s.bound else "within"
 
 
 def composition(s: SiteDiff, *, err: float, child_error: float, incoming: float | None, n: int, cand_dtype: str,

@@ -62,7 +62,7 @@ def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
                       f"{escape((d.grad_divergence or {}).get('reason', ''))}")
 
 
-SHOWN = 8  # rows of the default table: the culprit and the sites before it, what was not compared, the closest
+SHOWN = 7  # rows of the default table: the culprit and the sites before it, what was not compared, the closest
 
 
 def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:

@@ -78,6 +78,14 @@ class SiteDiff:
     # extracted or fed): the row says "n/a" with it
     own_missing: str = ""
     factor: float | None = None  # the candidate's output is the reference's times this constant (see ``regrouped``)
+    # a module's own error isolates its own code: how many of its child calls were replayed with the reference's
+    # outputs, and the child sites its teacher-forced run computed itself (no judgement of their own: their error
+    # is this module's)
+    children_replayed: int = 0
+    children_run: list[str] = dataclasses.field(default_factory=list)
+    # the worst ‖Δ‖/‖r‖ of the inputs its code handed its children (against the reference's), and to which child
+    feeds: float | None = None
+    feeds_to: str | None = None
 
     @property
     def own_error(self) -> float | None:
@@ -90,7 +98,7 @@ class SiteDiff:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["own"], d["propagated"] = _metrics_out(self.own), _metrics_out(self.propagated)
-        d["twin"], d["bound"] = _num(self.twin), _num(self.bound)
+        d["twin"], d["bound"], d["feeds"] = _num(self.twin), _num(self.bound), _num(self.feeds)
         d["elementwise"] = _deep(self.elementwise, _num)
         return d
 
@@ -98,7 +106,7 @@ class SiteDiff:
     def from_dict(cls, d: dict[str, Any]) -> SiteDiff:
         d = dict(d)
         d["own"], d["propagated"] = _metrics_in(d.get("own")), _metrics_in(d.get("propagated"))
-        d["twin"], d["bound"] = _unnum(d.get("twin")), _unnum(d.get("bound"))
+        d["twin"], d["bound"], d["feeds"] = _unnum(d.get("twin")), _unnum(d.get("bound")), _unnum(d.get("feeds"))
         d["elementwise"] = _deep(d.get("elementwise"), _unnum)
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
@@ -185,7 +193,7 @@ class Diff(Verdict):
                 most = (f"; the most error is added at {added[0]['site']} ({added[0]['own_roundoffs']:.3g} roundoffs "
                         f"of {added[0]['dtype']}, ×{added[0]['amplification']:.3g} its input's error)") if added else ""
                 return (f"no divergence: {norms} norm sites within their contracts at {at}; the other sites are "
-                        f"the reference's own operations at {at}, faithful by construction ({measured} own errors "
+                        f"the reference's own operations, faithful by construction ({measured} own errors "
                         f"measured){most}")
             return (f"no divergence: {measured} sites' own errors within the bound at {at} "
                     f"({len(self.sites)} sites compared)")

@@ -40,7 +40,7 @@ def error_added(sites: list[SiteDiff], input_errors: dict[str, float], ref_dtype
 
 
 def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinite: str | None, mode: str,
-               onnx: bool) -> list[str]:
+               onnx: bool, replays: bool = False) -> list[str]:
     """Why a run without a divergence still cannot say "no divergence", each with what would decide it."""
     why = []
     align = {"name": "module names", "order": "execution order and output shapes",
@@ -69,7 +69,23 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
     if root is None or root.propagated is None or root.status in ("unmatched", "shape"):
         why.append("the final output was not compared (" + (root.note or root.status if root else "no output") +
                    "); what would decide it: a candidate that returns the reference's output")
+    elif replays and root.own is None and root.status != "regrouped":
+        why.append(f"the final output's error ({root.propagated['normalized']:.3g}) is not accounted for: the "
+                   f"model's own run, its judged children replayed, was not measured ({root.note or root.status}); "
+                   "what would decide it: a model whose top-level call can be run again on the same inputs")
     return why
+
+
+def between_children(s: SiteDiff) -> str:
+    """Where a module's own error lives: its own code between its children (each replayed with the reference's
+    output), and any child its run computed itself (no judgement of its own)."""
+    text = (f"the error is in this module's own code, between its children ({s.children_replayed} child call(s) "
+            "replayed with the reference's outputs")
+    if s.children_run:
+        more = f" and {len(s.children_run) - 3} more" if len(s.children_run) > 3 else ""
+        text += (f"; computed by the candidate inside it, without a judgement of their own: "
+                 f"{', '.join(s.children_run[:3])}{more}")
+    return text + ")"
 
 
 def infer_contract(module, shape):
@@ -131,9 +147,15 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
                   f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
-        reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
-                  f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]"
-                  + (f"; {s.note}" if which == "propagated" and s.note else ""))
+        if which == "own" and s.feeds is not None and s.feeds > s.bound and not m["normalized"] > s.bound:
+            reason = (f"own error: its code hands {s.feeds_to} an input that errs by ‖Δ‖/‖r‖ = {s.feeds:.3g} "
+                      f"(the reference's input to it, replayed) > bound {s.bound:.3g} [{s.bound_rule}]")
+        else:
+            reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
+                      f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]"
+                      + (f"; {s.note}" if which == "propagated" and s.note else ""))
+        if which == "own" and s.kind == "module":
+            reason += "; " + between_children(s)
     out: dict[str, Any] = {"site": s.name, "class": s.cls, "kind": s.kind, "reason": reason}
     if s.kind != "norm" or info is None or info.get("shape") is None or info.get("cand") is None:
         return out

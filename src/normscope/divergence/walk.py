@@ -14,7 +14,21 @@ import torch
 from ..sites.classes import known_class
 from . import contracts, judge, metrics
 from .candidate import Alignment, Candidate, NotMeasured
-from .execution import CallStack, Memo, Record, input_of, primary, reduce_len, site_name, versions
+from .execution import (
+    CallStack,
+    Kid,
+    Memo,
+    Record,
+    Unfrozen,
+    freeze,
+    input_of,
+    primary,
+    reduce_len,
+    site_name,
+    snapshot,
+    stateless,
+    versions,
+)
 from .result import SiteDiff
 
 
@@ -31,6 +45,7 @@ class Walk:
         self.outputs: list[tuple[torch.Tensor, float]] = []  # recent reference outputs and their propagated errors
         self.input_errors: dict[str, float] = {}  # site → the propagated error of its input
         self.frames = CallStack()
+        self._kid: Kid | None = None  # this call, as its parent's replay will take it (set when judged on its own)
         self.first: dict[str, Any] = {}
         self.nonfinite: str | None = None  # the first site where the reference itself is not finite
         self.recent: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []
@@ -40,16 +55,43 @@ class Walk:
         self.scaled: list[tuple[torch.Tensor, SiteDiff, list[tuple[SiteDiff, str, float | None]]]] = []
 
     # ------------------------------------------------------------------ hook callbacks
-    def pre(self, module, path, number, a) -> None:
-        self.frames.enter(a)
+    def pre(self, module, path, number, a, kw=None) -> None:
+        # a call that will write to a state object (a KV cache): its state before the call, for teacher forcing
+        state = snapshot(a, kw) if self.cand.replays_children and not (stateless(a) and stateless(kw or {})) \
+            else None
+        self.frames.enter(a, state)
 
     def post(self, module, path, number, a, kw, output) -> None:
         f, leaf = self.frames.leave()
         count = len(self.sites)
+        self._kid = None
         try:
             self.compare(module, path, number, kw, output, f, leaf)
         finally:
-            self._account(f, self.sites[count] if len(self.sites) > count else None)
+            s = self.sites[count] if len(self.sites) > count else None
+            self._account(f, s)
+            self._hand_up(s, a, kw, output)
+
+    def _hand_up(self, s: SiteDiff | None, args, kw, output) -> None:
+        """Give the parent call this call's output to replay in the parent's teacher-forced run, when this call
+        was judged on its own (its error is then its own, not the parent's); else the parent's run computes it."""
+        if not len(self.frames) or s is None:
+            return
+        parent = self.frames.frames[-1]
+        kid, self._kid = self._kid, None
+        if kid is not None and s.status in ("within", "diverged"):
+            try:
+                y = primary(output)
+                x = input_of(args, kw, y)
+                dtype = self.cand.torch_dtype
+                kid.x = freeze(x, dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+                kid.out = freeze(output, dtype)
+                parent["kids"].append(kid)
+                parent["child_sites"].append((s.name, True))
+                return
+            except Unfrozen:
+                pass
+        parent["child_sites"].append((s.name, False))
 
     def _account(self, f, s: SiteDiff | None) -> None:
         """Tell the parent call what this one erred by (for :func:`.judge.composition`): the site's propagated
@@ -78,13 +120,19 @@ class Walk:
         s = SiteDiff(name=name, cls=type(module).__name__, kind=kind, order=len(self.sites), depth=len(self.frames),
                      shape=list(y.shape), status="unmatched")
         self.sites.append(s)
+        # a block holds sites of its own, judged there; a leaf holds none, so a leaf is judged even where a layer
+        # list repeats it (nn.Sequential(Linear, GELU, Linear): the two Linears read as blocks). A candidate that
+        # replays children judges every module: its own code alone, between its children
+        own_site = leaf or self.cand.replays_children or (f["leaf_children"] and id(module) not in self.block_or_above)
         r = self.alignment.counterpart(path, number, list(y.shape))
         if r is None:
             s.note = "no counterpart in the candidate"
+            self.own_sites += own_site  # unmatched sites count against the coverage
             return
         why_not = self.cand.matched(r, y, path)
         if why_not:
             s.note = why_not
+            self.own_sites += own_site
             return
         r.used = True
         s.counterpart = site_name(r.path, r.number)
@@ -97,9 +145,6 @@ class Walk:
         if s.status == "reference_not_finite":
             return
         n = reduce_len(f["args"], y)
-        # a block holds sites of its own, judged there; a leaf holds none, so a leaf is judged even where a layer
-        # list repeats it (nn.Sequential(Linear, GELU, Linear): the two Linears read as blocks)
-        own_site = leaf or (f["leaf_children"] and id(module) not in self.block_or_above)
         if own_site:
             self.own_sites += 1
         if not own_site or r.module is None:
@@ -114,7 +159,7 @@ class Walk:
             s.note = "own error not measured: the module wrote its input in place"
             return
         try:
-            yc, site_dtype, cand_ref = self.cand.own(r, f["args"], kw, self.memo)
+            yc, site_dtype, cand_ref = self.cand.own(r, f["args"], kw, self.memo, f["kids"], f["state"])
         except NotMeasured as exc:
             if exc.missing is not None:
                 s.own_missing = exc.missing
@@ -122,7 +167,9 @@ class Walk:
             else:
                 s.note = exc.note
             return
-        self._judge_own(s, module, path, r, cand_ref, f["args"], kw, x_in, y, yc, site_dtype, n)
+        self._judge_own(s, module, path, r, cand_ref, f, kw, x_in, y, yc, site_dtype, n)
+        if self.cand.replays_children and isinstance(r.module, torch.nn.Module) and not self.cand.wrote_input:
+            self._kid = Kid(path, s.name, r.module, None, None)  # (a module that writes its input runs in its parent)
 
     def _propagated(self, s: SiteDiff, r: Record, y: torch.Tensor) -> float | None:
         """The candidate's output against the reference's: sets the site's propagated error and status."""
@@ -170,9 +217,16 @@ class Walk:
                              cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype):
             self._remember(s, module, cand_module, f["args"], y, None)
 
-    def _judge_own(self, s, module, path, r, cand_ref, args, kw, x_in, y, yc, site_dtype, n) -> None:
+    def _judge_own(self, s, module, path, r, cand_ref, f, kw, x_in, y, yc, site_dtype, n) -> None:
+        args = f["args"]
         s.dtype = site_dtype
         s.own = metrics.errors(yc, y)
+        replay = getattr(self.cand, "replay", None)
+        if replay is not None and f["child_sites"]:
+            s.children_replayed = replay.replayed
+            s.children_run = [name for name, replayed in f["child_sites"] if not replayed]
+            if replay.feeds is not None:
+                s.feeds, s.feeds_to = replay.feeds
         x_err = self._error_of(x_in)
         if x_err is not None:
             self.input_errors[s.name] = x_err
@@ -187,8 +241,9 @@ class Walk:
                 if s.status == "diverged":
                     self._remember(s, module, cand_ref, args, y, yc)
                 return
-        tw, note = self.cand.twin_error(path, r, site_dtype, self.ref_dtype, s.own["normalized"], args, kw, y,
-                                        self.memo)
+        own = max(s.own["normalized"], s.feeds or 0.0)
+        tw, note = self.cand.twin_error(path, r, site_dtype, self.ref_dtype, own, args, kw, y, self.memo,
+                                        f["kids"], f["state"])
         if note:
             s.note = note
         judge.own_error(s, site_dtype=site_dtype, ref_dtype=self.ref_dtype, twin=tw,

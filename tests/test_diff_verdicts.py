@@ -335,3 +335,125 @@ def test_the_same_model_at_a_lower_dtype_says_what_is_known():
     assert [a["own_roundoffs"] for a in added] == sorted((a["own_roundoffs"] for a in added), reverse=True)
     assert all(a["dtype"] == "bfloat16" and a["amplification"] > 0 for a in added)
     assert "self_candidate" not in diff(model(), copy.deepcopy(model()), {"x": X}, progress=False).stats
+
+
+class Partial(nn.Module):
+    """Keeps the reference's first block (same names) and computes the rest itself, functionally, the output's bias
+    off by 5."""
+
+    def __init__(self, ref: Model):
+        super().__init__()
+        self.blocks = nn.ModuleList([copy.deepcopy(ref.blocks[0])])
+        self.rest = nn.ParameterList([p.detach().clone() for b in ref.blocks[1:] for p in
+                                      (b.ln.weight, b.ln.bias, b.fc.weight, b.fc.bias)])
+        self.rest.append(ref.out.weight.detach().clone())
+        self.rest.append(ref.out.bias.detach().clone() + 5)
+
+    def forward(self, x):
+        f = torch.nn.functional
+        x = self.blocks[0](x)
+        p = list(self.rest)
+        for i in range(0, len(p) - 2, 4):
+            x = x + f.linear(f.gelu(f.layer_norm(x, (W,), p[i], p[i + 1])), p[i + 2], p[i + 3])
+        return f.linear(x, p[-2], p[-1])
+
+
+def test_a_partly_matched_candidate_fails_where_its_unmatched_code_is():
+    """Before: "PASS — 1 sites' own errors within the bound (4 sites compared)" with the output 17.8 off. The
+    model's own run, its matched child replayed, computes the rest as the candidate does: a FAIL at the model,
+    naming what it computed without a judgement of its own."""
+    ref = model()
+    cand = Partial(ref).eval()
+    d = diff(ref, cand, {"x": X}, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "(model)", d.summary()
+    reason = d.divergence["reason"]
+    assert "own code, between its children" in reason and "without a judgement of their own" in reason
+    assert d.site("blocks.0").status == "within"
+
+
+def test_a_fault_between_a_modules_children_is_named_at_that_module():
+    """An attention-like module whose scale between its projections is ×1.1 (its children are exact): before, the
+    verdict was a pass with the output 1–3 % off."""
+
+    class Att(nn.Module):
+        def __init__(self, scale=1.0):
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(W, W), nn.Linear(W, W), nn.Linear(W, W)
+            self.scale = scale
+
+        def forward(self, x):
+            a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) * self.scale / W ** 0.5, -1)
+            return x + self.o(a @ x)
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(Att(), nn.LayerNorm(W)).eval()
+    cand = copy.deepcopy(ref)
+    cand[0].scale = 1.1
+    d = diff(ref, cand, X, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "0", d.summary()
+    assert "between its children" in d.divergence["reason"]
+    assert all(d.site(f"0.{c}").status == "within" for c in "qko")
+
+
+class _Times100(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 100 * g
+
+
+class _BadBackward(nn.Linear):
+    def forward(self, x):
+        return _Times100.apply(super().forward(x))
+
+
+def test_grad_fails_at_a_leaf_whose_backward_is_wrong_inside_a_sequential():
+    """A leaf in an nn.Sequential (read as a layer list) was not judged for its own gradient: a ×100 backward
+    passed."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(W, W), nn.Tanh(), nn.Linear(W, W), nn.Linear(W, 4)).eval()
+    cand = nn.Sequential(nn.Linear(W, W), nn.Tanh(), _BadBackward(W, W), nn.Linear(W, 4)).eval()
+    cand.load_state_dict(ref.state_dict())
+    d = diff(ref, cand, X, grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence == "2" and d.verdict == "fail", d.summary()
+
+
+def test_grad_with_nothing_compared_is_inconclusive_and_an_integer_output_is_an_input_error():
+    from normscope.errors import InputError
+
+    ref = model()
+    frozen = copy.deepcopy(ref).requires_grad_(False)
+    d = diff(frozen, copy.deepcopy(frozen), {"x": X}, grad=True, progress=False)
+    assert d.verdict == "inconclusive" and any(r.startswith("gradients:") for r in d.inconclusive), d.summary()
+
+    class Argmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(W, 4)
+
+        def forward(self, x):
+            return self.fc(x).argmax(-1)
+
+    with pytest.raises(InputError, match="--loss"):
+        diff(Argmax(), copy.deepcopy(Argmax()), {"x": X}, grad=True, progress=False)
+
+
+def test_cli_loss_names_an_output(tmp_path, monkeypatch, capsys):
+    from normscope.errors import InputError
+
+    mod = tmp_path / "loss_models.py"
+    mod.write_text("from test_diff_verdicts import model\ndef ref():\n    return model()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    base = ["diff", "loss_models:ref", "--candidate-dtype", "float32", "--inputs", "2,5,16", "--json"]
+    assert command.run(parser.parse_args([*base, "--grad", "--loss", "0"]), Console()) == 0
+    capsys.readouterr()
+    with pytest.raises(InputError, match="no floating tensor of that name"):
+        command.run(parser.parse_args([*base, "--grad", "--loss", "logits"]), Console())
+    with pytest.raises(InputError, match="add --grad"):
+        command.run(parser.parse_args([*base, "--loss", "0"]), Console())

@@ -54,6 +54,9 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--grad", action="store_true",
                    help="also compare the gradients of the sum of the output, activation and parameter gradients "
                         "(default: forward only)")
+    p.add_argument("--loss", metavar="OUTPUT",
+                   help="with --grad: the output whose sum is differentiated, by name (logits, last_hidden_state) "
+                        "or index (0, 1, …) (default: the first floating output)")
     p.add_argument("--plot", metavar="PNG", help="write a plot of the errors against depth (default: no plot)")
     p.add_argument("--all", action="store_true", help="list every site (default: sites with a measured own error)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diff/1)")
@@ -82,9 +85,15 @@ def run(args, console: Console) -> int:
         else:
             candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)
     inputs = model_inputs(args.inputs, reference, "diff")
+    loss = getattr(args, "loss", None)
+    if loss is not None and not getattr(args, "grad", False):
+        raise InputError("--loss names the output differentiated by --grad; add --grad, or leave --loss out")
+    from .gradients import output_loss
+
     with deadline(args.timeout, "diff"):
         result = diff(reference, candidate, inputs, candidate_dtype=args.candidate_dtype, autocast=args.autocast,
-                      grad=getattr(args, "grad", False), progress=not args.json)
+                      grad=getattr(args, "grad", False), loss_fn=output_loss(loss) if loss is not None else None,
+                      progress=not args.json)
     result.inputs["model"] = origin
     if args.plot:
         plot_diff(result, args.plot)
@@ -94,4 +103,4 @@ def run(args, console: Console) -> int:
         render_diff(result, console, all_sites=args.all)
         if args.plot:
             console.print(f"[dim]plot: {args.plot}[/]")
-    return {"fail": EXIT_DIVERGED, "inconclusive": EXIT_INCONCLUSIVE}.get(result.verdict, EXIT_OK)
+    return {"pass": EXIT_OK, "fail": EXIT_DIVERGED, "inconclusive": EXIT_INCONCLUSIVE}[result.verdict]

@@ -183,9 +183,11 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         say("running the reference, comparing site by site")
         hooks = _walk_reference(reference, args, kwargs, walk)
         result = _verdict(reference, cand, alignment.mode, walk, hooks.errors, notes, say)
-        g = {"sites": [], "first": None, "divergence": None, "params": []}
+        g = {"sites": [], "first": None, "divergence": None, "params": [], "undecided": []}
         if grad:
             g = _gradients(reference, cand, alignment.mode, walk, args, kwargs, loss_fn, ref_dtype, notes, say)
+            if g["first"] is None:
+                result["inconclusive"] = result["inconclusive"] + g["undecided"]
     sites = walk.sites
     return Diff(reference=type(reference).__name__, candidate=cand.desc, reference_dtype=ref_dtype,
                 candidate_dtype=cand.dtype, autocast=autocast, inputs=describe(args, kwargs), sites=sites,
@@ -253,7 +255,9 @@ def _gradients(reference, cand: Candidate, mode: str, walk: Walk, args, kwargs, 
 
     g = gradients.run(reference, cand.model, cand.twin, args, kwargs, cand_torch_dtype=cand.torch_dtype, ac=cand.ac,
                       ref_dtype=ref_dtype, cand_dtype=cand.dtype, loss_fn=loss_fn,
-                      own_site=lambda m, flag: flag and id(m) not in walk.block_or_above,
+                      own_site=lambda m, leaf, leaf_children: leaf or (leaf_children
+                                                                       and id(m) not in walk.block_or_above),
                       site_contracts=walk.site_contracts, say=say)
     notes.extend(g["notes"][:5])
+    g["undecided"] = gradients.undecided(g)
     return g

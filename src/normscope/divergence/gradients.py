@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..errors import InputError
 from ..sites.classes import known_class
 from . import metrics
 from .execution import CallStack, Hooks, cast, input_at, input_of, primary, site_name, stateless
@@ -31,13 +33,66 @@ from .result import SiteDiff
 def _loss(out, loss_fn) -> torch.Tensor:
     if loss_fn is not None:
         loss = loss_fn(out)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor; got {type(loss).__name__}")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            raise InputError(f"loss_fn must return a floating scalar tensor; got "
+                             f"{type(loss).__name__}{list(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         return loss.float().reshape(())
     y = primary(out)
     if y is None or not y.is_floating_point():
-        raise TypeError("the model's output has no floating tensor to sum; pass loss_fn=")
+        what = "no tensor" if y is None else f"a {str(y.dtype).replace('torch.', '')} tensor"
+        raise InputError(f"the model's output is {what}, which has no gradient: gradients (--grad) need a "
+                         "floating output to differentiate; name one with --loss OUTPUT (an output's name or "
+                         "index, e.g. --loss logits), or pass loss_fn= in Python")
     return y.float().sum()
+
+
+def output_loss(key: str):
+    """``--loss OUTPUT``: the float32 sum of one output of the model, by name (a dict or ``ModelOutput`` field) or
+    index (a tuple's); an output that is not there, or not floating, is an input error naming what there is."""
+    def loss(out):
+        if isinstance(out, torch.Tensor):
+            out = (out,)
+        if isinstance(out, Mapping):
+            names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+            value = out.get(key) if key in out else (list(out.values())[int(key)] if key.isdigit() and
+                                                       int(key) < len(out) else None)
+        elif isinstance(out, tuple | list):
+            names = [str(i) for i, v in enumerate(out) if isinstance(v, torch.Tensor)]
+            value = out[int(key)] if key.isdigit() and int(key) < len(out) else None
+        else:
+            names, value = [], None
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            have = ", ".join(names) or "none"
+            raise InputError(f"--loss {key}: the model's output has no floating tensor of that name or index (its "
+                             f"tensors: {have})")
+        return value.float().sum()
+
+    return loss
+
+
+def undecided(g: dict[str, Any]) -> list[str]:
+    """Why a gradient comparison without a divergence still cannot say "no divergence"."""
+    why = []
+    sites = g["sites"]
+    if not sites:
+        why.append("gradients: " + (g["notes"][0] if g["notes"] else "no site's gradient was compared") +
+                   "; what would decide it: a model and loss whose output depends on parameters that require grad")
+        return why
+    failed = [n for n in g["notes"] if n.startswith("gradient comparison failed")]
+    if failed:
+        why.append(f"gradients: the comparison raised at {len(failed)} site(s), which were not judged ({failed[0]}); "
+                   "what would decide it: that site compared")
+    own = [s for s in sites if s.own is not None or s.elementwise is not None]
+    if not own:
+        why.append(f"gradients: no site's own backward was compared ({len(sites)} gradients compared as they "
+                   "arrived, none judged on its own: "
+                   f"{next((s.note for s in sites if s.note), 'no module call could be run again')}); what would "
+                   "decide it: modules called with tensors (no cache object), aligned by name")
+    unmatched = [s for s in sites if s.status == "unmatched"]
+    if unmatched and len(unmatched) * 2 > len(sites):
+        why.append(f"gradients: {len(unmatched)} of {len(sites)} sites found no gradient at the candidate's "
+                   f"counterpart (first: {unmatched[0].name}); what would decide it: a candidate aligned by name")
+    return why
 
 
 def _vjp(module, args, kw, dy, dtype, ac=None):
@@ -163,7 +218,7 @@ class _GradientWalk:
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return
         x = input_of(f["args"], kw, y)  # a module called with keyword arguments only has its input there
-        own = self.own_site(module, leaf or f["leaf_children"]) and x is not None and y is not x \
+        own = self.own_site(module, leaf, f["leaf_children"]) and x is not None and y is not x \
             and stateless(f["args"]) and stateless(kw)
         saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]),
                  {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}) if own else None
@@ -270,6 +325,10 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
         gs = torch.autograd.grad(loss, [p for _, p in rparams], allow_unused=True)
     params = [{"name": n, **metrics.errors(cand_param_grads[n], g)} for (n, _), g in zip(rparams, gs, strict=True)
               if g is not None and cand_param_grads.get(n) is not None]
-    first = next((s for s in walk.sites if s.status in ("diverged", "raised")), None)
+    # the first in backward order, where a gradient error is born; a module whose own backward runs its children
+    # (attention and its projections) diverges with a child that does: the child is the culprit
+    bad = [s for s in walk.sites if s.status in ("diverged", "raised")]
+    bad = [s for s in bad if not any(o.name.split("#")[0].startswith(s.name.split("#")[0] + ".") for o in bad)]
+    first = bad[0] if bad else None
     return {"sites": walk.sites, "first": first.name if first else None,
             "divergence": _divergence(first) if first is not None else None, "params": params, "notes": walk.notes}

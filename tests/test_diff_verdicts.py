@@ -457,3 +457,29 @@ def test_cli_loss_names_an_output(tmp_path, monkeypatch, capsys):
         command.run(parser.parse_args([*base, "--grad", "--loss", "logits"]), Console())
     with pytest.raises(InputError, match="add --grad"):
         command.run(parser.parse_args([*base, "--loss", "0"]), Console())
+
+
+class _BiasCache(nn.Module):
+    """Keeps attention-bias-like tensors in a plain dict, filled on its first call (not a parameter or buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.bias_cache = nn.Linear(W, W), nn.LayerNorm(W), {}
+
+    def forward(self, x):
+        t = x.shape[-2]
+        if t not in self.bias_cache:
+            self.bias_cache[t] = torch.linspace(-1, 1, t * W, dtype=x.dtype).reshape(t, W)
+        return self.ln(self.fc(x) + self.bias_cache[t])
+
+
+def test_state_kept_outside_parameters_is_cast_in_diffs_own_copy():
+    """Before: the bfloat16 private copy kept the float32 cache, raised on the mixed dtypes, and diff blamed the
+    model ("first divergence at ln: the candidate's forward raised")."""
+    torch.manual_seed(0)
+    m = _BiasCache().eval()
+    m(X)  # the cache is filled, as in a model that already ran
+    d = diff(m, None, X, candidate_dtype="bfloat16", progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert any("bias_cache[5]" in n for n in d.notes)
+    assert m.bias_cache[5].dtype == torch.float32  # the user's model keeps its own

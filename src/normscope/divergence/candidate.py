@@ -297,6 +297,11 @@ class CopyCandidate(TorchCandidate):
             stack.enter_context(untouched(candidate))
         model = private_copy(source, dtype=getattr(torch, dtype))
         super().__init__(model, f"{type(source).__name__} at {dtype} (a private copy)", dtype, ref_dtype)
+        cast = getattr(model, "_normscope_cast_state", [])
+        if cast:
+            more = f" and {len(cast) - 3} more" if len(cast) > 3 else ""
+            self.notes.append(f"the model keeps {len(cast)} floating tensor(s) outside its parameters and buffers "
+                              f"({', '.join(cast[:3])}{more}); its private copy holds them at {dtype} too")
         if dtype != ref_dtype:
             self.twin = model if candidate is None else private_copy(reference, dtype=getattr(torch, dtype))
 

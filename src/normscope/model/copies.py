@@ -85,6 +85,52 @@ def _cast_memo(module: torch.nn.Module, dtype: torch.dtype) -> dict[int, Any]:
     return memo
 
 
+_MODULE_STATE = {"_parameters", "_buffers", "_modules"}
+
+
+def plain_state(module: torch.nn.Module, depth: int = 3) -> list[tuple[str, Any, Any]]:
+    """The floating tensors a model keeps outside its parameters and buffers, in plain attributes (a cache of
+    attention biases filled on its first call), as ``(name, container, key)``: ``.to(dtype)`` leaves them at
+    their dtype. Tensors in dicts, lists and tuples are found down to ``depth``; a tuple is replaced whole."""
+    found: list[tuple[str, Any, Any]] = []
+
+    def visit(name, container, key, value, d):
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and not isinstance(value, torch.nn.Parameter):
+                found.append((name, container, key))
+        elif d > 0 and isinstance(value, dict):
+            for k, v in list(value.items()):
+                visit(f"{name}[{k!r}]", value, k, v, d - 1)
+        elif d > 0 and isinstance(value, list | tuple):
+            if any(isinstance(v, torch.Tensor) for v in value):
+                found.append((name, container, key))  # cast element-wise, the sequence rebuilt
+
+    for path, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if attr not in _MODULE_STATE and not attr.startswith("__"):
+                visit(f"{path + '.' if path else ''}{attr}", sub, attr, value, depth)
+    return found
+
+
+def _cast_plain_state(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """Cast the floating tensors of :func:`plain_state` to ``dtype`` in a private copy, so the copy at a dtype is
+    the model at that dtype, not a mix that raises on its first mixed operation; the names cast."""
+    names = []
+    for name, container, key in plain_state(module):
+        value = container[key] if isinstance(container, dict) else getattr(container, key)
+        if isinstance(value, torch.Tensor):
+            new = value.detach().to(dtype)
+        else:
+            new = type(value)(v.detach().to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                              for v in value)
+        if isinstance(container, dict):
+            container[key] = new
+        else:
+            setattr(container, key, new)
+        names.append(name)
+    return names
+
+
 def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.dtype | None = None
                  ) -> torch.nn.Module:
     """A deep copy on the CPU, in the given mode, with no hooks (the user's hooks never run on it); with
@@ -98,6 +144,8 @@ def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.d
         _from_offload(module, m)
     if on_meta(m):
         m = _materialized(m)
+    if dtype is not None:
+        m._normscope_cast_state = _cast_plain_state(m, dtype)
     for sub in m.modules():
         for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                      "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):

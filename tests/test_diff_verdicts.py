@@ -483,3 +483,36 @@ def test_state_kept_outside_parameters_is_cast_in_diffs_own_copy():
     assert d.verdict == "pass", d.summary()
     assert any("bias_cache[5]" in n for n in d.notes)
     assert m.bias_cache[5].dtype == torch.float32  # the user's model keeps its own
+
+
+class _TwoOut(nn.Module):
+    def __init__(self, k=1.0):
+        super().__init__()
+        self.fc, self.k = nn.Linear(W, W), k
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h, torch.softmax(h * self.k, -1)
+
+
+class _TwoOutModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.two, self.out = _TwoOut(), nn.Linear(W, 4)
+
+    def forward(self, x):
+        h, w = self.two(x)
+        return self.out(h), w
+
+
+def test_a_modules_second_output_is_judged_too():
+    """A module whose primary output is exact and whose second output (attention-like weights) is not: before, only
+    the primary output was compared, and the verdict was a pass."""
+    torch.manual_seed(0)
+    ref = _TwoOutModel().eval()
+    cand = copy.deepcopy(ref)
+    cand.two.k = 1.5
+    d = diff(ref, cand, X, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "two", d.summary()
+    assert "its output '1'" in d.divergence["reason"] and d.site("two").outputs["1"] > 0.1
+    assert d.site("(model)").outputs == {"1": 0.0}

@@ -211,6 +211,7 @@ class TorchCandidate(Candidate):
         self.torch_dtype = getattr(torch, dtype) if dtype != ref_dtype and not self.ac else None
         self.replay: Replay | None = None  # the last own run's replay (what the module's code fed its children)
         self.wrote_input = False  # the last own run wrote its input in place (a parent cannot replay it then)
+        self.own_output = None  # the last own run's whole output (its outputs beyond the primary are judged too)
 
     def run(self, args, kwargs) -> None:
         """One forward; the primary output of every module call, in completion order, and where it raised."""
@@ -241,7 +242,7 @@ class TorchCandidate(Candidate):
         return None if self.model is reference else structure_parting(reference, self.model)
 
     def own(self, r: Record, args, kw, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[torch.Tensor, str, Any]:
-        self.replay = None
+        self.replay, self.own_output = None, None
         ready = restored(args, kw, state)
         if isinstance(ready, str):
             raise NotMeasured(f"own error not measured: {ready}")
@@ -255,7 +256,8 @@ class TorchCandidate(Candidate):
         before = versions(args)
         try:
             with torch.no_grad(), self.ac.observe() as seen, replay.installed():
-                yc = primary(r.module(*args, **kw))
+                self.own_output = r.module(*args, **kw)
+                yc = primary(self.own_output)
         except Exception as exc:
             # its own forward ran this module fine: on the reference's input it is another operation (or aligned
             # wrongly), so nothing is compared here, and that is not a divergence

@@ -35,6 +35,24 @@ def primary(out) -> torch.Tensor | None:
     return None
 
 
+def floating_leaves(out, prefix: str = "", depth: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Every floating tensor of a module's output with its name: a dict's (or ``ModelOutput``'s) key, a tuple's
+    index, dotted for nested ones (``"1.0"``); the primary output first."""
+    if isinstance(out, torch.Tensor):
+        return [(prefix or "0", out)] if out.is_floating_point() else []
+    items = out.items() if isinstance(out, Mapping) else enumerate(out) if isinstance(out, list | tuple) else ()
+    found = []
+    if depth < 3:
+        for k, v in items:
+            found.extend(floating_leaves(v, f"{prefix}.{k}" if prefix else str(k), depth + 1))
+    return found
+
+
+def output_of(cand) -> Any:
+    """The whole output of a candidate's last teacher-forced run, where it keeps one (torch candidates)."""
+    return getattr(cand, "own_output", None)
+
+
 def cast(obj, dtype: torch.dtype | None, clamp: bool = False):
     """Floating tensors to ``dtype``. ``clamp`` (keyword arguments: masks) keeps values within the dtype's finite
     range, so a float32 mask of −3.4e38 stays finite; activations are cast as they are (an overflow at fp16 is

@@ -40,7 +40,8 @@ def own_error(s: SiteDiff, *, site_dtype: str, ref_dtype: str, twin: float | Non
     if twin_expected and twin is None and site_dtype != ref_dtype:
         s.bound_rule += " (no faithful twin measured)"
     s.bound_rule += suffix
-    worst = max(s.own["normalized"], s.feeds or 0.0)  # its output, and what its code handed its children
+    # its output, what its code handed its children, and its other outputs
+    worst = max(s.own["normalized"], s.feeds or 0.0, *(v for v in s.outputs.values() if v is not None))
     s.status = "diverged" if not worst <= s.bound else "within"
 
 

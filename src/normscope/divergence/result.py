@@ -86,6 +86,9 @@ class SiteDiff:
     # the worst ‖Δ‖/‖r‖ of the inputs its code handed its children (against the reference's), and to which child
     feeds: float | None = None
     feeds_to: str | None = None
+    # its outputs beyond the primary, by name or position: ‖Δ‖/‖r‖ of the candidate's own run (None: the candidate
+    # returned no such output — not compared)
+    outputs: dict[str, float | None] = dataclasses.field(default_factory=dict)
 
     @property
     def own_error(self) -> float | None:
@@ -100,6 +103,7 @@ class SiteDiff:
         d["own"], d["propagated"] = _metrics_out(self.own), _metrics_out(self.propagated)
         d["twin"], d["bound"], d["feeds"] = _num(self.twin), _num(self.bound), _num(self.feeds)
         d["elementwise"] = _deep(self.elementwise, _num)
+        d["outputs"] = {k: _num(v) for k, v in self.outputs.items()}
         return d
 
     @classmethod
@@ -108,6 +112,7 @@ class SiteDiff:
         d["own"], d["propagated"] = _metrics_in(d.get("own")), _metrics_in(d.get("propagated"))
         d["twin"], d["bound"], d["feeds"] = _unnum(d.get("twin")), _unnum(d.get("bound")), _unnum(d.get("feeds"))
         d["elementwise"] = _deep(d.get("elementwise"), _unnum)
+        d["outputs"] = {k: _unnum(v) for k, v in (d.get("outputs") or {}).items()}
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 

@@ -147,7 +147,12 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
                   f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
-        if which == "own" and s.feeds is not None and s.feeds > s.bound and not m["normalized"] > s.bound:
+        other = {k: v for k, v in s.outputs.items() if v is not None and v > s.bound}
+        if which == "own" and other and not m["normalized"] > s.bound and not (s.feeds or 0.0) > s.bound:
+            name, err = max(other.items(), key=lambda kv: kv[1])
+            reason = (f"own error of its output {name!r} (not the primary): ‖Δ‖/‖r‖ = {err:.3g} > bound "
+                      f"{s.bound:.3g} [{s.bound_rule}]; the primary output errs by {m['normalized']:.3g}")
+        elif which == "own" and s.feeds is not None and s.feeds > s.bound and not m["normalized"] > s.bound:
             reason = (f"own error: its code hands {s.feeds_to} an input that errs by ‖Δ‖/‖r‖ = {s.feeds:.3g} "
                       f"(the reference's input to it, replayed) > bound {s.bound:.3g} [{s.bound_rule}]")
         else:

@@ -20,8 +20,10 @@ from .execution import (
     Memo,
     Record,
     Unfrozen,
+    floating_leaves,
     freeze,
     input_of,
+    output_of,
     primary,
     reduce_len,
     site_name,
@@ -112,6 +114,7 @@ class Walk:
 
     # ------------------------------------------------------------------ one site
     def compare(self, module, path, number, kw, output, f, leaf) -> None:
+        f["output"] = output
         y = primary(output)
         if not isinstance(y, torch.Tensor) or not y.is_floating_point():
             return
@@ -130,6 +133,11 @@ class Walk:
             self.own_sites += own_site  # unmatched sites count against the coverage
             return
         why_not = self.cand.matched(r, y, path)
+        if why_not is None and self.cand.graph and r.output is not None and list(r.output.shape) != list(y.shape):
+            # a runtime's value under this scope is not this module's primary output (a module with two outputs
+            # whose scope exposes the other): not a counterpart, so not compared — never a shape divergence
+            why_not = (f"not compared: the candidate's value here has shape {list(r.output.shape)}, the module's "
+                       f"primary output {list(y.shape)} (another of its outputs)")
         if why_not:
             s.note = why_not
             self.own_sites += own_site
@@ -221,6 +229,7 @@ class Walk:
         args = f["args"]
         s.dtype = site_dtype
         s.own = metrics.errors(yc, y)
+        self._other_outputs(s, output_of(self.cand), f["output"])
         replay = getattr(self.cand, "replay", None)
         if replay is not None and f["child_sites"]:
             s.children_replayed = replay.replayed
@@ -254,6 +263,24 @@ class Walk:
             if factor is not None:
                 s.factor = factor
                 self.scaled.append((y, s, []))
+
+    def _other_outputs(self, s: SiteDiff, cand_out, ref_out) -> None:
+        """A module with several floating outputs (an attention's weights beside its output, a model's pooled
+        output beside its hidden states): each one after the primary, matched by name or position and shape, is
+        held to the site's bound with the primary (``SiteDiff.outputs``); one the candidate does not return is
+        listed as not compared."""
+        if cand_out is None or ref_out is None:
+            return
+        ref = floating_leaves(ref_out)[1:]
+        if not ref:
+            return
+        cand = dict(floating_leaves(cand_out))
+        for name, t in ref:
+            c = cand.get(name)
+            if c is None or list(c.shape) != list(t.shape):
+                s.outputs[name] = None
+                continue
+            s.outputs[name] = metrics.errors(c, t).get("normalized")
 
     def _consumes(self, s: SiteDiff, r, args, kw) -> None:
         """When this call takes the output of a site the candidate scaled: how far the candidate's own input here

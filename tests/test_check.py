@@ -175,6 +175,36 @@ def test_an_undecided_deciding_finding_is_inconclusive_never_a_pass(monkeypatch,
     assert code == 6
 
 
+def test_a_report_of_only_skips_tested_nothing_and_is_inconclusive(monkeypatch, tmp_path):
+    """All skips (or no finding at all) is no comparison with the contract: inconclusive with the reason and what
+    would decide it — in the report, its JSON, the text, JUnit and exit code 6 — never a pass."""
+    import importlib
+
+    from normscope.battery.registry import Section
+    from normscope.cli import main
+    from normscope.results.check import Finding, Report
+
+    skip = Finding("modes", "modes", "skip", why="the target has no train/eval modes", id="modes.available")
+    r = Report(target="t", expected=NormSpec.preset("torch_layernorm"), shape=(2, 16), dtypes=("float32",),
+               findings=[skip, skip], params_source="", calls=0, seconds=0.0, quick=True)
+    assert r.verdict == "inconclusive" and not r.ok and not r.failures
+    assert r.undecided[0].startswith("nothing was tested: all 2 findings are skips") and "decides it" in r.undecided[0]
+    data = r.to_dict()
+    assert (data["verdict"], data["ok"], data["undecided"]) == ("inconclusive", False, r.undecided)
+    assert Report.from_dict(data).verdict == "inconclusive"
+    assert "INCONCLUSIVE: nothing was tested" in r.text()
+    r.to_junit(tmp_path / "j.xml")
+    suite = ET.parse(tmp_path / "j.xml").getroot()
+    assert suite.get("failures") == "1" and 'name="nothing tested"' in (tmp_path / "j.xml").read_text()
+    assert Report(**{**vars(r), "findings": []}).verdict == "inconclusive"
+    assert Report(**{**vars(r), "findings": [skip, Finding("x", "hand", "pass", id="hand.case")]}).verdict == "pass"
+
+    battery = importlib.import_module("normscope.battery.check")  # the module, not the function it exports
+    monkeypatch.setattr(battery, "SECTIONS", [Section("modes", None, lambda ctx: iter([skip]), in_mode=False)])
+    assert main(["check", "torch.nn:LayerNorm", "--args", "[16]", "--shape", "2,16", "--expect", "torch_layernorm",
+                 "--quick"]) == 6
+
+
 def test_rounding_rule_fails_where_the_contracts_separate():
     # a Gemma-style RMSNorm (γ applied in fp32, then one cast) under the Llama contract (cast, then γ) at fp16
     r = check(_gemma_order_norm(), expect="llama_rmsnorm", shape=(2, 8, 64), dtypes=("float32", "float16"), quick=True,

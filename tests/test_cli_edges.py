@@ -236,6 +236,37 @@ def test_a_target_that_returns_nan_fails_the_check_not_the_usage(cli, modules):
     assert "the output is not finite" in out and "FAIL" in out
 
 
+def test_a_target_that_raises_on_a_valid_input_fails_the_check_not_the_usage(cli, modules):
+    """A target that runs on ordinary inputs and raises on one the battery builds (a constant row): exit 1 with a
+    failed finding carrying the exception's type and its message line, not exit 2; the user's own mistakes (a
+    shape the target does not take) stay exit 2."""
+    modules(picky="""
+        import numpy as np
+        def f(x):
+            v = x.var(-1, keepdims=True)
+            if (v < 1e-6).any():
+                raise ZeroDivisionError("variance too small\\nsecond line")
+            return (x - x.mean(-1, keepdims=True)) / np.sqrt(v + 1e-5)
+    """)
+    code, out, err = cli("check", "picky:f", "--framework", "numpy", "--shape", "2,16", "--expect",
+                         "torch_layernorm:affine=false", "--quick")
+    assert code == 1, err
+    flat = " ".join(out.split())
+    assert "FAIL target / raised during degenerate and extreme inputs" in flat, out
+    assert "the target raised ZeroDivisionError: variance too small — on a float32 input of shape (2, 16)" in flat
+    assert "second line" not in out.split("inference could not")[0] and "The battery stopped here" in flat
+    import picky
+
+    r = normscope.check(picky.f, expect="torch_layernorm:affine=false", shape=(2, 16), framework="numpy",
+                        quick=True, explain_failures=False)
+    (f,) = r.find("target.raised")
+    assert f.status == "fail" and f.params == {"section": "extreme"} and f.measured.startswith("ZeroDivisionError")
+    assert r.verdict == "fail" and r.failures == [f]
+    code, _, err = cli("check", "torch.nn:LayerNorm", "--args", "[64]", "--shape", "2,32", "--expect",
+                       "torch_layernorm", "--quick")
+    assert code == 2 and one_line(err).endswith("(check --shape)")
+
+
 def test_ctrl_c_is_one_line_and_exit_130(cli, modules):
     modules(ctrlc="def f(x):\n    raise KeyboardInterrupt\n")
     code, _, err = cli("infer", "ctrlc:f", "--framework", "numpy", "--shape", "2,16")
@@ -535,6 +566,25 @@ def test_a_crash_is_its_own_exit_code_never_a_failed_check(monkeypatch, capsys):
     assert cli.main(["presets"]) == 70
     err = capsys.readouterr().err
     assert "RuntimeError: a bug" in err and "internal error" in err and "not a verdict" in err
+
+
+def test_an_unknown_verdict_is_an_internal_error_never_a_pass(monkeypatch, capsys):
+    """The verdict → exit code map read anything but fail or inconclusive as 0: a verdict it does not know (a bug)
+    passed CI. It is exit 70, with one line saying so."""
+    import importlib
+    from types import SimpleNamespace
+
+    from normscope.exitcodes import EXIT_CRASH, EXIT_DIVERGED, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_OK
+    from normscope.results.verdict import exit_code
+
+    assert [exit_code(v) for v in ("pass", "fail", "inconclusive")] == [EXIT_OK, EXIT_FAIL, EXIT_INCONCLUSIVE]
+    assert exit_code("fail", fail=EXIT_DIVERGED) == EXIT_DIVERGED
+    assert exit_code("passed") == exit_code("") == exit_code(None) == EXIT_CRASH == 70
+    battery = importlib.import_module("normscope.battery.check")
+    monkeypatch.setattr(battery, "check", lambda *a, **k: SimpleNamespace(verdict="maybe", to_json=lambda: "{}"))
+    assert main(["check", "torch.nn:LayerNorm", "--args", "[16]", "--shape", "2,16", "--expect", "torch_layernorm",
+                 "--json"]) == 70
+    assert "internal error" in capsys.readouterr().err
 
 
 def test_diff_against_random_bytes_named_onnx_is_an_input_error(tmp_path):

@@ -121,6 +121,18 @@ def test_comparison_fields_on_a_hand_made_case():
     assert nan.nonfinite == 1 and nan.worst == (1,) and nan.worst_error == math.inf and not nan.ok
 
 
+def test_an_empty_comparison_is_never_ok():
+    """Nothing compared is neither within the bound nor outside it: it was ok (max ratio 0 of 0 elements)."""
+    from normscope.errors import InputError
+
+    for got, exact in ((np.zeros((0, 4)), np.zeros((0, 4))), (np.zeros(0), np.zeros(0)),
+                       (np.zeros((2, 0)), np.zeros((2, 0)))):
+        with pytest.raises(InputError, match="nothing to compare"):
+            tolerance.compare(got, exact, None, 1.0)
+    with pytest.raises(InputError, match="empty comparison is neither a pass nor a failure"):
+        tolerance.compare(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0))
+
+
 def test_scalar_rules():
     assert tolerance.atol("float32", 0.5) == 16 * 2.0**-24  # never below the rounding at 1
     assert tolerance.atol("bf16", 10.0) == 4 * 2.0**-8 * 10

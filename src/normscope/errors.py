@@ -18,6 +18,17 @@ class TargetError(NormscopeError):
     """A target (module, function, ONNX model) cannot be used as asked."""
 
 
+class TargetRaised(TargetError):
+    """The target's own code raised while it was called: ``kind`` is the exception's type name, ``line`` the first
+    line of its message and ``what`` the input it was given. A TargetError, so every probe that reads a refusal as
+    one still does; ``check`` reports one raised on an input its battery built (a valid one) as a failed finding,
+    never as a usage error."""
+
+    def __init__(self, message: str, kind: str, line: str, what: str) -> None:
+        super().__init__(message)
+        self.kind, self.line, self.what = kind, line, what
+
+
 class MissingExtraError(NormscopeError, ImportError):
     """An optional dependency is not installed."""
 

@@ -12,7 +12,7 @@ import contextlib
 import time
 from pathlib import Path
 
-from ..errors import InputError, NormscopeError, NotANormalization
+from ..errors import InputError, NormscopeError, NotANormalization, TargetRaised
 from ..inputs import probe_shape, quiet, spec_fits
 from ..loading import read_json_file
 from ..presets import preset_from_text
@@ -22,7 +22,7 @@ from ..spec import NormSpec, differences
 from ..targets import as_target
 from ..targets.base import check_dtype_list
 from .context import Context, NonFiniteOutput, Progress
-from .registry import SECTIONS
+from .registry import SECTIONS, Section
 
 
 def resolve_expected(expect, eps: float | None = None, shape=None) -> NormSpec:
@@ -82,11 +82,16 @@ def check(
         return Report(target=t.description, expected=spec, shape=shape, dtypes=exc.dtypes, findings=findings,
                       params_source="not measured: the target's output is not finite", calls=t.calls - calls_before,
                       seconds=time.perf_counter() - started, quick=quick)
-    for section in SECTIONS:
+    for i, section in enumerate(SECTIONS):
         if section.label:
             ctx.progress(section.label)
-        with t.mode(bool(mode)) if section.in_mode else contextlib.nullcontext():
-            ctx.findings.extend(section.run(ctx))
+        try:
+            with t.mode(bool(mode)) if section.in_mode else contextlib.nullcontext():
+                for finding in section.run(ctx):
+                    ctx.findings.append(finding)
+        except TargetRaised as exc:  # on an input the battery built: the target's failure, not the user's input
+            ctx.findings.append(raised(ctx, section, exc, SECTIONS[i + 1:]))
+            break
     report = Report(target=t.description, expected=spec, shape=shape, dtypes=ctx.tried, dtypes_run=ctx.accepted,
                     findings=ctx.findings, params_source=ctx.params_source, calls=t.calls - calls_before,
                     seconds=time.perf_counter() - started, quick=quick)
@@ -104,3 +109,16 @@ def check(
         report.calls = t.calls - calls_before
         report.seconds = time.perf_counter() - started
     return report
+
+
+def raised(ctx: Context, section: Section, exc: TargetRaised, rest: list[Section]) -> Finding:
+    """The failed finding of a target that raised on an input the battery built (a valid one: the shape and dtype
+    were accepted before the battery began). The battery stops there: the sections after it read what the earlier
+    ones established, and a target that raises on valid input has already failed."""
+    not_run = ", ".join(dict.fromkeys(s.label or s.id for s in rest))
+    return ctx.finding("target.raised", f"raised during {section.label or section.id}", "fail",
+                       f"{exc.kind}: {exc.line}" if exc.line else exc.kind, "an output", None,
+                       f"the target raised {exc.kind}: {exc.line or '(no message)'} — on {exc.what} built by the "
+                       f"{section.label or section.id} checks; a normalization must not raise on a valid input"
+                       + (f". The battery stopped here; not run: {not_run}." if not_run else "."),
+                       section=section.id)

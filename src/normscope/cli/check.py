@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..errors import InputError
-from ..exitcodes import EXIT_CODES, EXIT_FAIL, EXIT_INCONCLUSIVE, EXIT_OK
+from ..exitcodes import EXIT_CODES, EXIT_CRASH
 from ..model_options import number
 from .common import _progress, add_target_args, note_size, target_from_args
 
@@ -56,6 +57,7 @@ def run(args, console) -> int:
     from ..battery.check import check, resolve_expected
     from ..loading import parse_shape
     from ..report.console import render_check
+    from ..results.verdict import exit_code
 
     if args.junit:
         _writable(args.junit)
@@ -77,4 +79,8 @@ def run(args, console) -> int:
         render_check(report, console, verbose=args.verbose)  # refused dtypes are findings of the report
         if args.junit:
             console.print(f"JUnit XML written to {args.junit}")
-    return {"fail": EXIT_FAIL, "inconclusive": EXIT_INCONCLUSIVE}.get(report.verdict, EXIT_OK)
+    code = exit_code(report.verdict)
+    if code == EXIT_CRASH:  # never read an unknown verdict as a pass
+        print(f"normscope check: internal error — the report's verdict {report.verdict!r} is none of pass, fail, "
+              "inconclusive; a bug in normscope, please report it", file=sys.stderr)
+    return code

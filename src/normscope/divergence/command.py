@@ -17,7 +17,8 @@ from ..errors import InputError
 if TYPE_CHECKING:  # building the parser must not import rich
     from rich.console import Console
 
-from ..exitcodes import EXIT_DIVERGED, EXIT_INCONCLUSIVE, EXIT_OK
+from ..exitcodes import EXIT_DIVERGED
+from ..results.verdict import exit_code
 
 
 def add_parser(subparsers) -> Any:
@@ -103,4 +104,4 @@ def run(args, console: Console) -> int:
         render_diff(result, console, all_sites=args.all)
         if args.plot:
             console.print(f"[dim]plot: {args.plot}[/]")
-    return {"pass": EXIT_OK, "fail": EXIT_DIVERGED, "inconclusive": EXIT_INCONCLUSIVE}[result.verdict]
+    return exit_code(result.verdict, fail=EXIT_DIVERGED)

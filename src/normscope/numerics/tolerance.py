@@ -15,7 +15,8 @@ Forward, at dtype d with statistics computed in c (:func:`normscope.dtypes.compu
 with k = 2·log₂(group size) + 8 (:func:`summation_factor`) and ``faithful`` the reference's emulation of a
 faithful kernel at d (:func:`normscope.reference.forward` with ``dtype=``). Backward: 2 × a faithful
 ``nn.Norm``'s error at d + the rounding of the terms that cancel in dx (:func:`backward_rounding`) + :func:`atol`.
-:func:`compare` measures an output against a bound and returns a :class:`Comparison`.
+:func:`compare` measures an output against a bound and returns a :class:`Comparison` (an empty one raises:
+nothing compared is never ok).
 
 The factors are named in :mod:`normscope.numerics.constants`.
 """
@@ -29,6 +30,7 @@ import numpy as np
 
 from .. import reference
 from ..dtypes import UNIT_ROUNDOFF, compute_dtype, dtype_name
+from ..errors import InputError
 from ..groups import Groups
 from ..layout import Layout
 from ..precision import Precision
@@ -288,20 +290,25 @@ class Comparison:
 
 def compare(got, exact, faithful, bound) -> Comparison:
     """``got`` against ``exact`` within ``bound`` (per element, or one value); ``faithful`` is a faithful
-    implementation's output (or None), reported at the worst element."""
+    implementation's output (or None), reported at the worst element.
+
+    Raises :class:`~normscope.errors.InputError` when ``got`` or ``exact`` holds no element: a comparison of
+    nothing is neither within its bound nor outside it, and a caller must not read it as either."""
     got, exact = np.asarray(got, dtype=np.float64), np.asarray(exact, dtype=np.float64)
+    if got.size == 0 or exact.size == 0:
+        raise InputError(f"nothing to compare: the output has shape {got.shape} and the exact one {exact.shape}; an "
+                         "empty comparison is neither a pass nor a failure — compare arrays that hold elements")
     bound = np.broadcast_to(np.asarray(bound, dtype=np.float64), exact.shape)
     finite = np.isfinite(got)
     with np.errstate(all="ignore"):
         err = np.where(finite, np.abs(got - exact), math.inf)
         ratio = np.where(err == 0, 0.0, err / bound)
-    flat = int(np.argmax(ratio)) if ratio.size else 0
-    worst = tuple(int(i) for i in np.unravel_index(flat, ratio.shape)) if ratio.size else ()
-    e = float(err.ravel()[flat]) if err.size else 0.0
-    b = float(bound.ravel()[flat]) if bound.size else 0.0
+    flat = int(np.argmax(ratio))
+    worst = tuple(int(i) for i in np.unravel_index(flat, ratio.shape))
+    e = float(err.ravel()[flat])
+    b = float(bound.ravel()[flat])
     f = None
-    if faithful is not None and err.size:
+    if faithful is not None:
         f = float(np.abs(np.asarray(faithful, dtype=np.float64) - exact).ravel()[flat])
-    return Comparison(err, bound, ratio, worst, e, b, f, float(err.max()) if err.size else 0.0,
-                      float(ratio.max()) if ratio.size else 0.0, int((ratio > 1).sum()), int(ratio.size),
-                      int((~finite).sum()))
+    return Comparison(err, bound, ratio, worst, e, b, f, float(err.max()), float(ratio.max()), int((ratio > 1).sum()),
+                      int(ratio.size), int((~finite).sum()))

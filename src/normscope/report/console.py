@@ -239,6 +239,8 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
     undecided = f", {c['inconclusive']} inconclusive" if c["inconclusive"] else ""
     indented(console, f"{report.verdict.upper()}: {c['pass']} passed, {c['fail']} failed{undecided}, "
                       f"{c['skip']} skipped{folded}", 0)
+    for reason in report.undecided:
+        indented(console, reason, 5)
     if report.differences:
         console.print("[bold]the target's inferred contract differs:[/]")
         for d in report.differences:

@@ -12,8 +12,10 @@ from .text import short
 def write(report: Report, path: str | Path) -> None:
     """Write ``report`` as a JUnit ``testsuite`` to ``path``: failures and skips carry the finding's reason."""
     c = report.counts()
-    suite = ET.Element("testsuite", name=f"normscope check {report.target}", tests=str(len(report.findings)),
-                       failures=str(c["fail"] + c["inconclusive"]), skipped=str(c["skip"]),
+    undecided = report.undecided  # nothing tested: one failing testcase, so CI never reads all skips as a pass
+    suite = ET.Element("testsuite", name=f"normscope check {report.target}",
+                       tests=str(len(report.findings) + bool(undecided)),
+                       failures=str(c["fail"] + c["inconclusive"] + bool(undecided)), skipped=str(c["skip"]),
                        time=f"{report.seconds:.3f}")
     for f in report.findings:
         case = ET.SubElement(suite, "testcase", classname=f"normscope.{f.section}", name=f.name)
@@ -29,6 +31,9 @@ def write(report: Report, path: str | Path) -> None:
             ET.SubElement(case, "skipped", message=f.why)
         else:
             ET.SubElement(case, "system-out").text = detail
+    if undecided:
+        case = ET.SubElement(suite, "testcase", classname="normscope.check", name="nothing tested")
+        ET.SubElement(case, "failure", message=f"inconclusive: {undecided[0]}", type="inconclusive")
     ET.ElementTree(ET.Element("testsuites")).getroot().append(suite)
     tree = ET.ElementTree(suite)
     ET.indent(tree)

@@ -29,6 +29,8 @@ def render(report: Report) -> str:
         if f.status in (Status.FAIL, Status.INCONCLUSIVE):
             lines.append(f"  {f.status.upper()} {f.section}/{f.name}: {f.why} (measured {short(f.measured)}, "
                          f"expected {short(f.expected)}, tolerance {short(f.tolerance)})")
+    for reason in report.undecided:
+        lines.append(f"  INCONCLUSIVE: {reason}")
     for d in report.differences:
         lines.append(f"  contract difference: {d}")
     return "\n".join(lines)

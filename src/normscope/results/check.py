@@ -110,9 +110,22 @@ class Report(Verdict):
     @property
     def verdict(self) -> str:
         """``"fail"`` (a finding failed), ``"inconclusive"`` (none failed, but one that decides the contract could
-        not tell: its ``why`` says what would decide it) or ``"pass"``."""
+        not tell — its ``why`` says what would decide it — or nothing was tested: :attr:`undecided`) or
+        ``"pass"``."""
         return verdict_of(any(f.status == Status.FAIL for f in self.findings),
-                          any(f.status == Status.INCONCLUSIVE for f in self.findings))
+                          any(f.status == Status.INCONCLUSIVE for f in self.findings) or bool(self.undecided))
+
+    @property
+    def undecided(self) -> list[str]:
+        """Why the report is inconclusive where no finding says it: every finding is a skip (or there is none), so
+        nothing was tested — a report without one comparison is never a pass. Empty otherwise."""
+        if any(f.status != Status.SKIP for f in self.findings):
+            return []
+        n = len(self.findings)
+        what = f"all {n} findings are skips" if n > 1 else "its one finding is a skip" if n else "it has no findings"
+        return [f"nothing was tested: {what}, so the target was never compared with the contract; a run in which a "
+                "check applies decides it — a shape and dtypes the target accepts, and what each skip says is "
+                "missing"]
 
     @property
     def failures(self) -> list[Finding]:
@@ -145,6 +158,7 @@ class Report(Verdict):
             "dtypes_run": list(self.dtypes_run),
             "params_source": self.params_source,
             "counts": self.counts(),
+            "undecided": self.undecided,
             "findings": [f.to_dict() for f in self.findings],
             "differences": self.differences,
             "inferred": self.inferred.to_dict() if self.inferred else None,
@@ -159,7 +173,8 @@ class Report(Verdict):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Report:
-        """A report loaded back from :meth:`to_dict` (``ok`` and ``counts`` are derived, not read)."""
+        """A report loaded back from :meth:`to_dict` (``verdict``, ``ok``, ``counts`` and ``undecided`` are derived,
+        not read)."""
 
         data = document(data, SCHEMA, "check report")
         seconds = data.get("seconds", 0.0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..dtypes import DTYPES, dtype_name
-from ..errors import DeadlinePassed, InputError, TargetError, TargetTimeout
+from ..errors import DeadlinePassed, InputError, TargetError, TargetRaised, TargetTimeout
 
 DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
 
@@ -179,7 +179,8 @@ class Target:
 
     @contextlib.contextmanager
     def running_code(self, what: str) -> Iterator[None]:
-        """Any exception from the target's code (SystemExit included) becomes a TargetError with its words.
+        """Any exception from the target's code (SystemExit included) becomes a :class:`TargetRaised` (a
+        TargetError) with its words: its type and the first line of its message.
 
         KeyboardInterrupt passes through unchanged: the user stopped the run.
         """
@@ -188,9 +189,13 @@ class Target:
         except (TargetError, TargetTimeout, KeyboardInterrupt, DeadlinePassed):
             raise
         except BaseException as exc:  # noqa: BLE001 - the implementation's own failure, whatever it raised
-            words = (f"SystemExit({exc.code!r}): the target's code called sys.exit()" if isinstance(exc, SystemExit)
-                     else f"{type(exc).__name__}: {exc}")
-            raise TargetError(f"{self.description} failed on {what}: {words}") from exc
+            if isinstance(exc, SystemExit):
+                kind, line = "SystemExit", f"the target's code called sys.exit({exc.code!r})"
+                words = f"SystemExit({exc.code!r}): the target's code called sys.exit()"
+            else:
+                kind, words = type(exc).__name__, f"{type(exc).__name__}: {exc}"
+                line = next((t.strip() for t in str(exc).splitlines() if t.strip()), "")
+            raise TargetRaised(f"{self.description} failed on {what}: {words}", kind, line, what) from exc
 
     def note_input(self, before, after) -> None:
         """Record a call after which an array the target was given no longer holds its input.

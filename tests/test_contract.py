@@ -189,7 +189,9 @@ def test_a_config_states_no_weights_and_matches_its_trained_checkpoint(tmp_path,
     assert all(s.gamma_stats is None and s.beta_stats is None for s in config.sites)
     assert not {"gamma_stats", "beta_stats"} & {f for s in config.sites for f in s.known}
     ckpt = contract(tmp_path / "ckpt")
-    assert all(s.gamma_stats["mean"] == pytest.approx(0.2, abs=0.05) for s in ckpt.sites if s.gamma_stats)
+    # every site's weight is found, the qwen3_next gated norms' (inline in their module) included
+    assert all(s.gamma_stats["mean"] == pytest.approx(0.2, abs=0.05) for s in ckpt.sites), \
+        [s.name for s in ckpt.sites if s.gamma_stats is None]
     assert not [n for s in ckpt.sites for n in s.notes if "implies" in n]
     result = compare(config, ckpt)
     assert result.ok and not result.mismatches, [i.message for i in result.items]
@@ -237,6 +239,151 @@ def test_hf_weights_give_gamma_statistics_and_the_cohere_per_head_shape(configs,
             assert s.effective_gamma["mean"] == pytest.approx(offset - 0.125, abs=1e-6)
     q = contract(tmp_path / "cohere").site("layers.1.q_norm")
     assert q.param_shape == (4, 8) and q.size == 8
+
+
+# ---------------------------------------------------------------- weights matched to their sites by structure
+
+# a norm of each model: (its module path, the site it is)
+EDITED = {"t5": ("decoder.block.1.layer.1.layer_norm", "decoder.layers.1.cross_attn_norm"),
+          "vit": ("encoder.layer.1.layernorm_after", "layers.1.ffn_norm")}
+
+
+def _tiny(kind: str):
+    t = transformers
+    if kind == "t5":
+        return t.T5Model(t.T5Config(d_model=32, num_layers=2, num_heads=2, d_ff=64, d_kv=16, vocab_size=64))
+    return t.ViTModel(t.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  image_size=32, patch_size=8))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """A tiny T5 (encoder–decoder: two residual streams) and ViT (its block list stored as ``encoder.layer`` while
+    transformers builds it as ``layers``), saved with trained-looking norm weights, and copies of each in which one
+    norm's γ is zeroed, multiplied by 20, or missing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind, (module, _) in EDITED.items():
+        torch.manual_seed(0)
+        model = _tiny(kind)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+        model.save_pretrained(root / kind)
+        out[kind] = root / kind
+        for change, edit in (("zero", lambda w: w * 0), ("x20", lambda w: w * 20), ("missing", None)):
+            copy = out[f"{kind}-{change}"] = root / f"{kind}-{change}"
+            shutil.copytree(root / kind, copy)
+            tensors = load_file(copy / "model.safetensors")
+            if edit is None:
+                del tensors[module + ".weight"]
+            else:
+                tensors[module + ".weight"] = edit(tensors[module + ".weight"])
+            save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(EDITED))
+def test_every_norm_weight_is_matched_to_its_site(tiny_checkpoints, kind):
+    c = contract(tiny_checkpoints[kind])
+    assert c.kind == "hf-model" and c.weights and len(c.sites) == (12 if kind == "t5" else 5)
+    assert all(s.gamma_stats is not None for s in c.sites), [s.name for s in c.sites if s.gamma_stats is None]
+    assert not [n for n in c.notes if "no weight found" in n or "outside the architecture" in n], c.notes
+    module, site = EDITED[kind]
+    assert c.site(site).source == module
+    same = compare(c, contract(tiny_checkpoints[kind]))
+    assert same.verdict == "pass" and same.ok and not same.items, [i.message for i in same.items]
+
+
+@pytest.mark.parametrize("kind", sorted(EDITED))
+@pytest.mark.parametrize("change", ["zero", "x20"])
+def test_one_zeroed_or_scaled_gamma_is_a_mismatch_at_its_site(tiny_checkpoints, run_cli, kind, change):
+    d = compare(contract(tiny_checkpoints[kind]), contract(tiny_checkpoints[f"{kind}-{change}"]))
+    site = EDITED[kind][1]
+    assert [(i.site, i.field, i.status) for i in d.items] == [(site, "gamma", "mismatch")]
+    assert d.verdict == "fail" and not d.ok
+    if change == "zero":
+        assert "γ is 0 everywhere in B" in d.items[0].message
+    rc, out, _ = run_cli(tiny_checkpoints[kind], tiny_checkpoints[f"{kind}-{change}"])
+    assert rc == 1 and f"MISMATCH gamma at {site}" in out, out
+
+
+@pytest.mark.parametrize("kind", sorted(EDITED))
+def test_a_site_whose_weight_is_missing_is_unverified_never_skipped(tiny_checkpoints, run_cli, kind):
+    d = compare(contract(tiny_checkpoints[kind]), contract(tiny_checkpoints[f"{kind}-missing"]))
+    site = EDITED[kind][1]
+    assert [(i.site, i.field, i.status) for i in d.items] == [(site, "gamma", "unverified")]
+    assert d.verdict == "inconclusive" and not d.ok and site in d.undecided[0]
+    rc, out, _ = run_cli(tiny_checkpoints[kind], tiny_checkpoints[f"{kind}-missing"], "--json")
+    data = json.loads(out)
+    assert rc == 6 and (data["verdict"], data["ok"], data["unverified"]) == ("inconclusive", False, 1)
+    assert site in data["undecided"][0]
+
+
+def test_unverified_sites_are_named_first_few_then_counted():
+    from normscope.artifacts.model import ContractSite
+
+    def sites(stats):
+        return [ContractSite(name=f"layers.{i}.attn_norm", source=f"model.layers.{i}.input_layernorm",
+                             family="rmsnorm", gamma=True, gamma_offset=0.0, gamma_stats=stats) for i in range(6)]
+
+    read = {"mean": 1.0, "min": 1.0, "max": 1.0}
+    lost = ModelContract(source="a", kind="hf-model", sites=sites(None), weights=True)  # holds weights, none matched
+    d = compare(lost, ModelContract(source="b", kind="hf-model", sites=sites(read), weights=True))
+    assert d.verdict == "inconclusive" and len(d.unverified) == 6 and len(d.undecided) == 1
+    assert d.undecided[0].startswith("6 sites unverified: layers.0.attn_norm, layers.1.attn_norm, layers.2.attn_norm, "
+                                     "layers.3.attn_norm and 2 more")
+    assert "no weight of A (model.layers.0.input_layernorm) was matched" in d.unverified[0].message
+    # a config states no weights: its γ is not part of its contract, and the checkpoint's were all read
+    config = ModelContract(source="c", kind="hf-config", sites=sites(None))
+    assert compare(config, ModelContract(source="b", kind="hf-model", sites=sites(read), weights=True)).ok
+    # a contract JSON written before "weights" was stated: what its kind implies
+    old = json.loads(lost.to_json())
+    del old["weights"]
+    assert ModelContract.from_dict(old).weights and not ModelContract.from_dict({**old, "kind": "hf-config"}).weights
+
+
+def test_nothing_compared_is_inconclusive(run_cli, tmp_path):
+    empty = ModelContract(source="empty", kind="scan", sites=[])
+    d = compare(empty, empty)
+    assert d.compared_fields == 0 and d.verdict == "inconclusive" and not d.ok
+    assert d.undecided[0].startswith("nothing was compared")
+    assert d.to_dict()["verdict"] == "inconclusive"
+    path = tmp_path / "empty.json"
+    path.write_text(empty.to_json())
+    rc, out, _ = run_cli(path, path)
+    assert rc == 6 and "INCONCLUSIVE" in out and "nothing was compared" in out
+
+
+def test_match_paths_by_structure():
+    from normscope.artifacts.names import match_paths
+
+    # as it is; under a wrapper's prefix; without the base model's prefix
+    assert match_paths(["encoder.block.0.layer.0.layer_norm"], ["encoder.block.0.layer.0.layer_norm"]) == \
+        {"encoder.block.0.layer.0.layer_norm": "encoder.block.0.layer.0.layer_norm"}
+    assert match_paths(["layernorm", "pooler.dense"], ["vit.layernorm", "vit.pooler.dense", "classifier"]) == \
+        {"layernorm": "vit.layernorm", "pooler.dense": "vit.pooler.dense"}
+    assert match_paths(["model.norm", "model.layers.0.input_layernorm"], ["norm", "layers.0.input_layernorm"]) == \
+        {"model.norm": "norm", "model.layers.0.input_layernorm": "layers.0.input_layernorm"}
+    # a block list stored under another name: index and path inside the block
+    got = match_paths(["layers.0.layernorm_before", "layers.1.layernorm_before"],
+                      ["encoder.layer.0.layernorm_before", "encoder.layer.1.layernorm_before"])
+    assert got == {"layers.0.layernorm_before": "encoder.layer.0.layernorm_before",
+                   "layers.1.layernorm_before": "encoder.layer.1.layernorm_before"}
+    # two streams' block lists: each to the one that lines up strictly the most of its blocks; a tie is left out
+    got = match_paths(["enc.layers.0.norm", "dec.layers.0.norm", "dec.layers.1.norm"],
+                      ["encoder.block.0.norm", "decoder.block.0.norm", "decoder.block.1.norm"])
+    assert got == {"dec.layers.0.norm": "decoder.block.0.norm", "dec.layers.1.norm": "decoder.block.1.norm",
+                   "enc.layers.0.norm": "encoder.block.0.norm"}
+    assert match_paths(["enc.layers.0.norm", "dec.layers.0.norm"], ["encoder.block.0.norm", "decoder.block.0.norm"]) \
+        == {}
+    assert match_paths(["norm"], ["a.norm", "b.norm"]) == {}  # two prefixes, one vote each
+    assert match_paths(["layers.0.norm"], ["layers.1.norm", "final.norm"]) == {}
 
 
 # ---------------------------------------------------------------- GGUF
@@ -311,7 +458,8 @@ def test_lost_gemma_offset_is_a_gamma_mismatch(checkpoints):
 
 def test_offset_without_weights_on_one_side_is_unverified(checkpoints, configs):
     d = compare(contract(configs["gemma3"]), contract(checkpoints["gemma3-lost.gguf"]))
-    assert d.ok and len(d.unverified) == 13 and not d.mismatches
+    assert len(d.unverified) == 13 and not d.mismatches
+    assert d.verdict == "inconclusive" and not d.ok  # unverified is never a pass
     assert {i.field for i in d.items} == {"gamma_offset"}
     assert "cannot be told" in d.items[0].message
 
@@ -661,7 +809,7 @@ def test_cli_exit_codes_and_output(run_cli, checkpoints, configs, tmp_path):
     rc, out, _ = run_cli(checkpoints["gemma3"], checkpoints["gemma3-lost.gguf"])
     assert rc == 1 and "MISMATCH" in out and "γ offset" in out
     rc, out, _ = run_cli(configs["gemma3"], checkpoints["gemma3-lost.gguf"])
-    assert rc == 0 and "unverified" in out
+    assert rc == 6 and "INCONCLUSIVE" in out and "13 sites unverified: layers.0.attn_norm" in out and "9 more" in out
     saved = tmp_path / "saved.json"
     rc, out, _ = run_cli(configs["olmo2"], "--json")
     saved.write_text(out)

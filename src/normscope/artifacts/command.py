@@ -1,7 +1,8 @@
 """``normscope contract FILE [FILE2]``: the static contract of a model artifact, or every mismatch between two.
 
-Exit codes: 0 the contract was read (one file) or no mismatch was found (two files; unverified items are
-listed but do not fail), 1 the two artifacts mismatch, 2 bad input (one clear line on stderr).
+Exit codes: 0 the contract was read (one file) or every site stated on both sides was compared without a
+mismatch (two files), 1 the two artifacts mismatch, 6 inconclusive (no mismatch, but a site is unverified or
+nothing was compared: the reason names the sites), 2 bad input (one clear line on stderr).
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
     from rich.console import Console
 
-from ..exitcodes import EXIT_FAIL as EXIT_MISMATCH
-from ..exitcodes import EXIT_OK
+from ..exitcodes import EXIT_CRASH, EXIT_OK
 
 
 def add_parser(subparsers) -> None:
@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
         "contract",
         help="the static norm contract of a checkpoint (HF config/dir, GGUF, ONNX) or every mismatch between two",
         description="Read every norm site's contract from a model artifact without running it; given two, list "
-                    "every mismatch site by site. Exit 0 read / no mismatch, 1 mismatch, 2 bad input.",
+                    "every mismatch site by site. Exit 0 read / no mismatch, 1 mismatch, 6 inconclusive (a site "
+                    "unverified or nothing compared), 2 bad input.",
     )
     p.add_argument("file", metavar="FILE", help="an HF config.json or model directory, a .gguf, an .onnx, or a "
                                                 "saved contract JSON")
@@ -38,6 +39,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args, console: Console) -> int:
+    from ..results.verdict import exit_code
     from . import compare, contract
     from .render import render_contract, render_diff
 
@@ -69,7 +71,13 @@ def run(args, console: Console) -> int:
         render_contract(a, console)
         render_contract(b, console)
         render_diff(diff, console)
-    return EXIT_OK if diff.ok else EXIT_MISMATCH
+    code = exit_code(diff.verdict)
+    if code == EXIT_CRASH:  # never read an unknown verdict as a pass
+        import sys
+
+        print(f"normscope contract: internal error — the verdict {diff.verdict!r} is none of pass, fail, "
+              "inconclusive; a bug in normscope, please report it", file=sys.stderr)
+    return code
 
 
 def _scanned(target: str, inputs: str | None = None):

@@ -1,8 +1,10 @@
-"""Every mismatch between two static contracts, site by site.
+"""Every mismatch between two static contracts, site by site, and the verdict they give.
 
-Sites are aligned by canonical name. A field is compared only where both artifacts state it; a
-difference that cannot be decided from what the artifacts hold (a γ offset without the weights on both
-sides) is listed as *unverified*, never as a match or a mismatch.
+Sites are aligned by canonical name. A field is compared only where both artifacts state it; what cannot be
+decided from what the artifacts hold is listed as *unverified*, never as a match or a mismatch: a γ offset
+without the weights on both sides, and a site whose artifact holds weights (``ModelContract.weights``) but none
+was matched to it. The verdict (:class:`~normscope.results.verdict.Verdict`): fail on a mismatch; else
+inconclusive when anything is unverified or nothing was compared; else pass.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import json
 from typing import Any
 
 from ..jsonable import jsonable
+from ..results.verdict import Verdict, verdict_of
 from ..spec import eps_close  # one ε tolerance for the whole project
 from .model import ContractSite, ModelContract
 
 SCHEMA = "normscope.contract-diff/1"
 EPS_RTOL = 0.01  # the resolution of inference (spec.differences uses the same)
 GAMMA_ATOL = 1e-2  # γ statistics of the same weights stored in f16/bf16 agree far closer than this
+SHOWN = 4  # unverified sites named in the verdict's reason; the rest are counted
 _PLACEMENT = {"inside_sqrt": "ε inside √ (sqrt(var+ε))", "outside_sqrt": "ε outside √ (std+ε)",
               "clamp": "ε as a clamp (max(std, ε))", "none": "no ε"}
 
@@ -36,7 +40,7 @@ class DiffItem:
 
 
 @dataclasses.dataclass
-class ContractDiff:
+class ContractDiff(Verdict):
     a: str
     b: str
     items: list[DiffItem]
@@ -52,16 +56,35 @@ class ContractDiff:
         return [i for i in self.items if i.status == "unverified"]
 
     @property
-    def ok(self) -> bool:
-        """True when no mismatch was found (unverified items may remain; they are listed)."""
-        return not self.mismatches
+    def verdict(self) -> str:
+        """``"fail"`` (a mismatch), ``"inconclusive"`` (none, but something is unverified or nothing was compared:
+        :attr:`undecided` says what) or ``"pass"``; ``ok`` (from :class:`Verdict`) is the verdict pass."""
+        return verdict_of(bool(self.mismatches), bool(self.undecided))
+
+    @property
+    def undecided(self) -> list[str]:
+        """Why the comparison cannot pass without a mismatch: nothing compared, or the unverified sites (the first
+        few by name, then a count). Empty when every site stated on both sides was compared."""
+        out = []
+        if not self.compared_fields:
+            out.append("nothing was compared: the two artifacts state no field in common (no site in both, or "
+                       "sites without a stated contract); compare artifacts that state their norms")
+        sites = list(dict.fromkeys(i.site for i in self.unverified))
+        if sites:
+            more = f" and {len(sites) - SHOWN} more" if len(sites) > SHOWN else ""
+            out.append(f"{len(sites)} site{'s' * (len(sites) != 1)} unverified: {', '.join(sites[:SHOWN])}{more} — "
+                       f"what the artifacts hold cannot decide {'it' if len(sites) == 1 else 'them'} (each item says "
+                       "what is missing); each site's weights, read on both sides, would")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return jsonable({
             "schema": SCHEMA,
             "a": self.a,
             "b": self.b,
+            "verdict": self.verdict,
             "ok": self.ok,
+            "undecided": self.undecided,
             "matched_sites": len(self.matched),
             "compared_fields": self.compared_fields,
             "mismatches": len(self.mismatches),
@@ -99,7 +122,7 @@ def compare(a: ModelContract, b: ModelContract) -> ContractDiff:
             add(sa.name, "site", sa.source, None, "mismatch", f"{sa.name} ({sa.source}) is in A but not in B")
             continue
         matched.append(sa.name)
-        counter[0] += _compare_site(sa, sb, add)
+        counter[0] += _compare_site(sa, sb, add, (a.weights, b.weights))
     names_a = {s.name for s in a.sites}
     for sb in b.sites:
         if sb.name not in names_a:
@@ -111,7 +134,7 @@ def _both(sa: ContractSite, sb: ContractSite, field: str) -> bool:
     return getattr(sa, field) is not None and getattr(sb, field) is not None
 
 
-def _compare_site(sa: ContractSite, sb: ContractSite, add) -> int:
+def _compare_site(sa: ContractSite, sb: ContractSite, add, weights: tuple[bool, bool]) -> int:
     n = 0
     name = sa.name
     if _both(sa, sb, "family"):
@@ -147,12 +170,14 @@ def _compare_site(sa: ContractSite, sb: ContractSite, add) -> int:
                 va, vb = getattr(sa, field), getattr(sb, field)
                 add(name, field, va, vb, "mismatch",
                     f"{'a learned ' + sym if va else 'no ' + sym} in A, {'a learned ' + sym if vb else 'no ' + sym} in B")
-    n += _compare_gamma(sa, sb, add)
+    n += _compare_gamma(sa, sb, add, weights)
+    n += _compare_beta(sa, sb, add)
     return n
 
 
-def _compare_gamma(sa: ContractSite, sb: ContractSite, add) -> int:
-    """γ as it acts (offset + stored weight); an offset difference alone is undecidable without weights."""
+def _compare_gamma(sa: ContractSite, sb: ContractSite, add, weights: tuple[bool, bool]) -> int:
+    """γ as it acts (offset + stored weight). A site whose artifact holds weights but has none for it is
+    unverified, as is an offset difference without weights; neither is skipped."""
     if sa.gamma is False or sb.gamma is False:
         return 0  # presence was compared above
     ea, eb = sa.effective_gamma, sb.effective_gamma
@@ -160,17 +185,41 @@ def _compare_gamma(sa: ContractSite, sb: ContractSite, add) -> int:
         worst = max(abs(ea[k] - eb[k]) for k in ("mean", "min", "max"))
         tol = GAMMA_ATOL * max(1.0, *(abs(v) for v in (*ea.values(), *eb.values())))
         if worst > tol:
-            shift = ea["mean"] - eb["mean"]
-            hint = "; a lost or doubled γ offset (Gemma's 1 + w)?" if abs(abs(shift) - 1) < 0.05 else ""
             add(sa.name, "gamma", _gamma_text(sa), _gamma_text(sb), "mismatch",
-                f"effective γ (offset + w) differs by up to {worst:.3g}{hint}")
+                f"effective γ (offset + w) differs by up to {worst:.3g}{_gamma_hint(ea, eb)}")
         return 1
+    lost = [x for x, s, held in (("A", sa, weights[0]), ("B", sb, weights[1])) if held and s.gamma_stats is None]
+    if lost:
+        where = " and ".join(f"{x} ({s.source})" for x, s in (("A", sa), ("B", sb)) if x in lost)
+        add(sa.name, "gamma", _gamma_text(sa), _gamma_text(sb), "unverified",
+            f"no weight of {where} was matched to this site although the artifact holds weights: its γ was not "
+            "compared")
+        return 0
     if _both(sa, sb, "gamma_offset") and sa.gamma_offset != sb.gamma_offset:
         missing = " and ".join(x for x, s in (("A", sa), ("B", sb)) if s.gamma_stats is None)
         add(sa.name, "gamma_offset", sa.gamma_offset, sb.gamma_offset, "unverified",
             f"γ acts as {sa.gamma_offset:g} + w in A, {sb.gamma_offset:g} + w in B; without the weights of {missing} "
             "it cannot be told whether the stored γ carries the offset")
     return 0
+
+
+def _gamma_hint(ea: dict[str, float], eb: dict[str, float]) -> str:
+    """What a γ difference looks like: a side whose γ is 0 everywhere, or a shift by one (a lost offset)."""
+    zero = [x for x, e in (("A", ea), ("B", eb)) if e["min"] == e["max"] == 0.0]
+    if zero:
+        return f"; γ is 0 everywhere in {' and '.join(zero)}: the norm outputs β alone (a zeroed weight?)"
+    return "; a lost or doubled γ offset (Gemma's 1 + w)?" if abs(abs(ea["mean"] - eb["mean"]) - 1) < 0.05 else ""
+
+
+def _compare_beta(sa: ContractSite, sb: ContractSite, add) -> int:
+    """β's stored values (mean, min, max), where both artifacts hold them, within the tolerance γ's have."""
+    ba, bb = sa.beta_stats, sb.beta_stats
+    if ba is None or bb is None or sa.beta is False or sb.beta is False:
+        return 0
+    worst = max(abs(ba[k] - bb[k]) for k in ("mean", "min", "max"))
+    if worst > GAMMA_ATOL * max(1.0, *(abs(v) for v in (*ba.values(), *bb.values()))):
+        add(sa.name, "beta_values", dict(ba), dict(bb), "mismatch", f"β differs by up to {worst:.3g}")
+    return 1
 
 
 def _gamma_text(s: ContractSite) -> dict[str, Any]:

@@ -245,7 +245,7 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
     parallel = _field(reader, f"{arch}.use_parallel_residual")  # llama.cpp's GPT-NeoX reads this flag
     out = ModelContract(source=str(path), kind="gguf", sites=sites, architecture=arch,
                         eps=float(eps) if eps is not None else None, eps_key=key,
-                        n_layers=int(n_layers) if isinstance(n_layers, int) else None, notes=notes)
+                        n_layers=int(n_layers) if isinstance(n_layers, int) else None, notes=notes, weights=True)
     if parallel is True and out.placement == "pre":  # two pre norms read the one stream: the file says so
         out.stated_placement = "parallel"
         out.notes.append(f"placement parallel: {arch}.use_parallel_residual is true")

@@ -8,13 +8,14 @@ modelling code of each architecture states them; the config states ε and the si
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from ..errors import InputError
 from ..extras import require
 from ..sources import EPS_KEYS, MAX_WIDTH, check_config, config_int, read_config
 from .model import ContractSite, ModelContract, value_stats
-from .names import canonicalize, module_path, split_block
+from .names import canonicalize, match_paths, module_path, split_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,18 @@ def _from_structure(config: dict, config_path: Path, path: Path) -> ModelContrac
     return out
 
 
+_GAMMA_PARAMS = ("weight", "scale", "gamma")  # what a norm module calls its γ, most common first
+_BETA_PARAMS = ("bias", "beta")
+
+
 def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
+    """Each site's γ (and β) statistics from the checkpoint's tensors, one tensor at a time.
+
+    A site's weights are found by structure first: its module path (``source``) in the checkpoint, as it is or
+    under the one prefix a wrapper class adds or drops (:func:`~.names.match_paths`); a site still without them is
+    looked up by canonical name, where exactly one of the checkpoint's modules has that name. A site with a γ
+    whose weight is found neither way is left without statistics and named in a note: :func:`~.diff.compare`
+    counts it unverified, never a match (``contract.weights`` says this artifact holds weights)."""
     safe_open = require("safetensors", "hf").safe_open
     tensors: dict[str, tuple[Path, str]] = {}
     for f in files:
@@ -156,39 +168,80 @@ def _add_gamma_statistics(contract: ModelContract, files: list[Path]) -> None:
                     tensors[key] = (f, key)
         except Exception as exc:  # the Rust reader raises its own error types on malformed headers
             raise InputError(f"{f}: not a readable safetensors file ({exc})") from None
-    paths = sorted({module_path(k) for k in tensors})
-    names = canonicalize(paths)
-    by_name: dict[str, dict[str, str]] = {}
+    contract.weights = True
+    params_of: dict[str, dict[str, str]] = {}  # module path → {parameter name: tensor key}
     for key in tensors:
         mp = module_path(key)
         param = key[len(mp) + 1:] if key.startswith(mp + ".") else ""
-        by_name.setdefault(names[mp][0], {})[param] = key
+        params_of.setdefault(mp, {})[param] = key
+    with_gamma = sorted(mp for mp, ps in params_of.items() if any(k in ps for k in _GAMMA_PARAMS))
+    module_of = _site_modules(contract.sites)
+    found = match_paths([m for m in module_of.values() if m is not None], with_gamma)
+    claimed = set(found.values())
+    rest = [mp for mp in with_gamma if mp not in claimed]
+    by_name: dict[str, list[str]] = {}
+    for mp, (name, _, _) in canonicalize(rest).items():
+        by_name.setdefault(name, []).append(mp)
     missing = []
     for site in contract.sites:
-        params = by_name.pop(site.name, None)
-        if not params or "weight" not in params:
-            missing.append(site.name)
+        mp = found.get(module_of[site.name]) if module_of[site.name] is not None else None
+        if mp is None and len(by_name.get(site.name, [])) == 1 and by_name[site.name][0] not in claimed:
+            mp = by_name[site.name][0]  # by canonical name, where one module has it
+        if mp is None:
+            if site.gamma is not False:
+                missing.append(site.name)
             continue
-        f, key = tensors[params["weight"]]
+        params = params_of[mp]
+        f, key = tensors[next(params[k] for k in _GAMMA_PARAMS if k in params)]
         with safe_open(str(f), framework="pt") as handle:
             w = handle.get_tensor(key).double().numpy()
+        functional = ":" in site.source  # γ from the module it ran in: only a weight of the normalized size
+        if functional and site.size is not None and (not w.shape or w.shape[-1] != site.size):
+            if site.gamma is not False:
+                missing.append(site.name)
+            continue
+        claimed.add(mp)
         site.gamma_stats = value_stats(w)
-        site.source = module_path(key)
+        site.source = mp
         if site.param_shape is not None and tuple(w.shape) != site.param_shape:
             site.notes.append(f"γ has shape {list(w.shape)}, the config implies {list(site.param_shape)}")
         site.param_shape = tuple(w.shape)
-        site.beta = "bias" in params
-        if site.beta:
-            f, key = tensors[params["bias"]]
+        bias = next((params[k] for k in _BETA_PARAMS if k in params), None)
+        if functional and not site.beta:
+            bias = None  # the module's bias is not a β the norm was seen to add
+        site.beta = bias is not None
+        if bias is not None:
+            f, key = tensors[bias]
             with safe_open(str(f), framework="pt") as handle:
                 site.beta_stats = value_stats(handle.get_tensor(key).double().numpy())
     if missing:
         contract.notes.append(f"no weight found for {len(missing)} norm site(s): {', '.join(missing[:4])}"
-                              + (" …" if len(missing) > 4 else ""))
-    stray = sorted(n for n in by_name if _looks_like_norm(n))
+                              + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                              + "; their γ is unverified in a comparison")
+    stray = [mp for mp in with_gamma if mp not in claimed and _looks_like_norm(mp)]
     if stray:
         contract.notes.append(f"norm-like weights outside the architecture's sites: {', '.join(stray[:4])}"
-                              + (" …" if len(stray) > 4 else ""))
+                              + (f" and {len(stray) - 4} more" if len(stray) > 4 else ""))
+
+
+def _site_modules(sites: list[ContractSite]) -> dict[str, str | None]:
+    """Site name → the module path its γ lives under: a module site's own path (without a later call's ``#n``);
+    for a functional or inline norm (``layers.0.linear_attn.norm:inline#0``) the module it ran in, whose own weight
+    is its γ only when no other such norm ran there; None where nothing says which module holds it."""
+    out: dict[str, str | None] = {}
+    for s in sites:
+        if s.source.startswith("("):
+            out[s.name] = None
+        else:
+            out[s.name] = re.sub(r"#\d+$", "", s.source.split(":", 1)[0])
+    shared: dict[str, int] = {}
+    for s in sites:
+        if ":" in s.source and out[s.name] is not None:
+            shared[out[s.name]] = shared.get(out[s.name], 0) + 1
+    for s in sites:
+        if ":" in s.source and shared.get(out[s.name] or "", 0) > 1:
+            out[s.name] = None
+    return out
 
 
 def _looks_like_norm(name: str) -> bool:

@@ -119,6 +119,9 @@ class ModelContract:
     n_layers: int | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     stated_placement: str | None = None  # measured from a dataflow or stated by the file; else from the names
+    # the artifact holds its norms' weights (a checkpoint, a GGUF, an ONNX graph, a scan of a loaded model): a site
+    # with a γ but no γ statistics then lost its weight on the way, and a comparison counts it unverified
+    weights: bool = False
 
     @property
     def placement(self) -> str | None:
@@ -131,6 +134,7 @@ class ModelContract:
         were drawn here (a config built to read its structure), not loaded from a checkpoint."""
         for s in self.sites:
             s.gamma_stats = s.beta_stats = None
+        self.weights = False
         return self
 
     def site(self, name: str) -> ContractSite | None:
@@ -146,6 +150,7 @@ class ModelContract:
             "eps": self.eps,
             "eps_key": self.eps_key,
             "n_layers": self.n_layers,
+            "weights": self.weights,
             "notes": list(self.notes),
             "sites": [s.to_dict() for s in self.sites],
         })
@@ -159,10 +164,14 @@ class ModelContract:
         sites = data.get("sites")
         if not isinstance(sites, list):
             raise InputError("a contract JSON needs a list of sites")
-        return cls(source=data.get("source", "?"), kind=data.get("kind", "?"),
-                   sites=[ContractSite.from_dict(s) for s in sites], architecture=data.get("architecture"),
-                   eps=data.get("eps"), eps_key=data.get("eps_key"), n_layers=data.get("n_layers"),
-                   notes=list(data.get("notes") or []), stated_placement=data.get("placement"))
+        out = cls(source=data.get("source", "?"), kind=data.get("kind", "?"),
+                  sites=[ContractSite.from_dict(s) for s in sites], architecture=data.get("architecture"),
+                  eps=data.get("eps"), eps_key=data.get("eps_key"), n_layers=data.get("n_layers"),
+                  notes=list(data.get("notes") or []), stated_placement=data.get("placement"))
+        weights = data.get("weights")  # absent in a file written before it was stated: what the kind implies
+        out.weights = weights if isinstance(weights, bool) else (
+            out.kind in ("hf-model", "gguf", "onnx") or any(s.gamma_stats for s in out.sites))
+        return out
 
     @classmethod
     def from_json(cls, text: str) -> ModelContract:
@@ -221,7 +230,8 @@ class ModelContract:
         return cls(source=source or str(getattr(scan, "source", None) or "scan"), kind="scan", sites=sites,
                    architecture=getattr(scan, "architecture", None),
                    eps=float(config_eps) if isinstance(config_eps, int | float) else None,
-                   n_layers=_n_layers(sites), stated_placement=placement if isinstance(placement, str) else None)
+                   n_layers=_n_layers(sites), stated_placement=placement if isinstance(placement, str) else None,
+                   weights=True)  # the scanned model's own; without_weights() where they were drawn
 
 
 def value_stats(values: Any) -> dict[str, float] | None:

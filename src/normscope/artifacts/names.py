@@ -96,6 +96,85 @@ def module_path(name: str) -> str:
     return _PARAM_SUFFIX.sub("", name)
 
 
+def match_paths(sources: Iterable[str], paths: Iterable[str]) -> dict[str, str]:
+    """Each module path of ``sources`` (where a contract's sites sit in the model it describes) → the one path of
+    ``paths`` (a checkpoint's tensor names without ``.weight``) that is the same module, by structure alone.
+
+    A path equal to a source is that module. Otherwise a checkpoint saved from another class of the same model
+    holds every module under one added or dropped prefix (``vit.layernorm`` for a classifier around
+    ``layernorm``; ``layers.0.input_layernorm`` for the base of ``model.layers.0.input_layernorm``): a source takes
+    the path of the prefix that lines up the most sources. Last, a block list stored under another name than the
+    model's (transformers builds a ViT's ``encoder.layer.N`` as ``layers.N``): a source in block N takes the path
+    with the same block index and the same path inside the block, once each of the model's block lists
+    corresponds to one of the checkpoint's — the one that lines up strictly the most of its sources. Each source
+    takes at most one path and each path one source; a tie, or a source that matches nothing, is left out: never
+    guessed.
+    """
+    sources, paths = list(dict.fromkeys(sources)), set(paths)
+    out = {src: src for src in sources if src in paths}
+    rest = [src for src in sources if src not in out]
+    by_last: dict[str, list[str]] = {}
+    for path in paths:
+        by_last.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    candidates: dict[str, list[tuple[tuple[str, str], str]]] = {}  # source → [(prefix change, path)]
+    for src in rest:
+        for path in by_last.get(src.rsplit(".", 1)[-1], []):
+            if path.endswith("." + src):
+                candidates.setdefault(src, []).append((("add", path[:-len(src)]), path))
+            elif src.endswith("." + path):
+                candidates.setdefault(src, []).append((("drop", src[:-len(path)]), path))
+    votes: dict[tuple[str, str], int] = {}
+    for found in candidates.values():
+        for key, _ in found:
+            votes[key] = votes.get(key, 0) + 1
+    used = set(out.values())
+    for src, found in candidates.items():
+        top = max(votes[key] for key, _ in found)
+        best = [path for key, path in found if votes[key] == top]
+        if len(best) == 1 and best[0] not in used:
+            out[src] = best[0]
+            used.add(best[0])
+    _match_renamed_blocks([src for src in sources if src not in out], [p for p in paths if p not in used], out)
+    return out
+
+
+def _block_key(path: str) -> tuple[str, int, str] | None:
+    """(where the block list lives, the block index, the path inside the block), or None outside any block."""
+    m = _CONTAINER.search(path)
+    return None if m is None else (path[:m.start(1)], int(m.group(1)), m.group(2))
+
+
+def _match_renamed_blocks(sources: list[str], paths: list[str], out: dict[str, str]) -> None:
+    """The last step of :func:`match_paths`: block lists renamed, each of the model's to one of the checkpoint's."""
+    by_key: dict[tuple[int, str], list[tuple[str, str]]] = {}  # (index, inside) → [(list, path)]
+    for path in paths:
+        if (key := _block_key(path)) is not None:
+            by_key.setdefault(key[1:], []).append((key[0], path))
+    votes: dict[tuple[str, str], int] = {}
+    for src in sources:
+        if (key := _block_key(src)) is not None:
+            for head, _ in by_key.get(key[1:], []):
+                votes[(key[0], head)] = votes.get((key[0], head), 0) + 1
+    renamed: dict[str, str] = {}  # the model's block list → the checkpoint's
+    while votes:  # a pair with strictly the most votes in its row and its column; then without both
+        best = [(mine, theirs) for (mine, theirs), n in votes.items()  # others in its row or column: fewer
+                if all(m < n for (a, b), m in votes.items() if (a == mine) != (b == theirs))]
+        if not best:
+            break
+        for mine, theirs in best:
+            renamed[mine] = theirs
+        votes = {(a, b): n for (a, b), n in votes.items() if a not in renamed and b not in renamed.values()}
+    used = set(out.values())
+    for src in sources:
+        key = _block_key(src)
+        if key is None or key[0] not in renamed:
+            continue
+        hits = [path for head, path in by_key.get(key[1:], []) if head == renamed[key[0]]]
+        if len(hits) == 1 and hits[0] not in used:
+            out[src] = hits[0]
+            used.add(hits[0])
+
+
 def split_block(path: str) -> tuple[int | None, str]:
     """(block index, the rest of the path) — or (None, path) outside any numbered block."""
     m = _CONTAINER.search(path)

@@ -175,7 +175,7 @@ def read_onnx(path: str | Path) -> ModelContract:
         notes.append(f"the graph has {matmuls} MatMul/Gemm nodes but no norm site was recognised: a norm written in "
                      "a form this reader does not know would be missed; scan the torch model (normscope scan), or "
                      "infer a suspected subgraph (normscope infer FILE.onnx)")
-    out = ModelContract(source=str(path), kind="onnx", sites=sites, notes=notes,
+    out = ModelContract(source=str(path), kind="onnx", sites=sites, notes=notes, weights=True,
                         n_layers=max((s.layer for s in sites if s.layer is not None), default=-1) + 1 or None)
     if out.placement == "pre" and _parallel(sites, reads):
         out.stated_placement = "parallel"

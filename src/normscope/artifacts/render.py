@@ -109,6 +109,8 @@ def _cell(v: Any) -> str:
         off = v["offset"] or 0.0
         stored = f"w̄ {fmt(v['mean'])} ({fmt(v['min'])}…{fmt(v['max'])})" if "mean" in v else "w"
         return f"{fmt(off)} + {stored}" if off else stored
+    if isinstance(v, dict) and set(v) == {"mean", "min", "max"}:  # β's stored statistics
+        return f"mean {fmt(v['mean'])} ({fmt(v['min'])}…{fmt(v['max'])})"
     return str(v)
 
 
@@ -149,5 +151,8 @@ def render_diff(diff: ContractDiff, console: Console) -> None:
         indented(console, f"A: {_cell(i.a)}; B: {_cell(i.b)}; {i.message}", 4)
     summary = (f"{len(diff.matched)} sites in both, {diff.compared_fields} fields compared: "
                f"{len(diff.mismatches)} mismatches, {len(diff.unverified)} unverified")
-    colour = "green" if diff.ok else "red"
-    console.print(f"[bold {colour}]{'no mismatch' if diff.ok else 'MISMATCH'}[/] — {summary}")
+    head, colour = {"pass": ("no mismatch", "green"), "fail": ("MISMATCH", "red"),
+                    "inconclusive": ("INCONCLUSIVE", "yellow")}.get(diff.verdict, (diff.verdict.upper(), "red"))
+    console.print(f"[bold {colour}]{head}[/] — {summary}")
+    for reason in diff.undecided:
+        indented(console, reason, 2)

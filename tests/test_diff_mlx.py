@@ -24,7 +24,7 @@ pytest.importorskip("mlx_lm", reason="the mlx extra is not installed: pip instal
 transformers.logging.set_verbosity_error()
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
-from normscope.divergence.mlx_sites import port  # noqa: E402
+from normscope.divergence.runtimes.mlx import port  # noqa: E402
 
 
 def _model(family: str):

@@ -175,7 +175,7 @@ def test_a_module_is_converted_at_the_shapes_it_runs_with():
     LLM MLP (AMX CPUs) refused to compile Llama's MLP ("Check 'feature.is_static()' failed")."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
-    from normscope.divergence.openvino_sites import convert, prepare
+    from normscope.divergence.runtimes.openvino import convert, prepare
 
     mlp = LlamaMLP(transformers.LlamaConfig(**CONFIG)).eval()
     model = convert(*prepare(mlp, (torch.randn(2, 8, 32),), {}))

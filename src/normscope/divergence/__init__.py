@@ -6,8 +6,9 @@ candidate, and the alignment), ``walk`` (the reference's forward, site by site),
 bound), ``verdict`` (inconclusive reasons, the first divergence explained); ``execution`` is how a model is run
 and its calls seen. ``metrics`` holds the per-site error numbers and the bound,
 ``result`` the ``Diff``/``SiteDiff`` data (JSON ``normscope.diff/1``), ``render`` the table and the plot,
-``contracts`` the norm sites' error model, ``gradients`` the ``grad=True`` pass, ``onnxsites`` an ONNX candidate
-(its values mapped to sites, its sites' subgraphs run on the reference's inputs), ``command`` the CLI glue.
+``contracts`` the norm sites' error model, ``gradients`` the ``grad=True`` pass, ``runtimes`` one module per
+runtime a candidate runs on (ONNX Runtime, OpenVINO, MLX, llama.cpp: the candidate, its run and its site map),
+``command`` the CLI glue.
 The names below are imported on first use, so the command line can register ``diff`` without loading torch or
 rich.
 """

@@ -3,10 +3,8 @@
 - :class:`ModuleCandidate` — another torch module, run as it is (at its own dtype);
 - :class:`CopyCandidate` — a private copy (of the candidate, or of the reference itself) cast to a dtype;
 - :class:`AutocastCandidate` — a torch module (the reference itself when none is given) under ``torch.autocast``;
-- :class:`OnnxCandidate` — an ONNX model on onnxruntime, its intermediate values mapped by the exporter's scopes;
-- :class:`OpenVinoCandidate` — a model as OpenVINO runs it, mapped the same way;
-- :class:`MlxCandidate` — an MLX module tree (an mlx-lm port), its module calls recorded and aligned by name;
-- :class:`LlamaCppCandidate` — a GGUF as llama.cpp runs it, its named graph tensors mapped to the sites.
+- :class:`GraphCandidate` — the common part of a runtime's graph mapped to the sites by its node-name scopes;
+- the runtimes' candidates, one module each in :mod:`.runtimes` (ONNX Runtime, OpenVINO, MLX, llama.cpp).
 
 Each runs its own forward once (:meth:`Candidate.run`: the primary output of every call, where it raised), aligns
 those records with the reference's module paths (:meth:`Candidate.align`) and, during the reference's forward,
@@ -18,16 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..dtypes import dtype_name
-from ..errors import InputError
 from ..model import private_copy, untouched
-from . import llamacpp_sites, metrics, mlx_sites, onnxsites, openvino_sites
+from . import metrics
 from .execution import (
     Autocast,
     Hooks,
@@ -37,13 +33,11 @@ from .execution import (
     Replay,
     cast,
     device_type,
-    input_at,
     input_of,
     model_dtype,
     primary,
     restored,
     site_name,
-    stateless,
     versions,
 )
 
@@ -327,7 +321,7 @@ class AutocastCandidate(TorchCandidate):
 
 class GraphCandidate(Candidate):
     """A model as a runtime runs its graph: every intermediate value, mapped to the torch sites by the node-name
-    scopes the exporter left (:func:`.onnxsites.records`). Subclasses run it (:meth:`run` fills ``values``,
+    scopes the exporter left (:func:`.runtimes.onnx.records`). Subclasses run it (:meth:`run` fills ``values``,
     ``scopes`` and ``final``) and say how a site runs alone (:meth:`own`)."""
 
     graph = True
@@ -341,7 +335,9 @@ class GraphCandidate(Candidate):
         self.final: Any = None  # the value of the graph's first declared output
 
     def align(self, ref_paths: list[str]) -> Alignment:
-        records = onnxsites.records(self.values, self.scopes, ref_paths, Record)
+        from .runtimes.onnx import records as scope_records
+
+        records = scope_records(self.values, self.scopes, ref_paths, Record)
         if self.final is not None and np.asarray(self.final).dtype.kind == "f":  # the model's output
             records.append(Record("", 0, None, torch.from_numpy(np.asarray(self.final).copy())))
         self.cache_bytes = kept_bytes(records)
@@ -350,222 +346,24 @@ class GraphCandidate(Candidate):
         return Alignment(records, self.scopes_label, graph=True)
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
-        onnxsites.choose(r, y)
+        from .runtimes.onnx import choose
+
+        choose(r, y)
         if not path and r.output is not None and list(r.output.shape) != list(y.shape):
             return (f"the graph's first output {list(r.output.shape)} is not the model's primary output "
                     f"{list(y.shape)}")
         return None
 
 
-class OnnxCandidate(GraphCandidate):
-    """An ONNX model on onnxruntime; a site's own output is its nodes extracted as a subgraph of their own."""
-
-    bound_suffix = " (ONNX: the site's subgraph on the reference's input)"
-    runner = " on onnxruntime"
-
-    def __init__(self, proto):
-        super().__init__("", "float32")
-        self.proto = proto
-        self.subgraphs = None
-
-    def run(self, args, kwargs) -> None:
-        self.values, self.scopes, self.desc, self.subgraphs = onnxsites.run_candidate(self.proto, args, kwargs)
-        declared = self.subgraphs.proto.graph.output
-        self.final = self.values.get(declared[0].name) if len(declared) else None
-
-    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
-        try:
-            with torch.no_grad():
-                yc = torch.from_numpy(self.subgraphs.run(*r.module, args, kw))
-        except onnxsites.NotExtractable as exc:
-            raise NotMeasured(None, missing=str(exc)) from None
-        return yc, self.dtype, onnxsites.Site(self.subgraphs, *r.module)
-
-
-class OpenVinoCandidate(GraphCandidate):
-    """A model as OpenVINO runs it on the CPU, at the runtime's own inference precision (:mod:`.openvino_sites`):
-    the reference converted here (``"openvino"``; a site's own output is its module converted alone), or a model
-    converted elsewhere (sites judged on their propagated error)."""
-
-    runner = " on OpenVINO"
-    scopes_label = "openvino scopes"
-    bound_suffix = " (OpenVINO: the site's module converted alone, on the reference's input)"
-
-    def __init__(self, model, reference: torch.nn.Module):
-        super().__init__("", "float32")
-        self.converted_here = isinstance(model, str) and model == "openvino"
-        self.model_obj = reference if self.converted_here else model
-        self.modules = openvino_sites.Modules(reference) if self.converted_here else None
-
-    def run(self, args, kwargs) -> None:
-        self.values, self.scopes, self.desc, self.dtype, self.final = openvino_sites.run_candidate(
-            self.model_obj, args, kwargs)
-
-    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
-        if self.modules is None:
-            raise NotMeasured(None, missing=openvino_sites.OWN_MISSING)
-        try:
-            return self.modules.run(r.path, args, kw), self.dtype, None
-        except openvino_sites.NotConvertible as exc:
-            raise NotMeasured(None, missing=f"OpenVINO: this module alone could not be converted ({exc})") from None
-
-
-class MlxCandidate(Candidate):
-    """A model as MLX runs it on the CPU (:mod:`.mlx_sites`): an ``mlx.nn.Module`` with the reference's module
-    names (an mlx-lm port), or ``"mlx"``, the reference ported here by mlx-lm. Each site's own output is its MLX
-    module called on the reference's input; at a dtype below the reference's, the twin is the reference's module
-    at that dtype."""
-
-    runner = " on MLX"
-    torch_modules = False
-    bound_suffix = " (MLX: the site's module on the reference's input)"
-
-    def __init__(self, model, reference: torch.nn.Module, ref_dtype: str):
-        from ..extras import require
-
-        mx = require("mlx.core", "mlx")
-        ported = isinstance(model, str)
-        self.mlx_model = mlx_sites.port(reference) if ported else model
-        mlx_sites.refuse_quantized(self.mlx_model)
-        dtype = mlx_sites.model_dtype(self.mlx_model)
-        what = "the reference ported by mlx-lm" if ported else type(model).__name__
-        super().__init__(f"MLX {mx.__version__} CPU ({what})", dtype)
-        if dtype != ref_dtype:
-            self.torch_dtype = getattr(torch, dtype)
-            self.twin = private_copy(reference, dtype=self.torch_dtype)
-
-
-    def run(self, args, kwargs) -> None:
-        def record(path, number, call, out):
-            self.records.append(Record(path, number, call, mlx_sites.floating(mlx_sites.output(out))))
-
-        self.error, self.failed, self.notes = mlx_sites.run_candidate(self.mlx_model, args, kwargs, record)
-        self.cache_bytes = kept_bytes(self.records)
-
-    def recorded_input(self, r: Record) -> torch.Tensor | None:
-        return mlx_sites.floating(mlx_sites.first_array(r.module.args))
-
-    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
-        x = input_of(args, kw, None)
-        if x is None:  # an embedding's token ids
-            x = next((a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)), None)
-        if x is None:
-            raise NotMeasured("own error not measured: the reference's call has no tensor input")
-        try:
-            yc = mlx_sites.teacher_forced(r.module, x)
-        except ValueError as exc:
-            raise NotMeasured(f"own error not measured: {exc}") from None
-        except Exception as exc:
-            raise NotMeasured(f"own error not measured: the candidate's {type(r.module.module).__name__} raised on "
-                              f"the reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
-        y = mlx_sites.floating(yc)
-        if y is None:
-            raise NotMeasured("the candidate's module returned no floating array on the reference's input")
-        return y, mlx_sites.dtype_of(yc), r.module.module
-
-
-class LlamaCppCandidate(Candidate):
-    """A GGUF as llama.cpp runs it on the CPU (:mod:`.llamacpp_sites`): ``"llama.cpp"`` (the reference written as a
-    GGUF here) or a ``.gguf`` path. Its named graph tensors are the sites; where a site's input is named too (a
-    norm reads the residual stream), its own error is the candidate's output against the reference's module on the
-    candidate's own input; elsewhere the site is judged on its propagated error."""
-
-    graph = True
-    torch_modules = False
-    runner = " on llama.cpp"
-    scopes_label = "llama.cpp tensor names"
-    bound_suffix = " (llama.cpp: its output against the reference's module on the candidate's own input)"
-
-    def __init__(self, source, reference: torch.nn.Module, stack: contextlib.ExitStack):
-        from ..extras import require
-
-        require("llama_cpp", "llamacpp")
-        ref_dtype = model_dtype(reference)
-        if ref_dtype not in ("float32", "float64"):
-            raise InputError(f"the reference is {ref_dtype}; llama.cpp computes in float32 (from the file's weights at "
-                             "their own types), so a less precise reference would be the suspect, not the judge: "
-                             "give a float32 reference (model.float())")
-        super().__init__("", "float32")
-        self.reference = reference
-        self.modules = dict(reference.named_modules())
-        if isinstance(source, str) and source == "llama.cpp":
-            import tempfile
-
-            from ..artifacts.gguf_write import write_gguf
-
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="normscope-gguf-"))
-            self.path = write_gguf(reference, Path(folder) / "reference.gguf")
-            self.written_here = True
-        else:
-            self.path = Path(source)
-            if not self.path.is_file():
-                raise InputError(f"{source}: no such GGUF file")
-            self.written_here = False
-        self.values: dict = {}
-        self.info = None
-
-    def run(self, args, kwargs) -> None:
-        ids = kwargs.get("input_ids")
-        if not isinstance(ids, torch.Tensor):
-            ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
-                        and not a.is_floating_point() and not a.is_complex()), None)
-        if ids is None or ids.dim() not in (1, 2) or ids.is_floating_point():
-            raise InputError("a llama.cpp candidate runs on token ids: give input_ids (batch × tokens) as the inputs")
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-            self.notes.append("the attention mask has padding; llama.cpp decoded every token of each sample")
-        self.values, self.info, self.desc = llamacpp_sites.run_candidate(self.path,
-                                                                         ids.reshape(-1, ids.shape[-1]).cpu())
-        self.dtype = self.info.matrix_dtype
-        if self.written_here:
-            self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
-
-    def align(self, ref_paths: list[str]) -> Alignment:
-        stated = llamacpp_sites.stated_contracts(self.path, self.info)
-        self.records = llamacpp_sites.records(self.values, self.info, ref_paths, Record, stated)
-        self.cache_bytes = kept_bytes(self.records)
-        self.values = {}
-        return Alignment(self.records, self.scopes_label, graph=True)
-
-    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
-        site = r.module
-        module = self.modules.get(r.path)
-        if site.input is None or module is None:
-            raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
-        if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
-            return site.output, site.dtype, site.stated
-        if not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
-            raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
-                                            "object), so its module is not run again on the candidate's input")
-        at = input_at(args, kw, None)
-        if at is None:
-            raise NotMeasured(None, missing="llama.cpp: the reference's call has no tensor input")
-        x_ref = (args if at[0] == "arg" else kw)[at[1]]
-        if tuple(site.input.shape) != tuple(x_ref.shape):
-            raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
-                                            f"{list(x_ref.shape)}")
-        x_cand = site.input.to(x_ref.device, x_ref.dtype)
-        swapped = list(args), dict(kw)
-        swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
-        with torch.no_grad():
-            y_ref = primary(module(*args, **kw))
-            y_on_cand = primary(module(*swapped[0], **swapped[1]))
-        # the candidate's own error at this site, carried onto the reference's output to be judged like any other
-        yc = y_ref.double() + (site.output.to(y_ref.device).double() - y_on_cand.double())
-        return yc.to(y_ref.dtype), site.dtype, site.stated
-
-
 def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | None, autocast: str | None,
                   ref_dtype: str, stack: contextlib.ExitStack) -> Candidate:
-    """The strategy for what the user gave (arguments already validated)."""
-    if candidate is not None and onnxsites.is_onnx(candidate):
-        return OnnxCandidate(candidate)
-    if candidate is not None and openvino_sites.is_openvino(candidate):
-        return OpenVinoCandidate(candidate, reference)
-    if candidate is not None and mlx_sites.is_mlx(candidate):
-        return MlxCandidate(candidate, reference, ref_dtype)
-    if candidate is not None and llamacpp_sites.is_gguf(candidate):
-        return LlamaCppCandidate(candidate, reference, stack)
+    """The strategy for what the user gave (arguments already validated): a runtime's
+    (:mod:`.runtimes`), else a torch strategy."""
+    from .runtimes import runtime_of
+
+    runtime = runtime_of(candidate)
+    if runtime is not None:
+        return runtime.candidate(candidate, reference, ref_dtype, stack)
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

@@ -69,11 +69,8 @@ def run(args, console: Console) -> int:
     from ..model_options import deadline, model_inputs
     from ..sources import load_model
     from .core import diff
-    from .llamacpp_sites import is_gguf
-    from .mlx_sites import is_mlx
-    from .onnxsites import is_onnx
-    from .openvino_sites import is_openvino
     from .render import plot_diff, render_diff
+    from .runtimes import runtime_of
 
     if args.candidate is None and not args.candidate_dtype and not args.autocast:
         raise InputError("give a CANDIDATE, or --candidate-dtype (or --autocast) to compare REFERENCE with itself at "
@@ -81,7 +78,7 @@ def run(args, console: Console) -> int:
     reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
     candidate = None
     if args.candidate is not None:
-        if any(is_(args.candidate) for is_ in (is_onnx, is_openvino, is_mlx, is_gguf)):
+        if runtime_of(args.candidate) is not None:
             candidate = args.candidate
         else:
             candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)

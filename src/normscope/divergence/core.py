@@ -9,7 +9,7 @@ How it runs (streaming: never two full activation caches):
 2. the reference runs once; at the end of each module call (children before parents) its output is compared
    with the candidate's (the *propagated* error, then the candidate's copy is dropped), and the candidate's
    counterpart module is run on the reference's own inputs (teacher forcing: the site's *own* error; for an
-   ONNX candidate the site's nodes extracted as a subgraph, :mod:`.onnxsites`), as is the reference's module at
+   ONNX candidate the site's nodes extracted as a subgraph, :mod:`.runtimes.onnx`), as is the reference's module at
    the candidate's dtype (the *twin*: the error precision alone makes there). Under ``autocast`` each
    teacher-forced call is observed below the autocast key and the site judged at the dtype its ops ran at;
 3. a site diverges when its own error exceeds :func:`.metrics.bound`; the first one is the culprit. At a norm
@@ -39,11 +39,8 @@ from ..sites.dataflow import block_modules
 from . import verdict
 from .candidate import Candidate, candidate_for
 from .execution import Hooks, Memo, model_dtype
-from .llamacpp_sites import is_gguf
-from .mlx_sites import is_mlx
-from .onnxsites import is_onnx as _is_onnx
-from .openvino_sites import is_openvino
 from .result import Diff
+from .runtimes import runtime_of
 from .walk import Walk
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
@@ -61,15 +58,8 @@ def _dtype_argument(name: str, value, allowed) -> str:
 
 
 def _runtime(candidate) -> str | None:
-    if candidate is None:
-        return None
-    if _is_onnx(candidate):
-        return "ONNX"
-    if is_mlx(candidate):
-        return "MLX"
-    if is_gguf(candidate):
-        return "llama.cpp"
-    return "OpenVINO" if is_openvino(candidate) else None
+    runtime = runtime_of(candidate)
+    return runtime.name if runtime is not None else None
 
 
 def _checked(reference, candidate, candidate_dtype, autocast, grad: bool, loss_fn) -> tuple[str | None, str | None]:

@@ -11,7 +11,6 @@ import numpy as np
 
 from ..errors import NormscopeError
 from ..targets.mlx_target import is_mlx_module
-from . import onnxsites
 from .contracts import infer_module
 from .result import SiteDiff
 
@@ -92,8 +91,9 @@ def infer_contract(module, shape):
     """The site's full inference (contract and recovered γ/β) at infer's own dtypes: an ONNX site's subgraph as
     onnxruntime runs it, an MLX module as MLX runs it, a torch module through :func:`.contracts.infer_module`."""
     from ..probe.infer import infer
+    from .runtimes.onnx import Site
 
-    if isinstance(module, onnxsites.Site):
+    if isinstance(module, Site):
         return infer(module.proto(), shape=shape, seed=0)
     if is_mlx_module(module):
         return infer(module, shape=shape, seed=0)
@@ -107,7 +107,7 @@ def parameter_differences(ref, cand, cand_module) -> list[str]:
     from ..dtypes import UNIT_ROUNDOFF
 
     if is_mlx_module(cand_module):
-        from .mlx_sites import model_dtype
+        from .runtimes.mlx import model_dtype
 
         u = UNIT_ROUNDOFF.get(model_dtype(cand_module), u)
     params = [p for p in getattr(cand_module, "parameters", lambda: [])()

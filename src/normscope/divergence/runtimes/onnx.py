@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError, TargetError
+from ...errors import InputError, TargetError
+from ..candidate import GraphCandidate, NotMeasured
+from ..execution import Memo, Record
 
 #: the sessions of the last ONNX model's sites, by (model key, scope, output): a repeated diff of the same model
 #: builds none; another model replaces them (their weights are not held twice over)
@@ -403,3 +405,36 @@ class Site:
 
     def proto(self):
         return self.subgraphs.extract(self.scope, self.out_name)[0]
+
+
+class OnnxCandidate(GraphCandidate):
+    """An ONNX model on onnxruntime; a site's own output is its nodes extracted as a subgraph of their own."""
+
+    bound_suffix = " (ONNX: the site's subgraph on the reference's input)"
+    runner = " on onnxruntime"
+
+    def __init__(self, proto):
+        super().__init__("", "float32")
+        self.proto = proto
+        self.subgraphs = None
+
+    def run(self, args, kwargs) -> None:
+        self.values, self.scopes, self.desc, self.subgraphs = run_candidate(self.proto, args, kwargs)
+        declared = self.subgraphs.proto.graph.output
+        self.final = self.values.get(declared[0].name) if len(declared) else None
+
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
+        try:
+            with torch.no_grad():
+                yc = torch.from_numpy(self.subgraphs.run(*r.module, args, kw))
+        except NotExtractable as exc:
+            raise NotMeasured(None, missing=str(exc)) from None
+        return yc, self.dtype, Site(self.subgraphs, *r.module)
+
+
+def is_candidate(obj) -> bool:
+    return is_onnx(obj)
+
+
+def candidate(obj, reference, ref_dtype: str, stack) -> OnnxCandidate:
+    return OnnxCandidate(obj)

@@ -19,15 +19,19 @@ the reference's output to be judged like any other). Elsewhere the site is judge
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InputError, TargetError
-from ..extras import require
+from ...errors import InputError, TargetError
+from ...extras import require
+from ..candidate import Alignment, Candidate, NotMeasured, kept_bytes
+from ..execution import Memo, Record, input_at, model_dtype, primary, stateless
 
 #: llama.cpp's tensor (name pattern, which of the tensors so named, its rank) → the Hugging Face module whose output
 #: it is, the tensor that holds that module's input (None: not in the graph) and, at a norm, the GGUF tensor of its
@@ -350,8 +354,8 @@ class Stated:
         self.eps, self.gamma = eps, gamma
 
     def as_inference(self, reference_spec):
-        from ..results.inference import Confidence, Evidence
-        from ..results.params import NormParams
+        from ...results.inference import Confidence, Evidence
+        from ...results.params import NormParams
 
         spec = reference_spec.replace(center=False, axes=(-1,), groups=None, group_axis=None, eps=self.eps,
                                       eps_placement="inside_sqrt", gamma=True, beta=False, param_axes=(-1,),
@@ -372,7 +376,7 @@ class _Inference:
 def stated_contracts(path: Path, info: FileInfo):
     """γ tensor name → :class:`Stated` for the norms of a GGUF (its ε as :func:`~normscope.artifacts.contract`
     reads it)."""
-    from ..artifacts.ggufread import read_gguf, tensor_values
+    from ...artifacts.ggufread import read_gguf, tensor_values
 
     gguf = require("gguf", "gguf")
     eps = read_gguf(path).eps
@@ -384,3 +388,102 @@ def stated_contracts(path: Path, info: FileInfo):
         return None if values is None else Stated(float(eps), values)
 
     return stated
+
+
+class LlamaCppCandidate(Candidate):
+    """A GGUF as llama.cpp runs it on the CPU (this module): ``"llama.cpp"`` (the reference written as a
+    GGUF here) or a ``.gguf`` path. Its named graph tensors are the sites; where a site's input is named too (a
+    norm reads the residual stream), its own error is the candidate's output against the reference's module on the
+    candidate's own input; elsewhere the site is judged on its propagated error."""
+
+    graph = True
+    torch_modules = False
+    runner = " on llama.cpp"
+    scopes_label = "llama.cpp tensor names"
+    bound_suffix = " (llama.cpp: its output against the reference's module on the candidate's own input)"
+
+    def __init__(self, source, reference: torch.nn.Module, stack: contextlib.ExitStack):
+        from ...extras import require
+
+        require("llama_cpp", "llamacpp")
+        ref_dtype = model_dtype(reference)
+        if ref_dtype not in ("float32", "float64"):
+            raise InputError(f"the reference is {ref_dtype}; llama.cpp computes in float32 (from the file's weights at "
+                             "their own types), so a less precise reference would be the suspect, not the judge: "
+                             "give a float32 reference (model.float())")
+        super().__init__("", "float32")
+        self.reference = reference
+        self.modules = dict(reference.named_modules())
+        if isinstance(source, str) and source == "llama.cpp":
+            import tempfile
+
+            from ...artifacts.gguf_write import write_gguf
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="normscope-gguf-"))
+            self.path = write_gguf(reference, Path(folder) / "reference.gguf")
+            self.written_here = True
+        else:
+            self.path = Path(source)
+            if not self.path.is_file():
+                raise InputError(f"{source}: no such GGUF file")
+            self.written_here = False
+        self.values: dict = {}
+        self.info = None
+
+    def run(self, args, kwargs) -> None:
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                        and not a.is_floating_point() and not a.is_complex()), None)
+        if ids is None or ids.dim() not in (1, 2) or ids.is_floating_point():
+            raise InputError("a llama.cpp candidate runs on token ids: give input_ids (batch × tokens) as the inputs")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
+            self.notes.append("the attention mask has padding; llama.cpp decoded every token of each sample")
+        self.values, self.info, self.desc = run_candidate(self.path,
+                                                                         ids.reshape(-1, ids.shape[-1]).cpu())
+        self.dtype = self.info.matrix_dtype
+        if self.written_here:
+            self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
+
+    def align(self, ref_paths: list[str]) -> Alignment:
+        stated = stated_contracts(self.path, self.info)
+        self.records = records(self.values, self.info, ref_paths, Record, stated)
+        self.cache_bytes = kept_bytes(self.records)
+        self.values = {}
+        return Alignment(self.records, self.scopes_label, graph=True)
+
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
+        site = r.module
+        module = self.modules.get(r.path)
+        if site.input is None or module is None:
+            raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
+        if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
+            return site.output, site.dtype, site.stated
+        if not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
+            raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
+                                            "object), so its module is not run again on the candidate's input")
+        at = input_at(args, kw, None)
+        if at is None:
+            raise NotMeasured(None, missing="llama.cpp: the reference's call has no tensor input")
+        x_ref = (args if at[0] == "arg" else kw)[at[1]]
+        if tuple(site.input.shape) != tuple(x_ref.shape):
+            raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
+                                            f"{list(x_ref.shape)}")
+        x_cand = site.input.to(x_ref.device, x_ref.dtype)
+        swapped = list(args), dict(kw)
+        swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
+        with torch.no_grad():
+            y_ref = primary(module(*args, **kw))
+            y_on_cand = primary(module(*swapped[0], **swapped[1]))
+        # the candidate's own error at this site, carried onto the reference's output to be judged like any other
+        yc = y_ref.double() + (site.output.to(y_ref.device).double() - y_on_cand.double())
+        return yc.to(y_ref.dtype), site.dtype, site.stated
+
+
+def is_candidate(obj) -> bool:
+    return is_gguf(obj)
+
+
+def candidate(obj, reference, ref_dtype: str, stack) -> LlamaCppCandidate:
+    return LlamaCppCandidate(obj, reference, stack)

@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError, TargetError
-from ..extras import require
-from ..targets.mlx_target import cpu_stream, is_mlx_module, to_numpy
-from .execution import stateless
+from ...errors import InputError, TargetError
+from ...extras import require
+from ...model import private_copy
+from ...targets.mlx_target import cpu_stream, is_mlx_module, to_numpy
+from ..candidate import Candidate, NotMeasured, kept_bytes
+from ..execution import Memo, Record, input_of, stateless
 
 _PLAIN = (type(None), bool, int, float, str)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -241,3 +243,65 @@ def teacher_forced(call: Call, x: torch.Tensor) -> Any:
     args[at] = to_mlx(x, args[at])
     with mx.stream(cpu_stream()):
         return output(call.module(*args, **call.kwargs))
+
+
+class MlxCandidate(Candidate):
+    """A model as MLX runs it on the CPU (this module): an ``mlx.nn.Module`` with the reference's module
+    names (an mlx-lm port), or ``"mlx"``, the reference ported here by mlx-lm. Each site's own output is its MLX
+    module called on the reference's input; at a dtype below the reference's, the twin is the reference's module
+    at that dtype."""
+
+    runner = " on MLX"
+    torch_modules = False
+    bound_suffix = " (MLX: the site's module on the reference's input)"
+
+    def __init__(self, model, reference: torch.nn.Module, ref_dtype: str):
+        from ...extras import require
+
+        mx = require("mlx.core", "mlx")
+        ported = isinstance(model, str)
+        self.mlx_model = port(reference) if ported else model
+        refuse_quantized(self.mlx_model)
+        dtype = model_dtype(self.mlx_model)
+        what = "the reference ported by mlx-lm" if ported else type(model).__name__
+        super().__init__(f"MLX {mx.__version__} CPU ({what})", dtype)
+        if dtype != ref_dtype:
+            self.torch_dtype = getattr(torch, dtype)
+            self.twin = private_copy(reference, dtype=self.torch_dtype)
+
+
+    def run(self, args, kwargs) -> None:
+        def record(path, number, call, out):
+            self.records.append(Record(path, number, call, floating(output(out))))
+
+        self.error, self.failed, self.notes = run_candidate(self.mlx_model, args, kwargs, record)
+        self.cache_bytes = kept_bytes(self.records)
+
+    def recorded_input(self, r: Record) -> torch.Tensor | None:
+        return floating(first_array(r.module.args))
+
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
+        x = input_of(args, kw, None)
+        if x is None:  # an embedding's token ids
+            x = next((a for a in (*args, *kw.values()) if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            raise NotMeasured("own error not measured: the reference's call has no tensor input")
+        try:
+            yc = teacher_forced(r.module, x)
+        except ValueError as exc:
+            raise NotMeasured(f"own error not measured: {exc}") from None
+        except Exception as exc:
+            raise NotMeasured(f"own error not measured: the candidate's {type(r.module.module).__name__} raised on "
+                              f"the reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
+        y = floating(yc)
+        if y is None:
+            raise NotMeasured("the candidate's module returned no floating array on the reference's input")
+        return y, dtype_of(yc), r.module.module
+
+
+def is_candidate(obj) -> bool:
+    return is_mlx(obj)
+
+
+def candidate(obj, reference, ref_dtype: str, stack) -> MlxCandidate:
+    return MlxCandidate(obj, reference, ref_dtype)

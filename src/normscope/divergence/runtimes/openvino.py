@@ -7,7 +7,7 @@ defaults — its inference precision included (bf16 on CPUs with AMX, f32 elsewh
 judged, and the description says which. Node friendly names carry the torch module scope
 (``__module.model.layers.0.input_layernorm/aten::mul/Multiply`` from the PyTorch frontend,
 ``/model/layers.0/input_layernorm/Mul`` from an ONNX file), so each value maps to a torch site as an ONNX
-candidate's do (:func:`.onnxsites.records`).
+candidate's do (:func:`.onnx.records`).
 
 Own errors (teacher forcing): when the candidate is the reference converted here, a site's own output is the
 reference's module at that site converted alone and run by OpenVINO on the reference's input to it (cached per
@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError, TargetError
-from ..extras import require
-from .execution import primary
-from .onnxsites import scope_outputs
+from ...errors import InputError, TargetError
+from ...extras import require
+from ..candidate import GraphCandidate, NotMeasured
+from ..execution import Memo, Record, primary
+from .onnx import scope_outputs
 
 OWN_MISSING = "OpenVINO model converted elsewhere: no site runs alone"
 _DTYPES = {"f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16",
@@ -225,3 +226,39 @@ def _feeds(model, args, kwargs) -> dict[str, np.ndarray] | list[np.ndarray]:
         raise InputError(f"the OpenVINO model takes {len(model.inputs)} inputs ({', '.join(names)}); got "
                          f"{len(tensors)} tensors")
     return [t.numpy() for t in tensors[:len(model.inputs)]]
+
+
+class OpenVinoCandidate(GraphCandidate):
+    """A model as OpenVINO runs it on the CPU, at the runtime's own inference precision (this module):
+    the reference converted here (``"openvino"``; a site's own output is its module converted alone), or a model
+    converted elsewhere (sites judged on their propagated error)."""
+
+    runner = " on OpenVINO"
+    scopes_label = "openvino scopes"
+    bound_suffix = " (OpenVINO: the site's module converted alone, on the reference's input)"
+
+    def __init__(self, model, reference: torch.nn.Module):
+        super().__init__("", "float32")
+        self.converted_here = isinstance(model, str) and model == "openvino"
+        self.model_obj = reference if self.converted_here else model
+        self.modules = Modules(reference) if self.converted_here else None
+
+    def run(self, args, kwargs) -> None:
+        self.values, self.scopes, self.desc, self.dtype, self.final = run_candidate(
+            self.model_obj, args, kwargs)
+
+    def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
+        if self.modules is None:
+            raise NotMeasured(None, missing=OWN_MISSING)
+        try:
+            return self.modules.run(r.path, args, kw), self.dtype, None
+        except NotConvertible as exc:
+            raise NotMeasured(None, missing=f"OpenVINO: this module alone could not be converted ({exc})") from None
+
+
+def is_candidate(obj) -> bool:
+    return is_openvino(obj)
+
+
+def candidate(obj, reference, ref_dtype: str, stack) -> OpenVinoCandidate:
+    return OpenVinoCandidate(obj, reference)

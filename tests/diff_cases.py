@@ -12,6 +12,7 @@ module that holds such modules). Faults:
 - ``norm_eps``: a norm's ε set to 0.1;
 - ``norm_gamma``: one channel of a norm's γ × 1.5;
 - ``backward``: a leaf's backward × 100, its forward exact (judged with ``grad=True``);
+- ``own_backward``: a non-leaf module's own backward × 100 (after its children), its forward exact;
 - ``clean``, ``clean_bf16``, ``clean_autocast``: no fault, the candidate a copy at float32, the reference at
   bfloat16 (``candidate_dtype``), the reference under ``torch.autocast(bfloat16)``.
 """
@@ -202,10 +203,14 @@ class _BackwardScale(torch.autograd.Function):
 
 
 def _wrap_backward(m: torch.nn.Module) -> None:
+    """The module's primary output passes a backward ×100 (its forward unchanged)."""
     forward = m.forward
 
     def scaled(*a, **k):
-        return _BackwardScale.apply(forward(*a, **k))
+        out = forward(*a, **k)
+        if isinstance(out, tuple):
+            return (_BackwardScale.apply(out[0]), *out[1:])
+        return _BackwardScale.apply(out)
 
     m.forward = scaled
 
@@ -227,7 +232,8 @@ def _norm_gamma(m: torch.nn.Module) -> None:
 
 
 FAULT_ROLE = {"leaf_scale": "leaf", "own_output": "inner", "own_feed": "inner", "norm_eps": "norm",
-              "norm_gamma": "norm", "backward": "leaf"}
+              "norm_gamma": "norm", "backward": "leaf", "own_backward": "inner"}
+GRAD_FAULTS = ("backward", "own_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +270,10 @@ class Case:
             "norm_eps": lambda: _norm_eps(m),
             "norm_gamma": lambda: _norm_gamma(m),
             "backward": lambda: _wrap_backward(m),
+            "own_backward": lambda: _wrap_backward(m),
         }[self.fault]
         apply()
-        return ref, cand, kw, {"grad": True} if self.fault == "backward" else {}
+        return ref, cand, kw, {"grad": True} if self.fault in GRAD_FAULTS else {}
 
 
 def all_cases() -> list[Case]:
@@ -278,7 +285,7 @@ def all_cases() -> list[Case]:
         seen = set()
         for position in POSITIONS:
             found = sites(arch, position)
-            for fault, role in [(f, FAULT_ROLE[f]) for f in (*FORWARD_FAULTS, "backward")] + \
+            for fault, role in [(f, FAULT_ROLE[f]) for f in (*FORWARD_FAULTS, *GRAD_FAULTS)] + \
                     [("own_output", "block"), ("own_feed", "block")]:
                 if role in found and (fault, found[role]) not in seen:
                     seen.add((fault, found[role]))

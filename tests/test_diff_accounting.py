@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 import diff_cases  # noqa: E402
-from diff_cases import CLEAN, Case  # noqa: E402
+from diff_cases import CLEAN, GRAD_FAULTS, Case  # noqa: E402
 
 from normscope.divergence import diff  # noqa: E402
 from normscope.divergence.execution import primary  # noqa: E402
@@ -62,12 +62,12 @@ def test_diff_accounts_for_every_fault(case: Case):
         assert d.verdict in ("pass", "inconclusive"), text
         assert d.verdict == "pass" or d.inconclusive, text
         return
-    moved = _moved(ref, cand, kw, opts.get("grad", False))
+    moved = _moved(ref, cand, kw, case.fault in GRAD_FAULTS)
     if moved > 1e-4:
         assert d.verdict != "pass", f"moved {moved:.3g}; {text}"
     if d.verdict == "fail":
         site = case.site()
-        named = d.grad_first_divergence if case.fault == "backward" else d.first_divergence
+        named = d.grad_first_divergence if case.fault in GRAD_FAULTS else d.first_divergence
         assert named is not None, text
         named = named.split("#")[0]
         assert named == site or site.startswith(named + "."), f"injected at {site}; {text}"

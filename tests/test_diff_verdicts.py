@@ -516,3 +516,28 @@ def test_a_modules_second_output_is_judged_too():
     assert d.verdict == "fail" and d.first_divergence == "two", d.summary()
     assert "its output '1'" in d.divergence["reason"] and d.site("two").outputs["1"] > 0.1
     assert d.site("(model)").outputs == {"1": 0.0}
+
+
+class _OwnBackwardFault(nn.Module):
+    """Its projections are exact; its own code between them has a backward ×100 (a custom autograd function)."""
+
+    def __init__(self, bad: bool = False):
+        super().__init__()
+        self.q, self.o, self.bad = nn.Linear(W, W), nn.Linear(W, W), bad
+
+    def forward(self, x):
+        h = torch.tanh(self.q(x))
+        return x + self.o(_Times100.apply(h) if self.bad else h)
+
+
+def test_grad_fails_at_a_module_whose_own_backward_between_its_children_is_wrong():
+    """A module's own backward is judged with its children's backward replayed from the reference: a fault between
+    its children is named at the module, its children within."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_OwnBackwardFault(), nn.LayerNorm(W), nn.Linear(W, 4)).eval()
+    cand = nn.Sequential(_OwnBackwardFault(bad=True), nn.LayerNorm(W), nn.Linear(W, 4)).eval()
+    cand.load_state_dict(ref.state_dict())
+    d = diff(ref, cand, X, grad=True, progress=False)
+    assert d.first_divergence is None and d.grad_first_divergence == "0" and d.verdict == "fail", d.summary()
+    assert "own backward, between its children" in d.grad_divergence["reason"]
+    assert all(s.status == "within" for s in d.grad_sites if s.name in ("0.q", "0.o"))

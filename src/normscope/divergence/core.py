@@ -174,9 +174,14 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         hooks = _walk_reference(reference, args, kwargs, walk)
         result = _verdict(reference, cand, alignment.mode, walk, hooks.errors, notes, say)
         g = {"sites": [], "first": None, "divergence": None, "params": [], "undecided": []}
-        if grad:
+        if grad and cand.error:
+            notes.append("gradients not compared: the candidate's forward raised (above)")
+        elif grad:
             g = _gradients(reference, cand, alignment.mode, walk, args, kwargs, loss_fn, ref_dtype, notes, say)
-            if g["first"] is None:
+            if g.get("raised"):  # a candidate whose backward raises is wrong, as one whose forward does
+                result["failed"] = result["failed"] or result["first_divergence"] is None
+                result["divergence"] = result["divergence"] or {"site": None, "reason": g["raised"]}
+            elif g["first"] is None:
                 result["inconclusive"] = result["inconclusive"] + g["undecided"]
     sites = walk.sites
     return Diff(reference=type(reference).__name__, candidate=cand.desc, reference_dtype=ref_dtype,
@@ -245,8 +250,7 @@ def _gradients(reference, cand: Candidate, mode: str, walk: Walk, args, kwargs, 
 
     g = gradients.run(reference, cand.model, cand.twin, args, kwargs, cand_torch_dtype=cand.torch_dtype, ac=cand.ac,
                       ref_dtype=ref_dtype, cand_dtype=cand.dtype, loss_fn=loss_fn,
-                      own_site=lambda m, leaf, leaf_children: leaf or (leaf_children
-                                                                       and id(m) not in walk.block_or_above),
+                      own_site=lambda m, leaf, leaf_children: True,  # every module: its children replayed
                       site_contracts=walk.site_contracts, say=say)
     notes.extend(g["notes"][:5])
     g["undecided"] = gradients.undecided(g)

@@ -329,10 +329,31 @@ def snapshot(args, kwargs) -> dict | None:
         if stateless(value):
             continue
         try:
-            state[key] = copy.deepcopy(value)
+            state[key] = copy.deepcopy(value, _detached_memo(value))
         except Exception as exc:
             state[key] = f"{type(value).__name__} could not be copied ({type(exc).__name__}: {exc})"
     return state or None
+
+
+def _detached_memo(obj, depth: int = 5, memo: dict | None = None) -> dict:
+    """A deepcopy memo holding a detached copy of each tensor an object holds (in its attributes, lists, tuples
+    and dicts): a cache filled under autograd holds tensors with a history, which deepcopy refuses."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().clone()
+        return memo
+    if depth <= 0 or isinstance(obj, SAFE):
+        return memo
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, list | tuple):
+        items = list(obj)
+    else:
+        items = list(getattr(obj, "__dict__", {}).values())
+    for item in items:
+        _detached_memo(item, depth - 1, memo)
+    return memo
 
 
 def restored(args, kwargs, state: dict | None) -> tuple[tuple, dict] | str:
@@ -350,7 +371,7 @@ def restored(args, kwargs, state: dict | None) -> tuple[tuple, dict] | str:
                         "was not seen")
             if isinstance(saved, str):
                 return saved
-            box[k] = copy.deepcopy(saved)
+            box[k] = copy.deepcopy(saved, _detached_memo(saved))
     return tuple(args), kwargs
 
 
@@ -388,23 +409,26 @@ def freeze(obj, dtype: torch.dtype | None = None, depth: int = 0):
         except Exception:
             raise Unfrozen(type(obj).__name__) from None
     try:
-        return _Copied(copy.deepcopy(obj))
+        return _Copied(copy.deepcopy(obj, _detached_memo(obj)))
     except Exception:
         raise Unfrozen(type(obj).__name__) from None
 
 
-def thawed(obj):
-    """A fresh copy of a frozen output for one replay (the parent may write it in place)."""
+def thawed(obj, dtype: torch.dtype | None = None):
+    """A fresh copy of a frozen output for one replay (the parent may write it in place), its floating tensors at
+    ``dtype`` (None: as frozen); containers rebuilt with their own types."""
     if isinstance(obj, torch.Tensor):
+        if dtype is not None and obj.is_floating_point() and obj.dtype != dtype:
+            return obj.to(dtype)
         return obj.clone()
     if isinstance(obj, tuple | list):
-        items = [thawed(o) for o in obj]
+        items = [thawed(o, dtype) for o in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, Mapping):
-        items = {k: thawed(v) for k, v in obj.items()}
+        items = {k: thawed(v, dtype) for k, v in obj.items()}
         return type(obj)(**items) if type(obj) is not dict else items
     if isinstance(obj, _Copied):
-        return copy.deepcopy(obj.obj)
+        return copy.deepcopy(obj.obj, _detached_memo(obj.obj))
     return obj
 
 

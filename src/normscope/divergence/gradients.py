@@ -23,10 +23,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, NormscopeError
 from ..sites.classes import known_class
 from . import metrics
-from .execution import CallStack, Hooks, cast, input_at, input_of, primary, site_name, stateless
+from .execution import (
+    CallStack,
+    Hooks,
+    Unfrozen,
+    cast,
+    freeze,
+    input_at,
+    input_of,
+    primary,
+    restored,
+    site_name,
+    snapshot,
+    stateless,
+    thawed,
+    versions,
+)
 from .result import SiteDiff
 
 
@@ -95,24 +110,158 @@ def undecided(g: dict[str, Any]) -> list[str]:
     return why
 
 
-def _vjp(module, args, kw, dy, dtype, ac=None):
+class _ChildBackward(torch.autograd.Function):
+    """A replayed child in a module's own backward: forward, the reference's outputs for that call; backward, the
+    reference child's vector-Jacobian products at the reference's inputs (for every floating input the module's
+    code handed it — a residual, an encoder's states — and from every floating output — a router's weights beside
+    its logits), so the module's own code alone is what the comparison sees."""
+
+    @staticmethod
+    def forward(ctx, n_out, vjp, *tensors):
+        outs, xs = tensors[:n_out], tensors[n_out:]
+        ctx.vjp, ctx.dtypes = vjp, [x.dtype for x in xs]
+        return tuple(o.clone() for o in outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        dx = ctx.vjp(list(gs))
+        return (None, None, *(None for _ in gs),
+                *(d.to(t) if d is not None else None for d, t in zip(dx, ctx.dtypes, strict=True)))
+
+
+def _floating_inputs(args, kw) -> list[tuple[str, Any, torch.Tensor]]:
+    """A call's floating tensor arguments that carry a gradient, as (where, key, tensor)."""
+    return [(w, k, v) for w, items in (("arg", enumerate(args)), ("kw", kw.items())) for k, v in items
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad]
+
+
+class _GradKid:
+    """A child call of a module, as the module's own backward replays it (see :class:`_ChildBackward`)."""
+
+    __slots__ = ("path", "module", "args", "kw", "state", "out")
+
+    def __init__(self, path, module, args, kw, state, out):
+        self.path, self.module, self.args, self.kw, self.state, self.out = path, module, args, kw, state, out
+
+    def vjp(self, gs: list, positions: list[tuple[str, Any]], outputs: list[int | None]) -> list:
+        """The reference child's input gradients at ``positions`` for the gradients ``gs`` of its floating outputs
+        (``outputs``: their indices in its output tuple; None: the output is the tensor itself)."""
+        ready = restored(self.args, self.kw, self.state)
+        args, kw = ready if not isinstance(ready, str) else (self.args, self.kw)
+        args, kw = list(args), dict(kw)
+        xs = []
+        for where, key in positions:
+            box = args if where == "arg" else kw
+            have = box[key] if (key in box if where == "kw" else key < len(box)) else None
+            if isinstance(have, torch.Tensor) and have.is_floating_point():
+                box[key] = have.detach().requires_grad_(True)
+                xs.append(box[key])
+            else:
+                xs.append(None)
+        wanted = [x for x in xs if x is not None]
+        if not wanted:
+            return [None] * len(xs)
+        with torch.enable_grad():
+            out = self.module(*args, **kw)
+            ys = [out if i is None else out[i] for i in outputs]
+            pairs = [(y, g.to(y.dtype)) for y, g in zip(ys, gs, strict=True)
+                     if g is not None and isinstance(y, torch.Tensor) and y.requires_grad]
+            grads = iter(torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs],
+                                             allow_unused=True)) if pairs else iter([None] * len(wanted))
+        return [next(grads) if x is not None else None for x in xs]
+
+
+@contextlib.contextmanager
+def _replayed(kids: list[_GradKid], module_of, dtype):
+    """While a module's own backward runs: each child call returns the reference's output, tied to the inputs the
+    module's code handed it by the reference child's backward (:class:`_ChildBackward`); a child called more often
+    than in the reference runs as it is. Yields the list of (child path, its replayed output), whose gradients
+    are what the module's own backward hands its children."""
+    queues: dict[int, list[_GradKid]] = {}
+    modules: dict[int, torch.nn.Module] = {}
+    for kid in kids:
+        m = module_of(kid)
+        if isinstance(m, torch.nn.Module):
+            queues.setdefault(id(m), []).append(kid)
+            modules[id(m)] = m
+
+    def replacement(m, forward):
+        queue = queues[id(m)]
+
+        def replayed(*a, **k):
+            if not queue:
+                return forward(*a, **k)
+            kid = queue.pop(0)
+            out = thawed(kid.out, dtype)
+            inputs = _floating_inputs(a, k)
+            if isinstance(out, torch.Tensor):
+                at = [None] if out.is_floating_point() else []
+            elif isinstance(out, tuple | list):
+                at = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            else:
+                at = []
+            if not at:
+                return out
+            ys = [out if i is None else out[i] for i in at]
+            if inputs:
+                positions = [(w, key) for w, key, _ in inputs]
+                tied = _ChildBackward.apply(len(ys), lambda gs: kid.vjp(gs, positions, at),
+                                            *(y.detach() for y in ys), *(t for _, _, t in inputs))
+            else:  # no input gradient (token ids): only what the module's code hands it is seen
+                tied = tuple(y.detach().requires_grad_(True) for y in ys)
+            handed.append((kid.path, tied[0]))  # the gradient the module's own backward hands this child
+            if isinstance(out, torch.Tensor):
+                return tied[0]
+            items = list(out)
+            for i, t in zip(at, tied, strict=True):
+                items[i] = t
+            return type(out)(items)
+
+        return replayed
+
+    handed: list[tuple[str, torch.Tensor]] = []
+    saved = []
+    try:
+        for m in modules.values():
+            saved.append((m, vars(m).get("forward")))
+            m.forward = replacement(m, m.forward)
+        yield handed
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = previous
+
+
+def _vjp(module, args, kw, dy, dtype, ac=None, kids=(), module_of=None):
     """dx (w.r.t. the call's main input: the first floating positional tensor, or for a call with keyword
     arguments only the floating keyword tensor of the output's shape) and the module's own parameter gradients,
     at ``dtype`` (None: as given), for output gradient ``dy``; and, under ``ac`` (autocast), the least precise
-    dtype the forward's ops ran at (else None)."""
+    dtype the forward's ops ran at (else None); and the gradients its code hands each replayed child's output.
+    ``kids``: child calls replayed (:func:`_replayed`), each found on this side by ``module_of``."""
     xs, kws = list(cast(args, dtype)), dict(cast(kw, dtype, True))
-    where, key = input_at(xs, kws, dy)
-    box = xs if where == "arg" else kws
-    box[key] = box[key].detach().requires_grad_(True)
+    at = input_at(xs, kws, dy)  # None: no floating input (token ids), only parameter gradients
+    inputs = []
+    if at is not None:
+        box = xs if at[0] == "arg" else kws
+        box[at[1]] = box[at[1]].detach().requires_grad_(True)
+        inputs = [box[at[1]]]
     params = [(n, p) for n, p in module.named_parameters(recurse=True) if p.requires_grad]
     seen: list[str] = []
     with torch.enable_grad():
-        with ac.observe() if ac else contextlib.nullcontext(seen) as seen:
+        with ac.observe() if ac else contextlib.nullcontext(seen) as seen, \
+                _replayed(list(kids), module_of, dtype) if kids else contextlib.nullcontext([]) as handed:
             y = primary(module(*xs, **kws))
+        if not y.requires_grad:  # nothing of its own is differentiable (its children replayed, no input gradient)
+            return None, {}, seen[0] if seen and seen[0] else None, []
         g = dy if dtype is None else dy.to(dtype)
-        grads = torch.autograd.grad(y, [box[key]] + [p for _, p in params], g.to(y.dtype), allow_unused=True)
-    return (grads[0], {n: gp for (n, _), gp in zip(params, grads[1:], strict=True) if gp is not None},
-            seen[0] if seen and seen[0] else None)
+        grads = list(torch.autograd.grad(y, inputs + [p for _, p in params] + [t for _, t in handed],
+                                         g.to(y.dtype), allow_unused=True))
+    dx = grads.pop(0) if inputs else None
+    to_kids = [(path, grads[len(params) + i]) for i, (path, _) in enumerate(handed)]
+    return (dx, {n: gp for (n, _), gp in zip(params, grads[:len(params)], strict=True) if gp is not None},
+            seen[0] if seen and seen[0] else None, to_kids)
 
 
 def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dparams, ref_dtype, cand_dtype):
@@ -185,12 +334,20 @@ def _candidate_pass(cand_model, args, kwargs, cand_torch_dtype, ac, loss_fn):
 
 
 def _worst(dx_error: float | None, dp: dict, ref_dp: dict) -> float | None:
-    """The largest of dx's ‖Δ‖/‖r‖ (given) and each own parameter gradient's."""
+    """The largest of dx's ‖Δ‖/‖r‖ (given; None: the call has no floating input) and each own parameter
+    gradient's; None when there is neither."""
     worst = dx_error
     for n, gp in dp.items():
-        if n in ref_dp and worst is not None:
-            worst = max(worst, metrics.errors(gp, ref_dp[n]).get("normalized", math.inf))
+        if n in ref_dp:
+            e = metrics.errors(gp, ref_dp[n]).get("normalized", math.inf)
+            worst = e if worst is None else max(worst, e)
     return worst
+
+
+def _worst_param(dp: dict, ref_dp: dict) -> dict[str, Any] | None:
+    """The metrics of the parameter gradient that errs most (a call without a floating input: an embedding)."""
+    found = [metrics.errors(gp, ref_dp[n]) for n, gp in dp.items() if n in ref_dp]
+    return max(found, key=lambda m: m.get("normalized", math.inf), default=None)
 
 
 class _GradientWalk:
@@ -210,7 +367,7 @@ class _GradientWalk:
         self.frames = CallStack()
 
     def pre(self, module, path, number, a, kw=None):
-        self.frames.enter(a)
+        self.frames.enter(a, None if stateless(a) and stateless(kw or {}) else snapshot(a, kw))
 
     def post(self, module, path, number, a, kw, output):
         f, leaf = self.frames.leave()
@@ -218,10 +375,20 @@ class _GradientWalk:
         if not (isinstance(y, torch.Tensor) and y.is_floating_point() and y.requires_grad):
             return
         x = input_of(f["args"], kw, y)  # a module called with keyword arguments only has its input there
-        own = self.own_site(module, leaf, f["leaf_children"]) and x is not None and y is not x \
-            and stateless(f["args"]) and stateless(kw)
+        ready = restored(f["args"], kw, f["state"])  # a call that takes a cache: its state before the call
+        # no floating input (an embedding of token ids): judged by its parameter gradients alone
+        learns = x is not None or any(p.requires_grad for p in module.parameters())
+        own = self.own_site(module, leaf, f["leaf_children"]) and learns and y is not x \
+            and not isinstance(ready, str) and versions(f["args"]) == f["versions"]
         saved = (tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in f["args"]),
-                 {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}) if own else None
+                 {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}, f["state"],
+                 f["kids"]) if own else None
+        if own and len(self.frames):  # its parent's own backward replays it
+            try:
+                self.frames.frames[-1]["kids"].append(_GradKid(path, module, saved[0], saved[1], f["state"],
+                                                               freeze(output)))
+            except Unfrozen:
+                pass
         y.register_hook(lambda g: self._at_site(module, path, number, g, saved))
 
     def _at_site(self, module, path, number, g, saved):
@@ -249,16 +416,34 @@ class _GradientWalk:
         if saved is not None and cm is not None:
             self._own(s, module, cm, path, g, *saved)
 
-    def _own(self, s: SiteDiff, module, cm, path, g, a, kw):
-        ref_dx, ref_dp, _ = _vjp(module, a, kw, g, None)
+    def _run(self, module, a, kw, state, g, dtype, ac=None, kids=(), module_of=None):
+        ready = restored(a, kw, state)
+        return _vjp(module, *ready, g, dtype, ac, kids, module_of)
+
+    def _own(self, s: SiteDiff, module, cm, path, g, a, kw, state, kids):
+        # both sides with their children replayed: the module's own backward, and what it hands each child
+        ref_dx, ref_dp, _, ref_handed = self._run(module, a, kw, state, g, None, None, kids, lambda kid: kid.module)
         try:
-            dx_c, dp_c, seen = _vjp(cm, a, kw, g, self.cand_torch_dtype, self.ac)
+            dx_c, dp_c, seen, handed = self._run(cm, a, kw, state, g, self.cand_torch_dtype, self.ac, kids,
+                                                 lambda kid: self.cand_modules.get(kid.path))
         except Exception as exc:
             s.status, s.note = "raised", f"the candidate's backward raised on the reference's input: " \
                                          f"{type(exc).__name__}: {exc}"
             return
         site_dtype = s.dtype = seen or self.cand_dtype  # under autocast: the dtype its forward's ops ran at
-        s.own = metrics.errors(dx_c, ref_dx)
+        s.children_replayed = len(kids)
+        handed_worst = None  # the gradient its own backward hands a child, against the reference's
+        for (kid_path, gc), (_, gr) in zip(handed, ref_handed, strict=False):
+            if gc is None and gr is None:
+                continue
+            m = metrics.errors(gc, gr) if gc is not None and gr is not None else {"normalized": math.inf}
+            if s.feeds is None or not m["normalized"] <= s.feeds:
+                s.feeds, s.feeds_to, handed_worst = m["normalized"], kid_path, m
+        s.own = metrics.errors(dx_c, ref_dx) if dx_c is not None and ref_dx is not None else \
+            _worst_param(dp_c, ref_dp) or (handed_worst if handed_worst and "max_abs" in handed_worst else None)
+        if s.own is None:
+            s.status, s.note = "propagated", "no input or parameter gradient of its own to compare"
+            return
         x = input_of(a, kw, g)
         if s.kind == "norm":
             v = _norm_judge(self.site_contracts, module, x, g, dx_c, dp_c, ref_dx, ref_dp, self.ref_dtype,
@@ -270,17 +455,22 @@ class _GradientWalk:
                 s.status = "within" if v["ok"] else "diverged"
                 return
             s.note = f"judged by the dtype-derived rule: {v['error']}"
-        worst = _worst(s.own["normalized"], dp_c, ref_dp)  # ‖Δ‖/‖r‖ of dx and each own parameter gradient
+        # ‖Δ‖/‖r‖ of dx, each own parameter gradient, and the gradients handed to its children
+        worst = max(_worst(s.own["normalized"], dp_c, ref_dp), s.feeds or 0.0)
         lowered = self.twin is not None and site_dtype != self.ref_dtype
         tw = None
         if lowered and self.twin is self.cand_model:
             tw = worst  # the candidate is the reference's own copy at its dtype: it is its own twin
         elif lowered and path in self.twin_modules:
-            t_dx, t_dp, _ = _vjp(self.twin_modules[path], a, kw, g, self.cand_torch_dtype, self.ac)
-            tw = _worst(metrics.errors(t_dx, ref_dx).get("normalized"), t_dp, ref_dp)
+            t_dx, t_dp, _, t_handed = self._run(self.twin_modules[path], a, kw, state, g, self.cand_torch_dtype,
+                                                self.ac, kids, lambda kid: self.twin_modules.get(kid.path))
+            tw = _worst(metrics.errors(t_dx, ref_dx).get("normalized") if t_dx is not None else None, t_dp, ref_dp)
+            for (_, gt), (_, gr) in zip(t_handed, ref_handed, strict=False):
+                if gt is not None and gr is not None and tw is not None:
+                    tw = max(tw, metrics.errors(gt, gr).get("normalized", math.inf))
             tw = tw if tw is not None and math.isfinite(tw) else None
         s.twin = tw
-        n = int(x.shape[-1]) if x.dim() else 1
+        n = int(g.shape[-1]) if x is None else int(x.shape[-1]) if x.dim() else 1
         s.bound, s.bound_rule = metrics.bound(site_dtype, self.ref_dtype, tw if lowered else None, n)
         if lowered and tw is None:
             s.bound_rule += " (no faithful twin measured)"
@@ -297,6 +487,11 @@ def _divergence(first: SiteDiff) -> dict[str, Any]:
     else:
         reason = (f"own gradient error ‖Δ‖/‖r‖ = {first.own['normalized']:.3g} > bound {first.bound:.3g} "
                   f"[{first.bound_rule}]")
+        if first.feeds is not None and first.bound is not None and first.feeds > first.bound:
+            reason += f"; its backward hands {first.feeds_to} a gradient that errs by ‖Δ‖/‖r‖ = {first.feeds:.3g}"
+        if first.children_replayed:
+            reason += (f"; the error is in this module's own backward, between its children ({first.children_replayed}"
+                       " child call(s) replayed with the reference's outputs and backward)")
     return {"site": first.name, "class": first.cls, "kind": first.kind, "reason": reason}
 
 
@@ -308,7 +503,13 @@ def run(reference, cand_model, twin, args, kwargs, *, cand_torch_dtype, ac, ref_
         loss_fn, own_site, site_contracts, say) -> dict[str, Any]:
     """The gradient comparison; returns sites (backward order), the first divergence, parameter gradients, notes."""
     say("gradients: the candidate's forward and backward")
-    found = _candidate_pass(cand_model, args, kwargs, cand_torch_dtype, ac, loss_fn)
+    try:
+        found = _candidate_pass(cand_model, args, kwargs, cand_torch_dtype, ac, loss_fn)
+    except NormscopeError:
+        raise
+    except Exception as exc:
+        return {**_nothing("the candidate's forward and backward raised"),
+                "raised": f"the candidate's backward pass raised: {type(exc).__name__}: {exc}"}
     if found is None:
         return _nothing("nothing in the candidate requires grad")
     cand_grads, cand_param_grads = found

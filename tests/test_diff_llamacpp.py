@@ -1,11 +1,14 @@
 """``diff`` against a GGUF as llama.cpp runs it (the ``llamacpp`` extra: llama-cpp-python, which builds llama.cpp
 from source, so it is not part of ``dev``; these tests skip without it — ``pip install 'normscope[llamacpp]'``).
 
-Tiny random-weight Hugging Face Llama and Qwen 3 written as GGUF files by :func:`normscope.artifacts.write_gguf`
-(Llama's Q/K permuted to llama.cpp's interleaved rotary layout, as its converter does) and decoded by llama.cpp on
-the CPU, its graph tensors read through the evaluation callback. A clean file passes with every norm site judged on
-its own error; an ε changed in the file's metadata or one norm's γ edited in it is the first divergence, at its
-site, with the difference named.
+Tiny random-weight Hugging Face models (Llama, Qwen 2, Qwen 3, Gemma, Gemma 2, Gemma 3, Phi-3, GPT-NeoX: hidden 64,
+two layers, a vocabulary of 128, the norms' γ perturbed so a fault in them shows) written as GGUF files by
+:func:`normscope.artifacts.write_gguf` as llama.cpp's converter writes them (Llama's Q/K permuted to the interleaved
+rotary layout, Gemma's γ stored as 1 + w, GPT-NeoX's fused QKV rows regrouped) and decoded by llama.cpp on the CPU,
+its graph tensors read through the evaluation callback and mapped to the modules through the transformation each
+went through (Gemma's embedding scaled by √d in the graph, GELU read from ggml's float16 table). A clean file
+passes with every norm site judged on its own error; an ε changed in the file's metadata, one norm's γ channel ×1.5
+or Gemma's γ offset applied twice is the first divergence, at its norm, with the difference named.
 """
 
 from __future__ import annotations
@@ -32,6 +35,61 @@ from normscope.artifacts.gguf_write import write_gguf  # noqa: E402
 
 def _model(family: str):
     return tiny_causal_lm(family)
+
+
+#: the families beyond tiny_causal_lm's, each as its own config (ids 0–2 are the file's control pieces)
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _tiny(family: str):
+    """A tiny random-weight model of ``family`` (``gpt_neox_sequential``: GPT-NeoX without its parallel residual),
+    its norms' γ (and every bias) perturbed. Gemma 2/3 attend through a sliding window of 8 of the 12 tokens, on one
+    layer of two; the query scale is 1/√head_dim, the one llama.cpp derives (query_pre_attn_scalar = head_dim)."""
+    if family in ("llama", "qwen3"):
+        return tiny_causal_lm(family)
+    t = transformers
+    gemma = dict(SIZE, head_dim=16, query_pre_attn_scalar=16, **_SPECIAL)
+    configs = {
+        "qwen2": lambda: t.Qwen2Config(**SIZE),
+        "gemma": lambda: t.GemmaConfig(**SIZE, head_dim=16, **_SPECIAL),
+        "gemma2": lambda: t.Gemma2Config(**gemma, sliding_window=8),
+        "gemma3": lambda: t.Gemma3TextConfig(**gemma, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"]),
+        "phi3": lambda: t.Phi3Config(**SIZE, **_SPECIAL),
+        "gpt_neox": lambda: t.GPTNeoXConfig(**{k: v for k, v in SIZE.items() if k != "num_key_value_heads"},
+                                            hidden_act="gelu_pytorch_tanh", **_SPECIAL),
+        "gpt_neox_sequential": lambda: t.GPTNeoXConfig(
+            **{k: v for k, v in SIZE.items() if k != "num_key_value_heads"}, hidden_act="gelu_pytorch_tanh",
+            use_parallel_residual=False, **_SPECIAL),
+        "gpt_neox_erf": lambda: t.GPTNeoXConfig(**{k: v for k, v in SIZE.items() if k != "num_key_value_heads"},
+                                                hidden_act="gelu", **_SPECIAL),
+    }
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(configs[family](), attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.2)
+    return model
+
+
+def _norms(model) -> list[str]:
+    return [n for n, m in model.named_modules() if "RMSNorm" in type(m).__name__ or isinstance(m, torch.nn.LayerNorm)]
+
+
+def _effective_gamma_times(model, path: str, channel: int, factor: float):
+    """A copy of ``model`` whose norm ``path`` has the effective γ of one channel × ``factor`` (Gemma's norms apply
+    1 + w, so w is set to make 1 + w so)."""
+    edited = copy.deepcopy(model)
+    norm = dict(edited.named_modules())[path]
+    with torch.no_grad():
+        if "Gemma" in type(norm).__name__:
+            norm.weight[channel] = factor * (1 + norm.weight[channel]) - 1
+        else:
+            norm.weight[channel] *= factor
+    return edited
 
 
 def _ids():
@@ -179,3 +237,101 @@ def test_what_cannot_be_compared_is_refused_with_the_reason(tmp_path):
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}))
     with pytest.raises(InputError, match="rotary embedding is scaled"):
         write_gguf(scaled, tmp_path / "scaled.gguf")
+
+
+#: Gemma (√d embedding scale in the graph, γ stored as 1 + w), Gemma 2 (post norms, soft-capping, a sliding layer),
+#: Gemma 3 (per-head q/k norms after the transpose to heads), Phi-3 (fused QKV and gate-up, an unnamed residual sum),
+#: GPT-NeoX (LayerNorm with β, fused QKV regrouped, parallel and sequential residual), and Qwen 2's biases
+CLEAN = ["gemma", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt_neox_sequential", "qwen2", "qwen3"]
+#: modules whose output no tensor of the graph holds (Gemma 3 calls its rotary embedding twice: ``rotary_emb#1``)
+NOT_COMPARED = ("rotary_emb", "act_fn", "activation_fn")
+
+
+@pytest.mark.parametrize("family", CLEAN)
+def test_a_clean_gguf_of_each_mapped_architecture_passes_every_site_judged(family, tmp_path):
+    model = _tiny(family)
+    d = diff(model, str(write_gguf(model, tmp_path / f"{family}.gguf")), _ids(), progress=False)
+    assert d.verdict == "pass", (d.summary(), d.inconclusive, d.divergence)
+    norms = [s for s in d.sites if s.kind == "norm"]
+    assert len(norms) == len(_norms(model))
+    assert all(s.status == "within" and s.elementwise for s in norms), [(s.name, s.status, s.note) for s in norms]
+    # the embedding is compared exactly: Gemma's graph scales it by √d (inp_scaled), as its embedding module does
+    embedding = next(s for s in d.sites if s.name.endswith(("embed_tokens", "embed_in")))
+    assert embedding.status == "within" and embedding.own["normalized"] == 0.0
+    # every module is compared, but those whose output no tensor of the graph holds, each with the reason
+    unmatched = [s for s in d.sites if s.status == "unmatched"]
+    assert all(s.name.split("#")[0].endswith(NOT_COMPARED) and s.note.startswith("not compared: ")
+               for s in unmatched), \
+        [(s.name, s.note) for s in unmatched]
+    own = [s for s in d.sites if s.own is not None]
+    assert len(own) >= len(norms) + 4 and all(s.status == "within" for s in own)
+    assert d.site("(model)").propagated["normalized"] < 2e-6
+    if family.startswith(("gemma", "gpt_neox")):
+        assert any("float16 table" in n and "moves the model's output" in n for n in d.notes), d.notes
+
+
+@pytest.mark.parametrize("family, first", [("gemma2", "model.layers.0.input_layernorm"),
+                                           ("phi3", "model.layers.0.input_layernorm"),
+                                           ("gpt_neox", "gpt_neox.layers.0.input_layernorm")])
+def test_eps_changed_in_the_metadata_is_found_at_the_first_norm(family, first, tmp_path):
+    model = _tiny(family)
+    d = diff(model, str(write_gguf(model, tmp_path / "eps.gguf", eps=1e-2)), _ids(), progress=False)
+    assert d.verdict == "fail" and d.first_divergence == first, d.summary()
+    eps = getattr(model.config, "rms_norm_eps", None) or model.config.layer_norm_eps
+    assert d.divergence["differences"] == [f"expected ε={eps:g}; found ε=0.01"]
+
+
+@pytest.mark.parametrize("family, norm", [("gemma3", "model.layers.1.self_attn.k_norm"),
+                                          ("gemma2", "model.layers.0.post_feedforward_layernorm"),
+                                          ("phi3", "model.layers.1.post_attention_layernorm"),
+                                          ("gpt_neox", "gpt_neox.layers.1.post_attention_layernorm")])
+def test_one_gamma_channel_times_one_and_a_half_in_the_file_is_found_at_that_norm(family, norm, tmp_path):
+    model = _tiny(family)
+    path = write_gguf(_effective_gamma_times(model, norm, 3, 1.5), tmp_path / "gamma.gguf")
+    d = diff(model, str(path), _ids(), progress=False)
+    assert d.verdict == "fail" and d.first_divergence == norm, d.summary()
+    (gamma,) = d.divergence["parameter_differences"]
+    size = dict(model.named_modules())[norm].weight.numel()
+    assert f"effective γ differs at 1 of {size} channels" in gamma and "channel 3" in gamma and "×1.5" in gamma
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma3"])
+def test_gemma_gamma_offset_applied_twice_is_found_at_the_first_norm(family, tmp_path):
+    """A converter that adds Gemma's 1 to a γ that already holds it (stored 2 + w): every norm is off by one."""
+    model = _tiny(family)
+    twice = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in twice.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    d = diff(model, str(write_gguf(twice, tmp_path / "twice.gguf")), _ids(), progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "model.layers.0.input_layernorm", d.summary()
+    (gamma,) = d.divergence["parameter_differences"]
+    assert "effective γ differs at 64 of 64 channels" in gamma
+    assert "(1+w)" in d.divergence["offset_note"]
+
+
+def test_an_exact_gelu_is_another_function_than_llama_cpps_and_is_found_at_the_activation(tmp_path):
+    """llama.cpp's GELU is the tanh approximation (from a float16 table): a model whose GELU is exact (erf), as
+    Pythia's, differs there, and diff says so rather than calling the file clean."""
+    model = _tiny("gpt_neox_erf")
+    d = diff(model, str(write_gguf(model, tmp_path / "erf.gguf")), _ids(), progress=False)
+    assert d.verdict == "fail" and d.first_divergence == "gpt_neox.layers.0.mlp.act", d.summary()
+    assert any("tanh approximation" in n and "GELUActivation (erf)" in n for n in d.notes), d.notes
+
+
+def test_write_gguf_refuses_a_gemma_query_scale_llama_cpp_would_not_apply(tmp_path):
+    config = transformers.Gemma2Config(**SIZE, head_dim=16, query_pre_attn_scalar=256, **_SPECIAL)
+    with pytest.raises(InputError, match="query_pre_attn_scalar"):
+        write_gguf(transformers.Gemma2ForCausalLM(config), tmp_path / "scale.gguf")
+
+
+def test_an_architecture_the_map_does_not_know_has_only_its_output_compared():
+    """Its tensors are not mapped to modules (a Llama-named tensor of another graph need not be the module's
+    output): none of its sites is judged, so the verdict cannot be a pass."""
+    from types import SimpleNamespace
+
+    from normscope.divergence.runtimes.llamacpp import site_map
+
+    embedding, entries, not_compared = site_map(SimpleNamespace(arch="falcon", parallel=True))
+    assert [e.path for e in entries] == [""] and not not_compared

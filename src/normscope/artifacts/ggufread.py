@@ -29,8 +29,8 @@ RMS_KEY = "{arch}.attention.layer_norm_rms_epsilon"
 LN_KEY = "{arch}.attention.layer_norm_epsilon"
 FAMILY = {
     "llama": "rmsnorm", "mistral": "rmsnorm", "qwen2": "rmsnorm", "qwen3": "rmsnorm", "gemma": "rmsnorm",
-    "gemma2": "rmsnorm", "gemma3": "rmsnorm", "olmo2": "rmsnorm",
-    "gpt2": "layernorm", "bert": "layernorm", "phi2": "layernorm", "command-r": "layernorm",
+    "gemma2": "rmsnorm", "gemma3": "rmsnorm", "olmo2": "rmsnorm", "phi3": "rmsnorm",
+    "gpt2": "layernorm", "bert": "layernorm", "phi2": "layernorm", "command-r": "layernorm", "gptneox": "layernorm",
 }
 MAX_DIMS = 4
 MAX_NESTING = 4

@@ -7,7 +7,9 @@ to. Pure: each function reads its arguments and sets the fields of the one :clas
 - :func:`composition` — a module without an own error (a block, the model) whose output errs far more than every
   child's output and its input did: the divergence is in its own code between its children;
 - :func:`graph_propagated` — a runtime graph's site (ONNX, OpenVINO) without an own error, judged on its
-  propagated error.
+  propagated error;
+- :func:`graph_output` — a runtime graph's final output: within its bound, or explained by the sites inside it,
+  or born in the model's own code outside them (a divergence), or not explained where sites were not compared.
 """
 
 from __future__ import annotations
@@ -64,10 +66,54 @@ def composition(s: SiteDiff, *, err: float, child_error: float, incoming: float 
 
 def graph_propagated(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str) -> None:
     """A runtime graph's site (ONNX, OpenVINO) without an own error is judged on its propagated error (same dtype:
-    16·u·√n); the model's output is compared, not judged (it carries every layer's rounding)."""
+    16·u·√n); the model's output is judged by :func:`graph_output`."""
     if s.status == "propagated" and s.propagated is not None and s.depth > 0:
         s.bound, s.bound_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
         s.bound_rule += " (on the propagated error" + (
             f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
         if s.propagated["normalized"] > s.bound:
             s.status = "diverged"
+
+
+def graph_output(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str, child_error: float,
+                 not_compared: list[str], hold: str | None = None) -> None:
+    """A runtime graph's final output (depth 0), judged on its propagated error e against b = 16·u·√n:
+
+    - e ≤ b: within;
+    - b < e ≤ :data:`COMPOSITION` × max(m, b), m the largest error of the sites inside it: the error the sites
+      carried to it (each judged on its own), explained — within, when every site inside was compared; else not
+      explained, and the output is left undecided with the sites that were not compared named;
+    - e beyond that: no site inside explains it, so it is born in the model's own code outside every compared site
+      (or in a site that was not compared, named): a divergence at the model.
+
+    ``hold``: why the output cannot be called faithful even when it is within (the candidate's own reason); it is
+    then left undecided."""
+    if s.status != "propagated" or s.propagated is None or "normalized" not in s.propagated:
+        return
+    err = s.propagated["normalized"]
+    floor, floor_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+    limit = COMPOSITION * max(child_error, floor)
+    missing = ""
+    if not_compared:
+        more = f" and {len(not_compared) - 3} more" if len(not_compared) > 3 else ""
+        missing = f"{len(not_compared)} site(s) inside it not compared ({', '.join(not_compared[:3])}{more})"
+    if err <= floor:
+        s.status, s.bound, s.bound_rule = "within", floor, floor_rule + " (on the model's output)"
+    elif err > limit:
+        s.status, s.bound = "diverged", limit
+        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({child_error:.3g}), at least "
+                        f"{COMPOSITION:g} × {floor_rule}")
+        s.note = (f"the model's output errs by {err:.3g} while every site inside it erred by at most "
+                  f"{child_error:.3g}: the error is born in the model's own code outside the compared sites"
+                  + (f", or in one of the {missing}" if missing else ""))
+    else:
+        s.bound = limit
+        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({child_error:.3g}): carried "
+                        f"from them; {floor_rule} alone is {floor:.3g}")
+        if missing:
+            s.note = (f"the model's output errs by {err:.3g}, beyond {floor:.3g} ({floor_rule}), and is not explained: "
+                      f"{missing}; what would decide it: those sites compared (aligned with the reference's modules)")
+        else:
+            s.status = "within"
+    if hold and s.status == "within":
+        s.status, s.note = "propagated", hold

@@ -52,7 +52,8 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
     if nonfinite:
         why.append(f"the reference itself is not finite from {nonfinite} on, so nothing after it was compared; what "
                    "would decide it: inputs on which the reference stays finite")
-    judged = [s for s in sites if s.status in ("within", "diverged")]
+    # a runtime graph's output is judged too (:func:`.judge.graph_output`), but it is no site of its own to cover
+    judged = [s for s in sites if s.status in ("within", "diverged") and not (onnx and s.depth == 0)]
     compared = sum(1 for s in judged if s.own is not None or s.bound is not None)
     if own_sites and compared < MIN_OWN_SHARE * own_sites:
         why.append(f"only {compared} of the {own_sites} sites with an error of their own were compared ({align}: "
@@ -68,6 +69,9 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
     if root is None or root.propagated is None or root.status in ("unmatched", "shape"):
         why.append("the final output was not compared (" + (root.note or root.status if root else "no output") +
                    "); what would decide it: a candidate that returns the reference's output")
+    elif onnx and root.status == "propagated" and root.bound is not None:
+        why.append(f"the final output's error ({root.propagated['normalized']:.3g}) is not accounted for: "
+                   f"{root.note}")
     elif replays and root.own is None and root.status != "regrouped":
         why.append(f"the final output's error ({root.propagated['normalized']:.3g}) is not accounted for: the "
                    f"model's own run, its judged children replayed, was not measured ({root.note or root.status}); "
@@ -92,9 +96,15 @@ def infer_contract(module, shape):
     onnxruntime runs it, an MLX module as MLX runs it, a torch module through :func:`.contracts.infer_module`."""
     from ..probe.infer import infer
     from .runtimes.onnx import Site
+    from .runtimes.openvino import Site as OpenVinoSite
 
     if isinstance(module, Site):
         return infer(module.proto(), shape=shape, seed=0)
+    if isinstance(module, OpenVinoSite):  # the site's nodes in an OpenVINO model, as OpenVINO runs them
+        from ..targets.numpy_target import NumpyTarget
+
+        return infer(NumpyTarget(module.function(), f"OpenVINO nodes of {module.scope}"), shape=shape, seed=0,
+                     dtypes=("float32",))
     if is_mlx_module(module):
         return infer(module, shape=shape, seed=0)
     return infer_module(module, shape)
@@ -179,7 +189,7 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     if stated:
         cand = info["cand"].as_inference(ref_spec)
         out["stated_note"] = info["cand"].note
-    cand_spec = _offset_unseen(ref_spec, cand, out)
+    cand_spec = _unprobed(ref_spec, _offset_unseen(ref_spec, cand, out), cand, out)
     ndim = len(info["shape"])
     out["contracts"] = {"reference": ref_spec.to_dict(), "candidate": cand_spec.to_dict()}
     out["differences"] = differences(cand_spec, ref_spec, ndim, shape=info["shape"])
@@ -193,6 +203,24 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     elif params and len(params) == len(out["differences"]):
         out["differences_note"] = "the two contracts are the same, but their parameters are not"
     return out
+
+
+_DTYPE_FIELDS = {"stats_dtype": "statistics dtype", "affine_order": "cast/scale order", "param_dtype": "γ/β dtype"}
+
+
+def _unprobed(ref_spec, cand_spec, cand, out: dict[str, Any]):
+    """The candidate's spec with the fields its inference could not probe (a graph that takes float32 only has no
+    statistics dtype, cast order or parameter dtype to observe) taken from the reference's, so that they are not
+    reported as differences; the note names them."""
+    from ..results.inference import Confidence
+
+    fields = [f for f in _DTYPE_FIELDS if (ev := cand.evidence.get(f)) is not None
+              and ev.confidence == Confidence.NOT_PROBED and getattr(cand_spec, f) != getattr(ref_spec, f)]
+    if not fields:
+        return cand_spec
+    out["unprobed_note"] = (f"the candidate's {', '.join(_DTYPE_FIELDS[f] for f in fields)} could not be probed (it "
+                            "takes one dtype): taken as the reference's")
+    return cand_spec.replace(**{f: getattr(ref_spec, f) for f in fields})
 
 
 def _offset_unseen(ref_spec, cand, out: dict[str, Any]):

@@ -213,7 +213,16 @@ class Walk:
     def _without_own(self, s: SiteDiff, f, err, n: int, leaf: bool, module, cand_module, y) -> None:
         """A site without an own error: an ONNX site on its propagated error; a torch module by composition."""
         if self.cand.graph:
-            judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+            if s.depth > 0:
+                judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+                return
+            not_compared = [t.name for t in self.sites if t is not s and (t.status == "unmatched" or (
+                t.propagated is None and t.own is None))]
+            judge.graph_output(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype,
+                               child_error=f["child_error"], not_compared=not_compared,
+                               hold=getattr(self.cand, "output_hold", None))
+            if s.status == "diverged":
+                self._remember(s, module, cand_module, f["args"], y, None)
             return
         if leaf or f["child_unmeasured"] or s.status != "propagated" or err is None:
             return

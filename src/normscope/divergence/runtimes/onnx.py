@@ -204,7 +204,8 @@ def _options(threads: int = 0):
 
 def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], record) -> list:
     """Candidate records keyed by torch path: scope == path, or scope ending in '.' + path (a wrapper prefix), or
-    the path ending in '.' + scope (the exporter dropped a wrapper level) where that is unambiguous;
+    the path ending in '.' + scope (the exporter dropped a wrapper level) where that is unambiguous, else the scope
+    matched by structure (:func:`structural`: a level skipped or renamed in the middle of the path);
     each record's ``module`` is (the ONNX scope it came from, the value's name) (teacher forcing extracts it). A
     scope that hands out several floating values keeps them all as ``alternatives``: the one the reference's output
     is compared with is chosen by shape and value when the reference runs (:func:`choose`)."""
@@ -216,21 +217,28 @@ def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], recor
         for scope in scope_out:
             if path and path.endswith("." + scope):
                 claims.setdefault(scope, []).append(path)
+    chosen: dict[str, str] = {}  # path → scope, by name
     for path in ref_paths:
         if not path:
             continue
         best = None
-        for scope, names in scope_out.items():
-            if scope == path or scope.endswith("." + path):
-                if best is None or len(scope) < len(best[0]):
-                    best = (scope, names)
+        for scope in scope_out:
+            if (scope == path or scope.endswith("." + path)) and (best is None or len(scope) < len(best)):
+                best = scope
         if best is None:
             skipped = [sc for sc, paths in claims.items() if paths == [path]]
             if skipped:
-                sc = max(skipped, key=len)
-                best = (sc, scope_out[sc])
-        if best is None:
+                best = max(skipped, key=len)
+        if best is not None:
+            chosen[path] = best
+    taken = set(chosen.values())
+    for path, scope in structural(list(scope_out), ref_paths, {sc: p for p, sc in chosen.items()}).items():
+        if path not in chosen and scope not in taken:
+            chosen[path] = scope
+    for path in ref_paths:
+        if path not in chosen:
             continue
+        best = (chosen[path], scope_out[chosen[path]])
         options = []
         for name in best[1]:
             if name not in values:
@@ -246,6 +254,75 @@ def records(values, scope_out: dict[str, list[str]], ref_paths: list[str], recor
             r.alternatives = options if len(options) > 1 else None
             out.append(r)
     return out
+
+
+def structural(scopes: list[str], ref_paths: list[str], anchors: dict[str, str] | None = None) -> dict[str, str]:
+    """Module path → scope, matched by the structure of both trees where the names do not match outright: an
+    exporter whose scopes follow the *calls* leaves out a level the forward never called (OPT's causal LM calls
+    ``self.model.decoder``: its scopes read ``decoder.layers.0`` under the wrapper for ``model.decoder.layers.0``),
+    and a level may be renamed. Scopes are mapped from the outside in: a scope level is the module under its
+    parent scope's module whose own name is that level's — its direct child, else the one descendant of that name
+    (a skipped level); a level with no such module (a wrapper's, a renamed one) maps to nothing and its children
+    are looked for under its parent's module. A renamed level that holds two or more mapped scopes is their
+    deepest common module. ``anchors``: scopes already matched by name (scope → path). Never a guess: two
+    candidates for a level, or two scopes for one path, leave it unmatched."""
+    paths = [p for p in ref_paths if p]
+    known = set(paths)
+    by_last: dict[str, list[str]] = {}
+    for p in paths:
+        by_last.setdefault(p.rsplit(".", 1)[-1], []).append(p)
+    levels = sorted(set(scopes), key=lambda sc: sc.count("."))
+
+    def descend(anchors: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        mapped: dict[str, str] = {}  # scope → path
+        base: dict[str, str] = {"": ""}  # scope → the module its children are looked for under
+        for scope in levels:
+            parent, _, level = scope.rpartition(".")
+            under = base.get(parent, "")
+            if scope in anchors:
+                hit = anchors[scope]
+            else:
+                direct = f"{under}.{level}" if under else level
+                if direct in known:
+                    hit = direct
+                else:
+                    found = [p for p in by_last.get(level, ()) if not under or p.startswith(under + ".")]
+                    hit = found[0] if len(found) == 1 else None
+            if hit is not None:
+                mapped[scope] = hit
+            base[scope] = hit if hit is not None else under
+        return mapped, base
+
+    anchors = dict(anchors or {})
+    for _ in range(4):  # a renamed level found gives its children a module to be looked for under
+        mapped, base = descend(anchors)
+        renamed = {}
+        for scope in reversed(levels):
+            if scope in mapped:
+                continue
+            below = {mapped[sc] for sc in levels if sc in mapped and sc.rpartition(".")[0] == scope}
+            common = _common(sorted(below)) if len(below) >= 2 else ""
+            if common in known and common != base.get(scope.rpartition(".")[0], "") and common not in below:
+                renamed[scope] = common
+        if not renamed or all(anchors.get(k) == v for k, v in renamed.items()):
+            mapped.update(renamed)
+            break
+        anchors.update(renamed)
+    by_path: dict[str, list[str]] = {}
+    for scope, path in mapped.items():
+        by_path.setdefault(path, []).append(scope)
+    return {path: scs[0] for path, scs in by_path.items() if len(scs) == 1}
+
+
+def _common(paths: list[str]) -> str:
+    """The longest dotted prefix every path shares ('' when none)."""
+    parts = [p.split(".") for p in paths]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
 
 
 def choose(r, y: torch.Tensor) -> None:
@@ -338,27 +415,8 @@ class Subgraphs:
                 self._chain(i, into)
 
     def feeds(self, inputs: list[str], args, kwargs) -> list[np.ndarray]:
-        """The reference's tensors for the subgraph's inputs: each ONNX input takes the tensor of the torch call with
-        its shape and kind (floating or not); where several have that shape, the one whose values match what the
-        candidate computed there (16 sampled elements: nearest by far, ‖Δ‖/‖r‖ < 0.05 and 10× nearer than the
-        next). Raises :class:`NotExtractable` when no tensor, or no clear one, matches."""
-        tensors = [t for t in list(args) + list((kwargs or {}).values()) if isinstance(t, torch.Tensor)]
-        out = []
-        for name in inputs:
-            dtype, shape, fp = self.meta[name]
-            floating = np.issubdtype(dtype, np.floating)
-            match = [t for t in tensors if tuple(t.shape) == shape and t.is_floating_point() == floating]
-            if len(match) > 1:
-                dist = sorted((_distance(fp, t), i) for i, t in enumerate(match))
-                (best, i), second = dist[0], dist[1][0]
-                if not (best < 0.05 and second > 10 * best):
-                    raise NotExtractable(f"input {name} {list(shape)} matches {len(match)} of the call's tensors by "
-                                         f"shape and none clearly by value (nearest {best:.2g}, next {second:.2g})")
-                match = [match[i]]
-            if not match:
-                raise NotExtractable(f"input {name} {list(shape)} has no tensor of its shape in the torch call")
-            out.append(match[0].detach().to("cpu").numpy().astype(dtype, copy=False))
-        return out
+        """The reference's tensors for the subgraph's inputs (:func:`feeds`)."""
+        return feeds(self.meta, inputs, args, kwargs)
 
     def run(self, scope: str, out_name: str, args, kwargs) -> np.ndarray:
         """The site's subgraph on the reference's inputs (the call's ``args``/``kwargs``): its output."""
@@ -384,6 +442,38 @@ class Subgraphs:
             raise NotExtractable(f"onnxruntime failed on the site's subgraph: {type(exc).__name__}: "
                                  f"{str(exc)[:200]}") from None
         return out
+
+
+def feeds(meta: dict[str, tuple[np.dtype, tuple[int, ...], np.ndarray]], inputs: list[str], args, kwargs,
+          nested: bool = False) -> list[np.ndarray]:
+    """The reference's tensors for a site's inputs (any runtime's graph): each input (``meta``: its dtype, shape and
+    fingerprint in the candidate's run) takes the tensor of the torch call with its shape and kind (floating or
+    not); where several have that shape, the one whose values match what the candidate computed there (16 sampled
+    elements: nearest by far, ‖Δ‖/‖r‖ < 0.05 and 10× nearer than the next). ``nested``: the tensors inside a tuple
+    or list argument count too (a rotary embedding's ``(cos, sin)``). Raises :class:`NotExtractable` when no
+    tensor, or no clear one, matches."""
+    tensors = []
+    for t in list(args) + list((kwargs or {}).values()):
+        if isinstance(t, torch.Tensor):
+            tensors.append(t)
+        elif nested and isinstance(t, list | tuple):
+            tensors.extend(v for v in t if isinstance(v, torch.Tensor))
+    out = []
+    for name in inputs:
+        dtype, shape, fp = meta[name]
+        floating = np.issubdtype(dtype, np.floating)
+        match = [t for t in tensors if tuple(t.shape) == shape and t.is_floating_point() == floating]
+        if len(match) > 1:
+            dist = sorted((_distance(fp, t), i) for i, t in enumerate(match))
+            (best, i), second = dist[0], dist[1][0]
+            if not (best < 0.05 and second > 10 * best):
+                raise NotExtractable(f"input {name} {list(shape)} matches {len(match)} of the call's tensors by "
+                                     f"shape and none clearly by value (nearest {best:.2g}, next {second:.2g})")
+            match = [match[i]]
+        if not match:
+            raise NotExtractable(f"input {name} {list(shape)} has no tensor of its shape in the torch call")
+        out.append(match[0].detach().to("cpu").numpy().astype(dtype, copy=False))
+    return out
 
 
 def _distance(fp: np.ndarray, t: torch.Tensor) -> float:

@@ -12,8 +12,11 @@ candidate's do (:func:`.onnx.records`).
 Own errors (teacher forcing): when the candidate is the reference converted here, a site's own output is the
 reference's module at that site converted alone and run by OpenVINO on the reference's input to it (cached per
 module and input shapes) — the same conversion and runtime, one module at a time. A model converted elsewhere may
-differ from the reference in any module (a converter's lost ε is what one looks for), so its sites have no own
-error: each is judged on its propagated error and says so; a clean run is then inconclusive, never a pass.
+differ from the reference in any module (a converter's lost ε is what one looks for), so its own modules are not
+the candidate: a site's own output is the candidate's nodes under that site's scope, cut out of its graph as a
+model of their own (:class:`Submodels`) and run by OpenVINO, compiled like the whole model, on the reference's
+input to the site. Where the nodes cannot be cut out or fed, the site says why and is judged on its propagated
+error.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from ...errors import InputError, TargetError
 from ...extras import require
 from ..candidate import GraphCandidate, NotMeasured
 from ..execution import Memo, Record, primary
-from .onnx import scope_outputs
+from .onnx import NotExtractable, _fingerprint, scope_outputs
+from .onnx import feeds as reference_feeds
 
-OWN_MISSING = "OpenVINO model converted elsewhere: no site runs alone"
 _DTYPES = {"f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16",
            "float16": "float16"}  # OpenVINO's names for its inference precision
 
@@ -54,9 +57,11 @@ def _key(output) -> str:
     return f"{output.get_node().get_friendly_name()}:{output.get_index()}"
 
 
-def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str]], str, str, Any]:
-    """Every intermediate value, scope → the values it hands out, a description, the dtype the runtime computes
-    in, and the model's first declared output (the key of its value)."""
+def run_candidate(obj, args, kwargs) -> dict[str, Any]:
+    """Every intermediate value (``values``, the model's inputs among them), scope → the values it hands out
+    (``scopes``), a description (``desc``), the dtype the runtime computes in (``dtype``), the value of the model's
+    first declared output (``final``), the model as it ran (``model``: its inputs at the shapes it ran with) and how
+    many weight constants it stores in 16 bits (``compressed``)."""
     ov = require("openvino", "openvino")
     core = ov.Core()
     feeds = None
@@ -111,14 +116,19 @@ def run_candidate(obj, args, kwargs) -> tuple[dict[str, Any], dict[str, list[str
     except Exception as exc:
         raise TargetError(f"OpenVINO could not run the candidate: {type(exc).__name__}: {exc}") from None
     values = {}
-    for out in compiled.outputs:
-        source = out.get_node().input_value(0)
-        values[_key(source)] = result[out]
+    for declared_out, out in zip(model.outputs, compiled.outputs, strict=True):
+        # keyed by the model's nodes: the compiled graph's may be fused under other names
+        values[_key(declared_out.get_node().input_value(0))] = result[out]
+    given = [feeds.get(i.get_any_name()) for i in model.inputs] if isinstance(feeds, dict) else feeds
+    for param, value in zip(model.get_parameters(), given, strict=False):  # the model's inputs, as fed
+        if value is not None:
+            values[_key(param.output(0))] = value
     graph_out = {declared} if declared else set()
     desc = f"OpenVINO {ov.__version__} CPU ({where}), inference precision {precision}"
     if compressed:  # openvino.save_model compresses weights to f16 by default
         desc += f"; {compressed} weight constants stored in 16 bits and converted up at run time"
-    return values, scope_outputs(nodes, graph_out), desc, dtype, values.get(declared)
+    return {"values": values, "scopes": scope_outputs(nodes, graph_out), "desc": desc, "dtype": dtype,
+            "final": values.get(declared), "model": model, "compressed": compressed}
 
 
 def prepare(module: torch.nn.Module, args, kwargs) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -228,28 +238,192 @@ def _feeds(model, args, kwargs) -> dict[str, np.ndarray] | list[np.ndarray]:
     return [t.numpy() for t in tensors[:len(model.inputs)]]
 
 
+class Submodels:
+    """The nodes of one scope of a model converted elsewhere, cut out of its graph as a model of their own and
+    compiled like the whole model: a site's own output on the reference's input (teacher forcing).
+
+    The scope's nodes are those whose friendly names carry it (or a scope below it); what they read from outside
+    becomes the sub-model's input — a floating value a parameter fed with the reference's tensor of its shape among
+    the torch call's arguments (by value where several have it, :func:`.onnx.feeds`), an integer or boolean value
+    (a mask, a shape, token ids: the same model inputs give the same) the candidate's own value as a constant —
+    and constants (weights, a converted weight, ε) stay as they are. Compiled sub-models are cached per scope, value
+    and input shapes."""
+
+    def __init__(self, model, values: dict[str, Any]):
+        self.work = model.clone()  # rewired for each cut, and restored
+        self.ops = [op for op in self.work.get_ordered_ops()
+                    if op.get_type_name() not in ("Parameter", "Constant", "Result")]
+        self.by_name = {op.get_friendly_name(): op for op in self.ops}
+        self.scoped = [(_scope(op.get_friendly_name()), op) for op in self.ops]
+        self.meta = {k: (v.dtype, tuple(v.shape), _fingerprint(v)) for k, v in values.items()
+                     if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating)}
+        # the integer and boolean values the candidate computed: a sub-model reads them as constants
+        self.fixed = {k: v for k, v in values.items() if isinstance(v, np.ndarray) and v.dtype.kind in "biu"}
+        self.constant: dict[str, bool] = {}  # node name → whether its value depends on constants only
+        self.compiled: dict[tuple, Any] = {}
+        self.cut: dict[tuple, tuple[Any, list[str]]] = {}
+
+    def extract(self, scope: str, out_key: str):
+        """(the site's nodes as an ``openvino.Model`` of their own, its inputs' value keys in order); raises
+        :class:`.onnx.NotExtractable`."""
+        hit = self.cut.get((scope, out_key))
+        if hit is None:
+            hit = self.cut[(scope, out_key)] = self._cut(scope, out_key)
+        return hit
+
+    def _cut(self, scope: str, out_key: str):
+        ov = require("openvino", "openvino")
+        opset = ov.opset13
+        inside = [op for sc, op in self.scoped if _within(sc, scope)]
+        names = {op.get_friendly_name() for op in inside}
+        node, _, index = out_key.rpartition(":")
+        if node not in names:
+            raise NotExtractable("the scope's output is produced outside it")
+        if any(op.get_type_name() in _CONTROL for op in inside):
+            raise NotExtractable("the scope holds a control-flow or stateful node")
+        params: dict[str, Any] = {}
+        rewired = []  # (port, its source before): restored once the cut is copied out
+        try:
+            for op in inside:
+                for port in op.inputs():
+                    source = port.get_source_output()
+                    producer = source.get_node()
+                    if producer.get_friendly_name() in names or _constant(producer, self.constant):
+                        continue
+                    key = _key(source)
+                    if key in self.fixed:
+                        new = opset.constant(self.fixed[key]).output(0)
+                    elif key in self.meta:
+                        if key not in params:
+                            params[key] = opset.parameter(list(self.meta[key][1]), source.get_element_type())
+                        new = params[key].output(0)
+                    else:
+                        raise NotExtractable(f"no value recorded for the scope's input {key!r}")
+                    rewired.append((port, source))
+                    port.replace_source_output(new)
+            try:
+                result = opset.result(self.by_name[node].output(int(index)))
+                sub = ov.Model([result], list(params.values()), f"site {scope}").clone()
+            except Exception as exc:
+                raise NotExtractable(f"OpenVINO cannot build the site's nodes as a model: {type(exc).__name__}: "
+                                     f"{str(exc)[:200]}") from None
+        finally:
+            for port, source in reversed(rewired):
+                port.replace_source_output(source)
+        return sub, list(params)
+
+    def run(self, scope: str, out_key: str, args, kwargs) -> torch.Tensor:
+        """The site's nodes on the reference's inputs (the call's ``args``/``kwargs``): their output."""
+        sub, inputs = self.extract(scope, out_key)
+        given = reference_feeds(self.meta, inputs, args, kwargs, nested=True)
+        return torch.from_numpy(self.call(sub, (scope, out_key), given))
+
+    def call(self, sub, key: tuple, given: list[np.ndarray]) -> np.ndarray:
+        """``sub`` compiled for the shapes of ``given`` (cached) and run on them."""
+        ov = require("openvino", "openvino")
+        shapes = tuple(tuple(a.shape) for a in given)
+        compiled = self.compiled.get((key, shapes))
+        if compiled is None:
+            sub = sub.clone()
+            if given:
+                _static(sub, list(given))
+            try:
+                compiled = ov.Core().compile_model(sub, "CPU")
+            except Exception as exc:
+                raise NotExtractable(f"OpenVINO cannot compile the site's nodes: {type(exc).__name__}: "
+                                     f"{str(exc)[:200]}") from None
+            self.compiled[(key, shapes)] = compiled
+        try:
+            out = compiled(list(given))
+        except Exception as exc:
+            raise NotExtractable(f"OpenVINO failed on the site's nodes: {type(exc).__name__}: {str(exc)[:200]}") \
+                from None
+        return np.asarray(out[compiled.outputs[0]]).copy()
+
+
+#: nodes a scope's sub-model cannot hold: control flow and state
+_CONTROL = {"If", "Loop", "TensorIterator", "ReadValue", "Assign", "RandomUniform", "Multinomial"}
+
+
+def _within(sc: str | None, scope: str) -> bool:
+    return sc is not None and (sc == scope or sc.startswith(scope + "."))
+
+
+def _constant(node, memo: dict[str, bool]) -> bool:
+    """Whether a node's value depends on constants only (a Parameter is not one)."""
+    kind = node.get_type_name()
+    if kind == "Constant":
+        return True
+    if kind in ("Parameter", "Result") or kind in _CONTROL:
+        return False
+    key = node.get_name()  # unique in a model (a node's Python wrapper is not kept)
+    hit = memo.get(key)
+    if hit is None:
+        memo[key] = False  # a cycle guard; graphs are acyclic
+        hit = all(_constant(port.get_source_output().get_node(), memo) for port in node.inputs())
+        memo[key] = hit
+    return hit
+
+
+class Site:
+    """One site of a model converted elsewhere (its scope and output value): its nodes as a NumPy function of the
+    site's one floating input, what ``diff`` infers the candidate's contract from at a norm site that diverges."""
+
+    def __init__(self, submodels: Submodels, scope: str, out_key: str):
+        self.submodels, self.scope, self.out_key = submodels, scope, out_key
+
+    def function(self):
+        sub, inputs = self.submodels.extract(self.scope, self.out_key)
+        if len(inputs) != 1:
+            raise NotExtractable(f"the site's nodes take {len(inputs)} inputs, not one")
+        dtype = self.submodels.meta[inputs[0]][0]
+
+        def run(x):
+            out = self.submodels.call(sub, (self.scope, self.out_key), [np.asarray(x).astype(dtype)])
+            return out.astype(np.asarray(x).dtype)
+
+        return run
+
+
 class OpenVinoCandidate(GraphCandidate):
     """A model as OpenVINO runs it on the CPU, at the runtime's own inference precision (this module):
     the reference converted here (``"openvino"``; a site's own output is its module converted alone), or a model
-    converted elsewhere (sites judged on their propagated error)."""
+    converted elsewhere (a site's own output is its nodes cut out of the graph, :class:`Submodels`)."""
 
     runner = " on OpenVINO"
     scopes_label = "openvino scopes"
-    bound_suffix = " (OpenVINO: the site's module converted alone, on the reference's input)"
 
     def __init__(self, model, reference: torch.nn.Module):
         super().__init__("", "float32")
         self.converted_here = isinstance(model, str) and model == "openvino"
         self.model_obj = reference if self.converted_here else model
         self.modules = Modules(reference) if self.converted_here else None
+        self.submodels: Submodels | None = None
+        self.bound_suffix = (" (OpenVINO: the site's module converted alone, on the reference's input)"
+                             if self.converted_here else
+                             " (OpenVINO: the site's nodes in the candidate's graph, on the reference's input)")
+        self.output_hold: str | None = None  # why the model's output cannot be called faithful (judge.graph_output)
 
     def run(self, args, kwargs) -> None:
-        self.values, self.scopes, self.desc, self.dtype, self.final = run_candidate(
-            self.model_obj, args, kwargs)
+        run = run_candidate(self.model_obj, args, kwargs)
+        self.values, self.scopes, self.desc, self.dtype, self.final = (run["values"], run["scopes"], run["desc"],
+                                                                        run["dtype"], run["final"])
+        if not self.converted_here:
+            self.submodels = Submodels(run["model"], self.values)
+            if run["compressed"] and self.dtype != "float32":
+                self.output_hold = (f"the IR stores {run['compressed']} weight constants in 16 bits and OpenVINO "
+                                    f"computes in {self.dtype} here: their rounding is inside every site's bound at "
+                                    f"{self.dtype}, so whether the IR's weights are the reference's cannot be told; "
+                                    "what would decide it: the IR compiled at f32 (INFERENCE_PRECISION_HINT), or "
+                                    "saved with compress_to_fp16=False")
 
     def own(self, r: Record, args, kw, memo: Memo, kids=(), state=None) -> tuple[torch.Tensor, str, Any]:
         if self.modules is None:
-            raise NotMeasured(None, missing=OWN_MISSING)
+            try:
+                with torch.no_grad():
+                    return self.submodels.run(*r.module, args, kw), self.dtype, Site(self.submodels, *r.module)
+            except NotExtractable as exc:
+                raise NotMeasured(None, missing=f"OpenVINO: {exc}") from None
         try:
             return self.modules.run(r.path, args, kw), self.dtype, None
         except NotConvertible as exc:

@@ -3,9 +3,16 @@ thread for modules that time or compare training runs (``pytestmark = pytest.mar
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-from hypothesis import HealthCheck, settings
+import os
+
+# Triton's kernels run in its interpreter on the CPU. Set before anything imports triton: building a transformers
+# model imports it (the generated diff cases build theirs while the tests are collected), triton's mode is fixed at
+# its first import, and the kernel tests then fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "normscope",

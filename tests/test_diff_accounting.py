@@ -5,7 +5,7 @@ architectures from the installed transformers × fault kinds × sites chosen by 
 - a FAIL names the injected module, or the ancestor whose own code holds it;
 - a clean copy (float32, bfloat16, autocast) is a PASS, or INCONCLUSIVE with its reasons — never a FAIL.
 
-A fixed sample runs in ``make test``; every case with ``NORMSCOPE_SLOW_TESTS=1``.
+A fixed sample runs in ``make test``; every case (233) with ``NORMSCOPE_SLOW_TESTS=1``.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
         status = s.status + (" ◀ first" if s.name == d.grad_first_divergence else "")
         bound = _e(s.bound) if s.elementwise is None else \
             f"{s.elementwise['gradient']} {s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.own_error), bound, _e(s.propagated_error),
+        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.judged_error), bound, _e(s.propagated_error),
                   f"[{style}]{status}[/]" if style else status)
     console.print(t)
     if d.grad_first_divergence is None:
@@ -91,7 +91,7 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
         bound = _e(s.bound) if s.elementwise is None else \
             f"{s.elementwise['worst_error']:.3g}/{s.elementwise['worst_bound']:.3g}"
         ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
-        own = "n/a" if s.own_missing else _e(s.own_error)
+        own = "n/a" if s.own_missing else _e(s.judged_error)
         head = (str(s.order), escape(s.name), escape(s.cls)) if all_sites else (escape(s.name[len(prefix):]),)
         t.add_row(*head, *ran, own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
                   f"[{style}]{status}[/]" if style else status)
@@ -146,7 +146,7 @@ def _ratio(s) -> float:
         return float(s.elementwise.get("max_ratio") or 0.0)
     if s.own_error is None or not s.bound:
         return 0.0
-    return float(s.own_error) / float(s.bound)
+    return float(s.judged_error) / float(s.bound)
 
 
 def _rows(d: Diff) -> list:

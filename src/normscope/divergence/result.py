@@ -95,6 +95,15 @@ class SiteDiff:
         return None if self.own is None else self.own.get("normalized")
 
     @property
+    def judged_error(self) -> float | None:
+        """The number its bound was held to: the largest of its own error, what its code handed its children
+        (``feeds``) and its other outputs' errors (None without an own error)."""
+        if self.own_error is None:
+            return None
+        others = [v for v in (self.feeds, *self.outputs.values()) if v is not None]
+        return max([self.own_error, *others])
+
+    @property
     def propagated_error(self) -> float | None:
         return None if self.propagated is None else self.propagated.get("normalized")
 

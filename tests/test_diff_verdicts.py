@@ -541,3 +541,21 @@ def test_grad_fails_at_a_module_whose_own_backward_between_its_children_is_wrong
     assert d.first_divergence is None and d.grad_first_divergence == "0" and d.verdict == "fail", d.summary()
     assert "own backward, between its children" in d.grad_divergence["reason"]
     assert all(s.status == "within" for s in d.grad_sites if s.name in ("0.q", "0.o"))
+
+
+def test_cli_plot_path_is_checked_before_the_diff_runs(tmp_path, monkeypatch):
+    """Before: the whole diff ran, then a missing folder ended in a FileNotFoundError (exit 70), and a folder
+    given as the path was written as DIR.png."""
+    from normscope.errors import InputError
+
+    mod = tmp_path / "plot_models.py"
+    mod.write_text("from test_diff_verdicts import model\ndef ref():\n    return model()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    parser = argparse.ArgumentParser()
+    command.add_parser(parser.add_subparsers())
+    base = ["diff", "plot_models:ref", "--candidate-dtype", "float32", "--inputs", "2,5,16"]
+    for plot, match in ((str(tmp_path / "missing" / "x.png"), "does not exist"), (str(tmp_path), "is a folder"),
+                        (str(tmp_path / "x.txt"), "must end in")):
+        with pytest.raises(InputError, match=match):
+            command.run(parser.parse_args([*base, "--plot", plot]), Console())

@@ -135,6 +135,26 @@ def check_size(model: Any, what: str, batch: int, length: int | None, elements: 
               file=sys.stderr)
 
 
+def check_plot_path(path: str, example: str) -> None:
+    """Refuse a --plot path that could not be written, before minutes of measuring rather than after: its folder
+    must exist, it must not be a folder, and its suffix must be a format matplotlib writes (``example``: a file
+    name to suggest)."""
+    from pathlib import Path
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise InputError(f"--plot {path}: the folder {p.parent} does not exist; create it or pick another path")
+    if p.is_dir():
+        raise InputError(f"--plot {path} is a folder; give a file name such as {p / example}")
+    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if p.suffix.lstrip(".").lower() not in formats:
+        raise InputError(f"--plot {path}: the file name must end in one of .{', .'.join(sorted(formats))} "
+                         "(e.g. .png)")
+
+
 def model_inputs(text: str | None, model: Any, what: str) -> Any:
     """``--inputs`` for ``model``: None (the model's default), a float tensor of a shape (at the dtype of the model's
     parameters), token ids ``ids:B,T``

@@ -66,7 +66,7 @@ def add_parser(subparsers) -> Any:
 
 
 def run(args, console: Console) -> int:
-    from ..model_options import deadline, model_inputs
+    from ..model_options import check_plot_path, deadline, model_inputs
     from ..sources import load_model
     from .core import diff
     from .render import plot_diff, render_diff
@@ -75,6 +75,8 @@ def run(args, console: Console) -> int:
     if args.candidate is None and not args.candidate_dtype and not args.autocast:
         raise InputError("give a CANDIDATE, or --candidate-dtype (or --autocast) to compare REFERENCE with itself at "
                          "that precision")
+    if args.plot:
+        check_plot_path(args.plot, "diff.png")
     reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
     candidate = None
     if args.candidate is not None:

@@ -124,24 +124,6 @@ def loss_for(model, tokens: str | None, shape: str | None):
     return hf_loss, lambda: fallback[0] if fallback else what
 
 
-def _check_plot_path(path: str) -> None:
-    """Refuse a --plot path that could not be written, before minutes of measuring rather than after."""
-    from pathlib import Path
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    p = Path(path)
-    if not p.parent.is_dir():
-        raise InputError(f"--plot {path}: the folder {p.parent} does not exist; create it or pick another path")
-    if p.is_dir():
-        raise InputError(f"--plot {path} is a folder; give a file name such as {p / 'gradflow.png'}")
-    formats = FigureCanvasAgg(Figure()).get_supported_filetypes()
-    if p.suffix.lstrip(".").lower() not in formats:
-        raise InputError(f"--plot {path}: the file name must end in one of .{', .'.join(sorted(formats))} "
-                         "(e.g. .png)")
-
-
 _COLUMNS = ("attention", "mlp", "norm", "stream_grad", "input_rms")
 
 
@@ -162,7 +144,7 @@ def run(args, console: Console) -> int:
     import torch
 
     from ..loading import parse_shape
-    from ..model_options import check_size, deadline
+    from ..model_options import check_plot_path, check_size, deadline
     from ..report.console import indented
     from ..sources import load_model
     from .core import gradflow
@@ -172,7 +154,7 @@ def run(args, console: Console) -> int:
     if not args.lr > 0:
         raise InputError(f"--lr must be positive; got {args.lr}")
     if args.plot:
-        _check_plot_path(args.plot)
+        check_plot_path(args.plot, "gradflow.png")
     if args.inputs:
         if args.tokens or args.shape:
             raise InputError("give --inputs, or its older spellings --tokens/--shape, not both")

@@ -668,3 +668,14 @@ def test_a_command_deadline_that_fires_inside_a_finalizer_still_ends_the_command
             SlowFinalizer()  # dropped at once: its finalizer runs now
     with deadline(5, "scan"):
         SlowFinalizer()  # within its time: nothing raised
+
+
+@pytest.mark.parametrize("argv", [["diff", "m:f", "--layers", "-1"], ["scan", "m:f", "--vocab", "-5"],
+                                  ["gradflow", "m:f", "--layers", "two"]])
+def test_model_size_options_refuse_negative_or_non_integer_counts(argv, capsys):
+    """--layers -1 acted as 0 (the config's own depth) and --vocab -5 was ignored: now a usage error naming it."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[-2] in err and ("negative" in err or "whole number" in err)

@@ -32,13 +32,26 @@ def add_model_args(p, what: str = "the factory") -> None:
     of a config.json built with random weights."""
     p.add_argument("--args", help=f"JSON list of positional arguments for {what}, e.g. '[64]' (default: none)")
     p.add_argument("--kwargs", help=f"JSON object of keyword arguments for {what} (default: none)")
-    p.add_argument("--layers", type=int, default=2,
+    p.add_argument("--layers", type=count, default=2,
                    help="config.json only: number of layers built (default 2; 0 keeps the config's)")
-    p.add_argument("--vocab", type=int, default=512,
+    p.add_argument("--vocab", type=count, default=512,
                    help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
     p.add_argument("--timeout", type=timeout, default=0.0,
                    help="stop with exit 4 when the command runs longer than this many seconds (default 0: no "
                         "limit); scan also gives each probe call of a site this limit")
+
+
+def count(text: str) -> int:
+    """The argument type of a whole number ≥ 0 (``--layers``, ``--vocab``: 0 keeps the config's)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; give a count ≥ 0 (0 keeps the config's)")
+    return value
 
 
 def number(text: str) -> float:

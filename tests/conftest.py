@@ -10,6 +10,12 @@ import os
 # its first import, and the kernel tests then fail with "Cannot call @triton.jit'd outside of the scope of a kernel".
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
+
+# The tests' own openvino.convert_model calls report no usage (OpenVINO's converter falls back to its no-op stub
+# when openvino_telemetry cannot be imported), as normscope's own do.
+sys.modules.setdefault("openvino_telemetry", None)
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

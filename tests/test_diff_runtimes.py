@@ -416,3 +416,23 @@ def test_the_final_output_s_error_is_explained_by_its_sites_or_not():
     judge.graph_output(s, n=32, cand_dtype="float32", ref_dtype="float32", child_error=0.0, not_compared=[],
                        hold="the weights cannot be told apart")
     assert s.status == "propagated" and s.note == "the weights cannot be told apart"
+
+
+@openvino_only
+def test_openvino_candidates_send_no_usage_telemetry(tmp_path):
+    """OpenVINO's converter reported usage (processes posting to an analytics service, a client id written under
+    the user's home) on every `diff MODEL openvino`: normscope imports OpenVINO with that package blocked. Run in a
+    fresh process, with HOME pointing at an empty folder."""
+    import subprocess
+    import sys
+
+    script = ("import torch\nfrom torch import nn\nfrom normscope.divergence import diff\n"
+              "m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)).eval()\n"
+              "print(diff(m, 'openvino', torch.randn(2, 3, 8), progress=False).verdict)\n"
+              "import sys\nprint(sys.modules.get('openvino_telemetry', 'absent'))\n")
+    env = {**__import__("os").environ, "HOME": str(tmp_path)}
+    env.pop("CI", None)  # the converter skips its report under CI=true: the user's case is without it
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["pass", "None"], out.stdout
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))

@@ -38,6 +38,18 @@ _DTYPES = {"f32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16
            "float16": "float16"}  # OpenVINO's names for its inference precision
 
 
+def _openvino():
+    """``import openvino`` with OpenVINO's usage telemetry off in this process. Its model converter reports usage
+    through the ``openvino_telemetry`` package (processes that post to an analytics service, a client id written
+    under the user's home) and falls back to its own no-op stub when that package cannot be imported; a ``None``
+    entry in ``sys.modules`` makes it so. Nothing is written and the user's consent file is left as it is (``opt_in_out
+    --opt_out`` turns it off for every OpenVINO tool). A process that imported the package already keeps it."""
+    import sys
+
+    sys.modules.setdefault("openvino_telemetry", None)
+    return require("openvino", "openvino")
+
+
 def is_openvino(obj) -> bool:
     if isinstance(obj, str | Path):
         return str(obj) == "openvino" or str(obj).endswith(".xml")
@@ -62,7 +74,7 @@ def run_candidate(obj, args, kwargs) -> dict[str, Any]:
     (``scopes``), a description (``desc``), the dtype the runtime computes in (``dtype``), the value of the model's
     first declared output (``final``), the model as it ran (``model``: its inputs at the shapes it ran with) and how
     many weight constants it stores in 16 bits (``compressed``)."""
-    ov = require("openvino", "openvino")
+    ov = _openvino()
     core = ov.Core()
     feeds = None
     converted_here = isinstance(obj, torch.nn.Module)
@@ -158,7 +170,7 @@ def prepare(module: torch.nn.Module, args, kwargs) -> tuple[torch.nn.Module, tup
 
 def convert(wrapped: torch.nn.Module, example: tuple[torch.Tensor, ...]):
     r"""A :func:`prepare`\ d module as OpenVINO's PyTorch frontend converts it, traced on ``example``."""
-    ov = require("openvino", "openvino")
+    ov = _openvino()
     try:
         import warnings
 
@@ -175,7 +187,7 @@ def _static(model, feeds: dict[str, np.ndarray] | list[np.ndarray]) -> None:
     """``model``'s inputs fixed to the shapes of the arrays it will be run with. The converter leaves every
     dimension dynamic, and some CPU plugin passes refuse dynamic shapes on some CPUs (the fused LLM MLP of AMX
     machines: "Check 'feature.is_static()' failed"); a model that will not take the shapes keeps its own."""
-    ov = require("openvino", "openvino")
+    ov = _openvino()
     items = feeds.items() if isinstance(feeds, dict) else enumerate(feeds)
     try:
         model.reshape({key: ov.PartialShape(list(np.shape(a))) for key, a in items})
@@ -219,7 +231,7 @@ class Modules:
                tuple((k, tuple(v.shape)) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
         wrapped, example = prepare(module, args, kwargs)
         if key not in self.compiled:
-            ov = require("openvino", "openvino")
+            ov = _openvino()
             self.compiled[key] = ov.Core().compile_model(convert(wrapped, example), "CPU")
         compiled = self.compiled[key]
         out = compiled([t.numpy() for t in example])
@@ -272,7 +284,7 @@ class Submodels:
         return hit
 
     def _cut(self, scope: str, out_key: str):
-        ov = require("openvino", "openvino")
+        ov = _openvino()
         opset = ov.opset13
         inside = [op for sc, op in self.scoped if _within(sc, scope)]
         names = {op.get_friendly_name() for op in inside}
@@ -320,7 +332,7 @@ class Submodels:
 
     def call(self, sub, key: tuple, given: list[np.ndarray]) -> np.ndarray:
         """``sub`` compiled for the shapes of ``given`` (cached) and run on them."""
-        ov = require("openvino", "openvino")
+        ov = _openvino()
         shapes = tuple(tuple(a.shape) for a in given)
         compiled = self.compiled.get((key, shapes))
         if compiled is None:

@@ -679,3 +679,16 @@ def test_model_size_options_refuse_negative_or_non_integer_counts(argv, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert argv[-2] in err and ("negative" in err or "whole number" in err)
+
+
+def test_diff_help_names_every_exit_and_no_other_commands_options():
+    """`diff --help` listed exits 0, 5 and 2 though diff exits 6 too; its --timeout help spoke of scan's probes."""
+    import argparse
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("diff", "gradflow"):
+        text = sub.choices[name].format_help()
+        assert "probe" not in text, name
+    assert "6 inconclusive" in " ".join(sub.choices["diff"].format_help().split())
+    assert "probe call" in " ".join(sub.choices["scan"].format_help().split())

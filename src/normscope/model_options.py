@@ -27,9 +27,10 @@ INPUTS_HELP = ("a shape for one float input (2,8,64), ids:B,T for token ids, or 
                "saved with torch.save); default: a small input_ids batch for Hugging Face text models")
 
 
-def add_model_args(p, what: str = "the factory") -> None:
+def add_model_args(p, what: str = "the factory", probes: bool = False) -> None:
     """The options of a TARGET that names a whole model (scan, diff, gradflow): factory arguments and the size cap
-    of a config.json built with random weights."""
+    of a config.json built with random weights. ``probes``: the command probes each site (scan), and each probe
+    call gets the timeout too."""
     p.add_argument("--args", help=f"JSON list of positional arguments for {what}, e.g. '[64]' (default: none)")
     p.add_argument("--kwargs", help=f"JSON object of keyword arguments for {what} (default: none)")
     p.add_argument("--layers", type=count, default=2,
@@ -38,7 +39,7 @@ def add_model_args(p, what: str = "the factory") -> None:
                    help="config.json only: vocabulary cap (default 512; 0 keeps the config's)")
     p.add_argument("--timeout", type=timeout, default=0.0,
                    help="stop with exit 4 when the command runs longer than this many seconds (default 0: no "
-                        "limit); scan also gives each probe call of a site this limit")
+                        "limit)" + ("; each probe call of a site gets this limit too" if probes else ""))
 
 
 def count(text: str) -> int:

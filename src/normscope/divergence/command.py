@@ -4,8 +4,9 @@ REFERENCE and CANDIDATE are what ``normscope scan`` takes (``package.module:fact
 directory, a ``config.json``); CANDIDATE may also be an ``.onnx`` file, an OpenVINO IR ``.xml``, ``openvino`` (REFERENCE
 as OpenVINO runs it), ``mlx`` (REFERENCE ported by mlx-lm, run by MLX), a ``.gguf`` or ``llama.cpp`` (REFERENCE
 written as a GGUF, run by llama.cpp), or be left out with
-``--candidate-dtype`` or ``--autocast`` (the reference against itself at that precision). Exit codes: 0 no divergence,
-5 diverged (the first divergent site is printed), 2 usage or input error (one line on stderr).
+``--candidate-dtype`` or ``--autocast`` (the reference against itself at that precision). Exit codes: 0 pass,
+5 diverged (the first divergent site is printed), 6 inconclusive (the reason and what would decide it), 2 usage or
+input error (one line on stderr).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ def add_parser(subparsers) -> Any:
                     "REFERENCE written as a GGUF — run by llama.cpp, or REFERENCE itself at "
                     "--candidate-dtype or under --autocast) on the same inputs; per site, the candidate's own "
                     "error (its module on the reference's input) and the propagated error; the first site whose own "
-                    "error exceeds what a faithful execution at the candidate's dtype is allowed. Exit 0 no "
-                    "divergence, 5 diverged, 2 usage error.",
+                    "error exceeds what a faithful execution at the candidate's dtype is allowed; every module is "
+                    "judged on its own code, its judged children replayed with the reference's outputs. Exit 0 "
+                    "pass, 5 diverged, 6 inconclusive (what was not compared, and what would decide it), 2 usage "
+                    "error.",
     )
     p.add_argument("reference", metavar="REFERENCE", help=MODEL_TARGET_HELP)
     p.add_argument("candidate", metavar="CANDIDATE", nargs="?",

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--shape", help="the same as --inputs SHAPE: one float input of this shape, e.g. 2,8,64 "
                                    "(default: none)")
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
-    add_model_args(p)
+    add_model_args(p, probes=True)
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when the scan has findings (default: exit 0 whatever it finds)")
     p.add_argument("--all", action="store_true",

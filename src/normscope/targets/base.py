@@ -297,7 +297,8 @@ class _Worker:
     Every call of a target runs on the same thread (not a fresh one per call), so a library whose state is tied
     to the thread that created it (a compile cache, a handle, a per-thread stream) sees one thread throughout.
     A call still running at its deadline leaves this worker behind (a thread cannot be stopped from outside);
-    the target's next call gets a new worker.
+    the target's next call gets a new worker. A worker ends when its target is collected (or, left behind, when
+    its hung call returns).
     """
 
     def __init__(self, name: str):
@@ -320,6 +321,7 @@ class _Worker:
                 box["exc"] = exc
             finally:
                 done.set()
+                job = fn = done = box = None  # nothing of the call (its target) is held while waiting
 
     def run(self, fn, timeout: float) -> dict[str, object] | None:
         """``fn()``'s result (``{"out": …}`` or ``{"exc": …}``), or None when it is still running at ``timeout``."""
@@ -341,11 +343,14 @@ def run_with_deadline(target: Target, inputs: dict[str, np.ndarray], dtype: str)
     if not target.timeout:
         return target._run(inputs, dtype)
     import contextvars
+    import weakref
 
     context = contextvars.copy_context()
     worker = getattr(target, "_worker", None)
     if worker is None or not worker.thread.is_alive():
         worker = target._worker = _Worker(f"normscope calls of {target.description}"[:60])
+        # the worker ends with its target (it holds no reference to it): 50 targets no longer leave 50 threads
+        weakref.finalize(target, worker.jobs.put, None)
     box = worker.run(lambda: context.run(target._run, inputs, dtype), target.timeout)
     shapes = ", ".join(str(v.shape) for v in inputs.values())
     if box is None:

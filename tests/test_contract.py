@@ -901,3 +901,26 @@ def test_onnx_norm_found_whatever_the_order_of_its_affine_factors(tmp_path, gamm
 def test_onnx_graph_with_matmuls_and_no_norm_says_so(tmp_path):
     c = contract(_export(_LinearThen(torch.nn.GELU()), tmp_path / "m.onnx"))
     assert not c.sites and any("MatMul/Gemm nodes but no norm site" in n for n in c.notes), c.notes
+
+
+def test_a_structure_read_by_a_real_build_leaves_the_callers_rng_as_it_was(tmp_path):
+    """BART's forward does not run on the meta device, so its structure is read from a build with random weights,
+    drawn from seed 0 — which seeded the caller's torch RNG too. The draw is made in a forked RNG state."""
+    import json
+
+    import torch
+    import transformers
+
+    from normscope.artifacts import structure
+
+    cfg = transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=32)
+    cfg.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    contract = structure.read_structure(json.loads(path.read_text()), path, str(path))
+    assert contract.sites and "random weights" in json.dumps(contract.to_dict())
+    assert torch.equal(torch.rand(3), expected)

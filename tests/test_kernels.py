@@ -379,17 +379,40 @@ def test_norm_auto_backend_uses_the_kernel_where_it_can_and_the_reference_elsewh
 
 def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
     """numba's OpenMP layer can share torch's OpenMP runtime, where a launch on numba's own count (every core) set
-    torch's thread count: the kernels run on torch's count and leave it as the user made it."""
+    torch's thread count: the kernels run on torch's count and leave both counts as the user made them (numba's
+    was left at torch's before)."""
     import numba
+
+    from normscope import numba_threads
 
     before = torch.get_num_threads()
     x = torch.randn(256, 128, requires_grad=True)  # large enough for the parallel build (SERIAL_BELOW)
+    seen = []
+    original = numba_threads.matched
+
+    def spying():
+        cm = original()
+
+        class Spy:
+            def __enter__(self):
+                out = cm.__enter__()
+                seen.append(numba.get_num_threads())
+                return out
+
+            def __exit__(self, *exc):
+                return cm.__exit__(*exc)
+
+        return Spy()
+
     try:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # numba's default: all of its threads
         torch.set_num_threads(1)
+        numba_threads.matched = spying
         norm(x, NormSpec.preset("torch_layernorm"), backend="numba").sum().backward()
-        assert torch.get_num_threads() == 1 and numba.get_num_threads() == 1
+        assert seen and set(seen) == {1}  # the kernels ran on torch's count
+        assert torch.get_num_threads() == 1 and numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
     finally:
+        numba_threads.matched = original
         torch.set_num_threads(before)
 
 

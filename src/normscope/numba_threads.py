@@ -71,16 +71,19 @@ def parallel_allowed() -> bool:
 @contextlib.contextmanager
 def matched():
     """Around a call of numba parallel kernels: numba's thread count set to torch's (within numba's pool), and
-    torch's restored afterwards if the launch changed it."""
+    both restored afterwards (torch's if the launch changed it, numba's as the caller had it)."""
     import numba
 
     n = torch.get_num_threads()
+    before = numba.get_num_threads()
     try:
         want = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
-        if numba.get_num_threads() != want:
+        if before != want:
             numba.set_num_threads(want)
         yield
     finally:
+        if numba.get_num_threads() != before:
+            numba.set_num_threads(before)
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
 

@@ -81,8 +81,9 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
                              "weights here; scan a checkpoint instead (normscope contract --live MODEL)") from None
         import torch
 
-        torch.manual_seed(0)
-        model = build_on_meta(config, config_path, device="cpu")
+        with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
+            torch.manual_seed(0)
+            model = build_on_meta(config, config_path, device="cpu")
         how = (f"with random weights on the CPU ({size:,} parameters: its forward reads values, so it does not run "
                "on the meta device)")
         try:

@@ -11,7 +11,7 @@ HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
     failed = []
-    for script in ("infer.py", "check.py", "scan.py", "contract.py", "diff.py", "trace.py", "kernels.py"):
+    for script in ("infer.py", "check.py", "scan.py", "contract.py", "diff.py", "trace.py", "kernel_bandwidth.py"):
         print(f"\n=== bench/{script}", flush=True)
         if subprocess.run([sys.executable, str(HERE / script)]).returncode != 0:
             failed.append(script)

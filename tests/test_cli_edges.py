@@ -692,3 +692,17 @@ def test_diff_help_names_every_exit_and_no_other_commands_options():
         assert "probe" not in text, name
     assert "6 inconclusive" in " ".join(sub.choices["diff"].format_help().split())
     assert "probe call" in " ".join(sub.choices["scan"].format_help().split())
+
+
+def test_no_bench_script_shadows_an_installed_package():
+    """`python bench/diff.py` failed: the script's folder comes first on sys.path, and bench/kernels.py shadowed the
+    `kernels` package recent transformers probes for. No bench script is named like a package installed here."""
+    import importlib.util
+    import sysconfig
+
+    site = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    for script in bench.glob("*.py"):
+        spec = importlib.util.find_spec(script.stem)
+        origin = str(getattr(spec, "origin", "") or "")
+        assert not any(origin.startswith(s) for s in site), f"bench/{script.name} shadows {origin}"

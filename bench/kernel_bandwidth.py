@@ -1,8 +1,8 @@
 """Fused norm kernels against a copy, eager torch and torch.compile, as same-run ratios (CPU: numba; CUDA: Triton).
 
-    PYTHONPATH=src python bench/kernels.py                    # 2 threads, 8192 × 4096 float32, N sweep, plot
-    PYTHONPATH=src python bench/kernels.py --threads 2 --no-compile --plot docs/kernels_gbps.png
-    PYTHONPATH=src python bench/kernels.py --device cuda --dtype bfloat16   # the Triton kernels on a GPU
+    PYTHONPATH=src python bench/kernel_bandwidth.py                    # 2 threads, 8192 × 4096 float32, N sweep, plot
+    PYTHONPATH=src python bench/kernel_bandwidth.py --threads 2 --no-compile --plot docs/kernels_gbps.png
+    PYTHONPATH=src python bench/kernel_bandwidth.py --device cuda --dtype bfloat16   # the Triton kernels on a GPU
 
 The process re-runs itself with glibc's malloc told to keep freed memory (``MALLOC_MMAP_MAX_=0``,
 ``MALLOC_TRIM_THRESHOLD_``): otherwise every fresh 128 MiB output (of every implementation alike) is a new

@@ -484,18 +484,26 @@ class Replay:
 
     @contextlib.contextmanager
     def installed(self):
-        saved = []
-        try:
-            for m in self.modules.values():
-                saved.append((m, vars(m).get("forward")))
-                m.forward = self._replacement(m, m.forward)
+        with forwards_replaced(self.modules.values(), self._replacement):
             yield self
-        finally:
-            for m, previous in saved:
-                if previous is None:
-                    vars(m).pop("forward", None)
-                else:
-                    m.forward = previous
+
+
+@contextlib.contextmanager
+def forwards_replaced(modules, replacement):
+    """While the block runs, each module's ``forward`` is ``replacement(module, its forward)``; after it, what the
+    module had comes back (an instance ``forward`` of its own — another wrapper — included)."""
+    saved = []
+    try:
+        for m in modules:
+            saved.append((m, vars(m).get("forward")))
+            m.forward = replacement(m, m.forward)
+        yield
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                vars(m).pop("forward", None)
+            else:
+                m.forward = previous
 
 
 def site_name(path: str, number: int) -> str:

@@ -31,6 +31,7 @@ from .execution import (
     Hooks,
     Unfrozen,
     cast,
+    forwards_replaced,
     freeze,
     input_at,
     input_of,
@@ -220,18 +221,8 @@ def _replayed(kids: list[_GradKid], module_of, dtype):
         return replayed
 
     handed: list[tuple[str, torch.Tensor]] = []
-    saved = []
-    try:
-        for m in modules.values():
-            saved.append((m, vars(m).get("forward")))
-            m.forward = replacement(m, m.forward)
+    with forwards_replaced(modules.values(), replacement):
         yield handed
-    finally:
-        for m, previous in saved:
-            if previous is None:
-                vars(m).pop("forward", None)
-            else:
-                m.forward = previous
 
 
 def _vjp(module, args, kw, dy, dtype, ac=None, kids=(), module_of=None):

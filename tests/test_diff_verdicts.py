@@ -226,18 +226,23 @@ def test_a_candidate_that_does_not_align_is_inconclusive_not_a_pass():
     assert "do not align" in text and "blocks.0.ln.weight [16]" in text and "a.weight [48, 16]" in text
 
 
-def test_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
-    """Exit 0 pass, 5 fail, 6 inconclusive; the JSON carries the verdict and the reasons."""
-    mod = tmp_path / "verdict_models.py"
-    mod.write_text(
-        "import torch, copy\n"
-        "from test_diff_verdicts import model, Other\n"
-        "def ref():\n    return model()\n"
-        "def other():\n    return Other().eval()\n")
+def _diff_parser(tmp_path, monkeypatch, name: str, source: str) -> argparse.ArgumentParser:
+    """A parser with ``diff`` on it, and a module ``name`` of factories (``source``) importable as a CLI target."""
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
     parser = argparse.ArgumentParser()
     command.add_parser(parser.add_subparsers())
+    return parser
+
+
+def test_cli_exit_codes_and_json(tmp_path, monkeypatch, capsys):
+    """Exit 0 pass, 5 fail, 6 inconclusive; the JSON carries the verdict and the reasons."""
+    parser = _diff_parser(tmp_path, monkeypatch, "verdict_models",
+                          "import torch, copy\n"
+                          "from test_diff_verdicts import model, Other\n"
+                          "def ref():\n    return model()\n"
+                          "def other():\n    return Other().eval()\n")
     base = ["diff", "verdict_models:ref"]
     cases = [(["--candidate-dtype", "float32"], 0, "pass"), (["verdict_models:other"], 6, "inconclusive")]
     for extra, code, verdict in cases:
@@ -444,12 +449,8 @@ def test_grad_with_nothing_compared_is_inconclusive_and_an_integer_output_is_an_
 def test_cli_loss_names_an_output(tmp_path, monkeypatch, capsys):
     from normscope.errors import InputError
 
-    mod = tmp_path / "loss_models.py"
-    mod.write_text("from test_diff_verdicts import model\ndef ref():\n    return model()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
+    parser = _diff_parser(tmp_path, monkeypatch, "loss_models",
+                          "from test_diff_verdicts import model\ndef ref():\n    return model()\n")
     base = ["diff", "loss_models:ref", "--candidate-dtype", "float32", "--inputs", "2,5,16", "--json"]
     assert command.run(parser.parse_args([*base, "--grad", "--loss", "0"]), Console()) == 0
     capsys.readouterr()
@@ -548,12 +549,8 @@ def test_cli_plot_path_is_checked_before_the_diff_runs(tmp_path, monkeypatch):
     given as the path was written as DIR.png."""
     from normscope.errors import InputError
 
-    mod = tmp_path / "plot_models.py"
-    mod.write_text("from test_diff_verdicts import model\ndef ref():\n    return model()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
-    parser = argparse.ArgumentParser()
-    command.add_parser(parser.add_subparsers())
+    parser = _diff_parser(tmp_path, monkeypatch, "plot_models",
+                          "from test_diff_verdicts import model\ndef ref():\n    return model()\n")
     base = ["diff", "plot_models:ref", "--candidate-dtype", "float32", "--inputs", "2,5,16"]
     for plot, match in ((str(tmp_path / "missing" / "x.png"), "does not exist"), (str(tmp_path), "is a folder"),
                         (str(tmp_path / "x.txt"), "must end in")):

@@ -20,12 +20,22 @@ def tiny_causal_lm(family: str):
                                                         sliding_window_pattern=2,
                                                         layer_types=["sliding_attention", "full_attention"]),
     }
+    return built(configs[family]())
+
+
+def built(config, biases: bool = False):
+    """A causal LM from ``config`` with random weights (seed 0, eager attention), its norms' γ/β perturbed so a
+    fault in one channel is visible; ``biases``: its biases drawn too (they are zero at initialisation)."""
+    import transformers
+
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(configs[family](), attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+            elif biases and name.endswith("bias"):
+                p.normal_(0, 0.2)
     return model
 
 

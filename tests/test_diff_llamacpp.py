@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from runtime_models import SIZE, tiny_causal_lm, token_ids
+from runtime_models import SIZE, built, tiny_causal_lm, token_ids
 
 from normscope import diff
 from normscope.errors import InputError
@@ -64,15 +64,7 @@ def _tiny(family: str):
         "gpt_neox_erf": lambda: t.GPTNeoXConfig(**{k: v for k, v in SIZE.items() if k != "num_key_value_heads"},
                                                 hidden_act="gelu", **_SPECIAL),
     }
-    torch.manual_seed(0)
-    model = t.AutoModelForCausalLM.from_config(configs[family](), attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.2)
-    return model
+    return built(configs[family](), biases=True)
 
 
 def _norms(model) -> list[str]:

@@ -48,23 +48,6 @@ def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta
         transformers.logging.set_verbosity(verbosity)
 
 
-def _inputs(model):
-    """What the model is run on: token ids for a text model (scan's default), else an image batch of the size
-    its config states (``pixel_values``: channels × image size), else scan's own refusal."""
-    import torch
-
-    config = model.config
-    if getattr(model, "main_input_name", "input_ids") != "pixel_values":
-        return None
-    size = getattr(config, "image_size", None)
-    size = size[0] if isinstance(size, list | tuple) else size
-    channels = getattr(config, "num_channels", 3)
-    if not isinstance(size, int) or not isinstance(channels, int):
-        return None
-    device = next(model.parameters()).device
-    return {"pixel_values": torch.zeros(1, channels, size, size, device=device)}
-
-
 def read_structure(config: dict[str, Any], config_path: Path, source: str) -> ModelContract:
     """The contract of ``config`` from its architecture's structure (see the module's docstring)."""
     from ..sites import scan
@@ -72,7 +55,7 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     model = build_on_meta(config, config_path)
     how = "on the meta device (one forward on shapes, each kind of norm inferred once)"
     try:
-        result = scan(model, _inputs(model), dtypes="float32", progress=False)
+        result = scan(model, None, dtypes="float32", progress=False)
     except NormscopeError as exc:
         size = sum(p.numel() for p in model.parameters())
         if size > REAL_BUILD_PARAMS:
@@ -87,7 +70,7 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
         how = (f"with random weights on the CPU ({size:,} parameters: its forward reads values, so it does not run "
                "on the meta device)")
         try:
-            result = scan(model, _inputs(model), dtypes="float32", progress=False)
+            result = scan(model, None, dtypes="float32", progress=False)
         except NormscopeError as exc2:
             raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture could not be scanned "
                              f"({exc2})") from None

@@ -28,9 +28,17 @@ def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | No
 
 
 def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
+    """A small batch of what a Hugging Face model's ``main_input_name`` says it takes: token ids for a text model,
+    an image of the size its config states for a vision model (``pixel_values``: channels × image size²)."""
     config = getattr(model, "config", None)
     vocab = vocabulary_size(model, embeddings=False)
     main = getattr(model, "main_input_name", "input_ids")
+    if config is not None and main == "pixel_values":
+        size = getattr(config, "image_size", None)
+        size = size[0] if isinstance(size, list | tuple) else size
+        channels = getattr(config, "num_channels", 3)
+        if isinstance(size, int) and isinstance(channels, int):
+            return {"pixel_values": torch.zeros(1, channels, size, size, device=_device(model))}
     if config is None or vocab is None or main != "input_ids":
         raise InputError(
             f"{type(model).__name__} needs inputs: in Python pass them (scan/diff(model, inputs): a tensor, a tuple "
@@ -44,10 +52,7 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
 def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
     """Token ids as a Hugging Face model takes them: ``input_ids=`` on its device, the first ids as the decoder's
     too for an encoder–decoder, and no KV cache."""
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    device = _device(model)
     kwargs: dict[str, Any] = {"input_ids": ids.to(device)}
     params = inspect.signature(model.forward).parameters
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False) and "decoder_input_ids" in params:
@@ -55,6 +60,13 @@ def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
     if "use_cache" in params:
         kwargs["use_cache"] = False
     return kwargs
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
 
 
 def _clone(obj):

@@ -147,11 +147,26 @@ def _check_safetensors(path: Path, text: str) -> None:
 def read_config(path: str | Path, model_type: bool = True) -> dict[str, Any]:
     """A Hugging Face config.json as a dict (read by :func:`~normscope.loading.read_json_file`, at most
     :data:`MAX_CONFIG_BYTES`); ``model_type``: one clear InputError when it names no architecture."""
-    data = read_json_file(path, CONFIG_FILE, limit=MAX_CONFIG_BYTES, need_object=True)
+    data = _special_floats(read_json_file(path, CONFIG_FILE, limit=MAX_CONFIG_BYTES, need_object=True))
     if model_type and not isinstance(data.get("model_type"), str):
         raise InputError(f"{path} has no \"model_type\": not {CONFIG_FILE}; give the config.json saved with the "
                          "model (its model_type names the architecture)")
     return data
+
+
+#: how transformers writes a float JSON has no literal for (``save_pretrained``: ``{"__float__": "Infinity"}``)
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(obj: Any) -> Any:
+    """A config's values with transformers' tagged non-finite floats read as floats, as its own loader does."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[obj["__float__"]]
+        return {k: _special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_special_floats(v) for v in obj]
+    return obj
 
 
 #: the config keys that carry a norm's ε in Hugging Face configs
@@ -188,9 +203,14 @@ def config_int(config: dict[str, Any], keys: tuple[str, ...], where: str | Path,
 def check_config(config: dict[str, Any], where: str | Path) -> None:
     """The one validation of a config's numbers, for every command that reads one (scan builds the model from
     it, contract reads it): each size it states is a positive integer within its limit, each ε a finite
-    number ≥ 0 (``head_dim`` may be null: derived)."""
+    number ≥ 0. A size may be null (transformers derives it, or the model does not use it) or a list of sizes
+    (one per stage of a hierarchical model)."""
     for key in CONFIG_SIZES:
-        if key in config and not (key == "head_dim" and config[key] is None):
+        value = config.get(key)
+        if isinstance(value, list):
+            for i, v in enumerate(value):
+                config_int({f"{key}[{i}]": v}, (f"{key}[{i}]",), where)
+        elif value is not None:
             config_int(config, (key,), where)
     for key in (k for k in config if is_eps_key(k)):
         if key in config:
@@ -303,16 +323,49 @@ def quiet_libraries() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _model_class(transformers, config):
-    """The class named by the config's ``architectures``, else the causal-LM or base auto class."""
-    for arch in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, arch, None)
-        if cls is not None:
-            return cls
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+def model_class(transformers, config, base: bool = False):
+    """The transformers class that builds ``config``: with ``base``, the base model (``AutoModel``) before the
+    class the config's ``architectures`` names; without, that class first, then the causal LM or the base model.
+    A config no auto class maps (a composite's ``*_text_model`` or ``*_vision_model`` part, a model only a task
+    head maps) gets the head an auto mapping names, else the class its own modeling module builds from it."""
+    auto_classes = (transformers.AutoModel,) if base else (transformers.AutoModelForCausalLM, transformers.AutoModel)
+    named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or []]
+    named = [c for c in named if isinstance(c, type)]
+    if named and not base:
+        return named[0]
+    for auto in auto_classes:
         if type(config) in auto._model_mapping:
             return auto
+    if named:
+        return named[0]
+    from transformers.models.auto import modeling_auto
+
+    for mapping_name in sorted(n for n in dir(modeling_auto) if n.startswith("MODEL_") and n.endswith("_MAPPING_NAMES")):
+        name = getattr(modeling_auto, mapping_name).get(config.model_type)
+        name = name[0] if isinstance(name, tuple | list) else name
+        if isinstance(name, str) and isinstance(getattr(transformers, name, None), type):
+            return getattr(transformers, name)
+    own = _own_model_class(transformers, config)
+    if own is not None:
+        return own
     raise TargetError(f"transformers has no model class for model_type {config.model_type!r}")
+
+
+def _own_model_class(transformers, config):
+    """The model class in the config's own modeling module whose ``config_class`` is exactly its type (a base
+    ``…Model`` before a head)."""
+    import importlib
+
+    module_name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception:
+        return None
+    found = [c for c in vars(module).values()
+             if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)
+             and getattr(c, "config_class", None) is type(config) and not c.__name__.endswith("PreTrainedModel")]
+    found.sort(key=lambda c: (not c.__name__.endswith("Model"), len(c.__name__)))
+    return found[0] if found else None
 
 
 def cap_config(data: dict[str, Any], layers: int, vocab: int) -> list[str]:
@@ -341,7 +394,7 @@ def _pretrained(folder: Path, text: str):
     transformers = _transformers()
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        return _model_class(transformers, config).from_pretrained(str(folder), local_files_only=True)
+        return model_class(transformers, config).from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}") from None
 
@@ -364,7 +417,7 @@ def _from_config(source: Source, layers: int, vocab: int):
         raise TargetError(f"{source.text}: transformers cannot build a {model_type!r} config ({exc})") from None
     built = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else config.to_dict()
     unstated_eps(stated, built, source.text)
-    cls = _model_class(transformers, config)
+    cls = model_class(transformers, config)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         try:

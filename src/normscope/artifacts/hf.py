@@ -64,12 +64,10 @@ def read_hf(path: str | Path) -> ModelContract:
     if path.is_dir() and not config_path.is_file():
         raise InputError(f"{path}: a model directory needs a config.json")
     config = read_config(config_path, model_type=False)
-    if isinstance(config.get("text_config"), dict):  # multimodal wrappers (Gemma 3) carry the text model's config
-        config = config["text_config"]
+    if config.get("model_type") == "gemma3" and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # the table reads Gemma 3's text model; any other composite, its structure
         config.setdefault("model_type", "gemma3_text")
     model_type = config.get("model_type")
-    if model_type == "gemma3":
-        model_type = "gemma3_text"
     arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         if not isinstance(model_type, str):

@@ -9,6 +9,7 @@ architecture transformers builds, with nothing written per architecture.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,16 @@ REAL_BUILD_PARAMS = 1 << 28
 
 
 def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta"):
-    """The base model of ``config`` (a config.json's dict) on the meta device (or ``device``)."""
+    """The base model of ``config`` (a config.json's dict) on the meta device (or ``device``).
+
+    The class is :func:`~normscope.sources.model_class`'s base model (a composite's part, or a model only a task
+    head maps, gets the class that builds it). On the meta device a mixture of experts runs its experts as batched
+    matrix products (``experts_implementation="batched_mm"``): the grouped kernels and the per-expert loop read
+    routing values, which shapes alone do not have."""
     transformers = require("transformers", "hf")
     import torch
+
+    from ..sources import model_class
 
     model_type = config.get("model_type")
     fields = {k: v for k, v in config.items() if k != "model_type"}
@@ -37,57 +45,192 @@ def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta
         except (ValueError, KeyError) as exc:
             raise InputError(f"{config_path}: model_type {model_type!r} is not an architecture the installed "
                              f"transformers ({transformers.__version__}) knows ({exc})") from None
+        try:
+            cls = model_class(transformers, cfg, base=True)
+        except NormscopeError:
+            raise InputError(f"{config_path}: the installed transformers ({transformers.__version__}) has no model "
+                             f"class for model_type {model_type!r}") from None
+        if device == "meta":
+            cfg._experts_implementation = "batched_mm"
         with torch.device(device):
-            return transformers.AutoModel.from_config(cfg)
+            return cls.from_config(cfg) if cls.__name__.startswith("Auto") else cls._from_config(cfg)
     except InputError:
         raise
     except Exception as exc:
         raise InputError(f"{config_path}: transformers could not build {model_type!r} from this config "
-                         f"({type(exc).__name__}: {exc})") from None
+                         f"({type(exc).__name__}: {_first_line(exc)})") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
 
 
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
 def read_structure(config: dict[str, Any], config_path: Path, source: str) -> ModelContract:
     """The contract of ``config`` from its architecture's structure (see the module's docstring)."""
-    from ..sites import scan
-
     model = build_on_meta(config, config_path)
-    how = "on the meta device (one forward on shapes, each kind of norm inferred once)"
-    try:
-        result = scan(model, None, dtypes="float32", progress=False)
-    except NormscopeError as exc:
-        size = sum(p.numel() for p in model.parameters())
-        if size > REAL_BUILD_PARAMS:
-            raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture does not run on the meta "
-                             f"device ({exc}), and at {size:,} parameters it is too large to build with random "
-                             "weights here; scan a checkpoint instead (normscope contract --live MODEL)") from None
-        import torch
-
-        with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
-            torch.manual_seed(0)
-            model = build_on_meta(config, config_path, device="cpu")
-        how = (f"with random weights on the CPU ({size:,} parameters: its forward reads values, so it does not run "
-               "on the meta device)")
-        try:
-            result = scan(model, None, dtypes="float32", progress=False)
-        except NormscopeError as exc2:
-            raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture could not be scanned "
-                             f"({exc2})") from None
-    if not result.sites:
-        raise InputError(f"{config_path}: the {config.get('model_type')!r} architecture has no normalization "
-                         "site that a forward on shapes meets")
-    out = ModelContract.from_scan(result, source=source).without_weights()  # drawn here: a config states none
-    out.kind = "hf-config"
-    out.architecture = config.get("model_type")
-    out.stated_placement = result.placement
-    stated = {k: v for k, v in result.config_eps.items() if "." not in k}
-    keys = [k for s in result.sites for k in s.eps_keys or () if k in stated]  # the scan's rebuild experiment
-    if keys:
-        key = max(set(keys), key=keys.count)  # the key most sites read
-        out.eps, out.eps_key = float(stated[key]), key
+    label = repr(config.get("model_type"))
+    parts, refused = _read_parts(model, config_path, label)
+    out = ModelContract(source=source, kind="hf-config", sites=[], architecture=config.get("model_type"))
+    for prefix, result, how in parts:
+        part = ModelContract.from_scan(result, source=source).without_weights()  # drawn here: a config states none
+        for site in part.sites:
+            site.name, site.source = _under(prefix, site.name), _under(prefix, site.source)
+        out.sites.extend(part.sites)
+        if not prefix:
+            out.stated_placement = result.placement
+            stated = {k: v for k, v in result.config_eps.items() if "." not in k}
+            keys = [k for s in result.sites for k in s.eps_keys or () if k in stated]  # the scan's rebuild experiment
+            if keys:
+                key = max(set(keys), key=keys.count)  # the key most sites read
+                out.eps, out.eps_key = float(stated[key]), key
+        what = f"its {prefix} ({type(model.get_submodule(prefix)).__name__})" if prefix else type(model).__name__
+        out.notes.append(f"read from the structure of transformers' {what} built from this config {how}")
+    if not out.sites:
+        if refused:
+            raise refused[0][1]
+        raise InputError(f"{config_path}: the {label} architecture has no normalization site that its forward meets")
+    for prefix, exc in refused:
+        out.notes.append(f"not read: {prefix} ({exc})")
+    out.n_layers = max((s.layer + 1 for s in out.sites if isinstance(s.layer, int)), default=None)
     for site in out.sites:
         if site.eps is not None and out.eps is not None and not math.isclose(site.eps, out.eps, rel_tol=0.01):
             site.notes.append(f"ε={site.eps:g} set by the code, not by {out.eps_key}")
-    out.notes.append(f"read from the structure of transformers' {type(model).__name__} built from this config {how}")
     return out
+
+
+def _under(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+def _read_parts(model, config_path: Path, label: str):
+    """The scans that together cover the model: the whole model's, then — for each sub-model (a composite's text,
+    vision or audio model) its forward did not reach, or each of them when the whole does not run — the
+    sub-model's own. Returns ``[(prefix, scan, how)]`` and ``[(prefix, InputError)]`` for the parts not read."""
+    parts, refused = [], []
+    try:
+        result, how = _read_one(model, config_path, label)
+        parts.append(("", result, how))
+        reached = [s.name for s in result.sites]
+        todo = [(p, m) for p, m in _submodels(model) if not any(n.startswith(p + ".") for n in reached)]
+    except InputError as exc:
+        todo = _submodels(model)
+        if not todo:
+            raise
+        refused.append((f"the whole {type(model).__name__}", exc))
+    for prefix, sub in todo:
+        try:
+            result, how = _read_one(sub, config_path, f"{label} part {prefix}")
+        except InputError as exc:
+            refused.append((prefix, exc))
+            continue
+        if result.sites:
+            parts.append((prefix, result, how))
+    return parts, refused
+
+
+def _submodels(model) -> list[tuple[str, Any]]:
+    """The outermost modules inside ``model`` that are transformers models with a config of another kind than the
+    model's (a composite's text, vision or audio model; not an encoder–decoder's halves, which share its config)."""
+    transformers = require("transformers", "hf")
+    found: list[tuple[str, Any]] = []
+    for path, module in model.named_modules():
+        if not path or not isinstance(module, transformers.PreTrainedModel):
+            continue
+        if type(getattr(module, "config", None)) is type(model.config):
+            continue
+        if any(path.startswith(p + ".") for p, _ in found):
+            continue
+        found.append((path, module))
+    return found
+
+
+META = "on the meta device (one forward on shapes, each kind of norm inferred once)"
+
+
+def _read_one(model, config_path: Path, label: str):
+    """One model's scan and how it was read: on the meta device, else — when its forward reads values — with
+    random weights on the CPU, at full depth up to :data:`REAL_BUILD_PARAMS` parameters, else at reduced depth
+    (:mod:`.depth`)."""
+    from ..model import default_inputs
+    from ..sites import scan
+
+    try:
+        inputs = default_inputs(model)
+    except InputError as exc:
+        raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
+    from . import depth
+
+    full = depth.block_lists(model)  # before a forward, which may change a layer's settings (BigBird's attention)
+    try:
+        return scan(model, inputs, dtypes="float32", progress=False), META
+    except NormscopeError as exc:
+        meta_error = exc
+    size = sum(p.numel() for p in model.parameters())
+    config = copy.deepcopy(model.config)
+    config._experts_implementation = None  # the default kernels with real values
+    tokens = _fewer_tokens(config)
+    reduced = depth.reduced_config(config, full)
+    small, why = None, "no layer list to cut"
+    if reduced is not None:
+        shape = _built(type(model), reduced, "meta", config_path, label)
+        try:
+            why = depth.same_prefix(full, depth.block_lists(shape, full))
+        except AttributeError:  # a list the reduced model does not have
+            why = "its layer lists differ from the full model's"
+        small = sum(p.numel() for p in shape.parameters())
+        if why is None and small > REAL_BUILD_PARAMS:
+            why = f"{small:,} parameters at the reduced depth"
+    if why is None:
+        config = reduced
+        kept = ", ".join(f"{len(r.kinds)} of {len(f.kinds)} layers in {f.path}"
+                         for f, r in zip(full, depth.block_lists(shape, full), strict=True))
+        how = (f"at reduced depth with random weights on the CPU ({kept}: each kind of layer at least once, the sites "
+               f"found then given to every layer of that kind; {small:,} of {size:,} parameters{tokens}: its forward "
+               "reads values, so it does not run on the meta device)")
+    else:
+        built_size = sum(p.numel() for p in _built(type(model), config, "meta", config_path, label).parameters())
+        if built_size > REAL_BUILD_PARAMS:
+            raise InputError(f"{config_path}: the {label} architecture does not run on the meta device "
+                             f"({_first_line(meta_error)}), and at {size:,} parameters it is too large to build with "
+                             f"random weights here, nor could it be read at reduced depth ({why}); scan a checkpoint "
+                             "instead (normscope contract --live MODEL)") from None
+        how = (f"with random weights on the CPU ({built_size:,} parameters{tokens}: its forward reads values, so it "
+               "does not run on the meta device)")
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
+        torch.manual_seed(0)
+        real = _built(type(model), config, "cpu", config_path, label)
+    try:
+        result = scan(real, default_inputs(real), dtypes="float32", progress=False)
+    except NormscopeError as exc:
+        raise InputError(f"{config_path}: the {label} architecture could not be scanned ({exc})") from None
+    if config is reduced:
+        result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
+    return result, how
+
+
+def _fewer_tokens(config, vocab: int = 512) -> str:
+    """Cut the vocabulary of ``config`` and its sub-configs to ``vocab`` (in place; the norms never see it), and say
+    so for the note."""
+    from ..sources import cap_config
+
+    notes = cap_config(vars(config), 0, vocab)
+    for value in list(vars(config).values()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            notes += cap_config(vars(value), 0, vocab)
+    return f", {notes[0]}" if notes else ""
+
+
+def _built(cls, config, device: str, config_path: Path, label: str):
+    import torch
+
+    try:
+        with torch.device(device):
+            return cls._from_config(config)
+    except Exception as exc:
+        raise InputError(f"{config_path}: transformers could not build the {label} architecture "
+                         f"({type(exc).__name__}: {_first_line(exc)})") from None

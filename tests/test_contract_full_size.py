@@ -1,0 +1,205 @@
+"""`contract` on configs as checkpoints state them: full size, composite, MoE, values the meta device lacks.
+
+The property every case meets: a read at reduced depth gives exactly the sites, names, roles and contract fields
+a build at full depth gives; a composite config's parts are each read; a full-size default config of an MoE or an
+encoder–decoder gives a contract for every layer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from normscope.artifacts import contract, depth, structure  # noqa: E402
+from normscope.errors import InputError, NormscopeError  # noqa: E402
+
+FIELDS = ("name", "source", "layer", "role", "family", "center", "eps", "eps_placement", "axes", "size", "gamma",
+          "beta", "gamma_offset", "groups")
+
+#: layer patterns along depth: hybrid Mamba/attention with MoE every other layer, linear/full attention, dense
+#: layers then MoE, sliding/full attention, an encoder–decoder
+PATTERNS = {
+    "jamba": lambda t: t.JambaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=2,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_expand=2, mamba_dt_rank=4),
+    "qwen3_next": lambda t: t.Qwen3NextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=64, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16),
+    "deepseek_v3": lambda t: t.DeepseekV3Config(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size=64, n_group=1,
+        topk_group=1),
+    "gemma3_text": lambda t: t.Gemma3TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=64, sliding_window_pattern=3),
+    "bart": lambda t: t.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=5, decoder_layers=3, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32),
+}
+
+
+def _saved(config, folder):
+    config.save_pretrained(folder)
+    path = folder / "config.json"
+    return json.loads(path.read_text()), path
+
+
+def _read(data, path):
+    return structure.read_structure(data, path, str(path))
+
+
+@pytest.fixture
+def values_only(monkeypatch):
+    """Every model's forward refused on the meta device (as one that reads a value is) and every build counted
+    as too large to build at full depth: the structure read takes its reduced-depth path."""
+    import normscope.sites
+
+    scan = normscope.sites.scan
+
+    def no_meta(model, *args, **kwargs):
+        if next(model.parameters()).is_meta:
+            raise NormscopeError("the forward reads a value (refused here on the meta device)")
+        return scan(model, *args, **kwargs)
+
+    monkeypatch.setattr(normscope.sites, "scan", no_meta)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("arch", sorted(PATTERNS))
+def test_reduced_depth_gives_what_full_depth_gives(tmp_path, values_only, arch):
+    data, path = _saved(PATTERNS[arch](transformers), tmp_path)
+    reduced = _read(data, path)  # reduced wherever the layers allow it
+    values_only.setattr(depth, "reduced_config", lambda config, lists: None)
+    full = _read(data, path)
+    assert any("reduced depth" in n for n in reduced.notes), reduced.notes
+    assert not any("reduced depth" in n for n in full.notes), full.notes
+    assert [tuple(getattr(s, f) for f in FIELDS) for s in reduced.sites] == \
+        [tuple(getattr(s, f) for f in FIELDS) for s in full.sites]
+    assert (reduced.placement, reduced.n_layers, reduced.eps, reduced.eps_key) == \
+        (full.placement, full.n_layers, full.eps, full.eps_key)
+
+
+@pytest.mark.parametrize("arch", ["jamba", "gemma3_text", "deepseek_v3"])
+def test_a_pattern_the_reduced_depth_would_break_is_read_at_full_depth_or_refused(tmp_path, values_only, arch):
+    """Layer kinds read from the full model: a reduced model whose layers are not the full model's first ones (here:
+    a config that cuts its pattern wrongly) is never extended; it is built whole where it fits, else refused."""
+    data, path = _saved(PATTERNS[arch](transformers), tmp_path)
+    lists = []
+    values_only.setattr(depth, "same_prefix", lambda full, reduced: lists.append(1) or "its layers differ (test)")
+    whole = _read(data, path)
+    assert lists and not any("reduced depth" in n for n in whole.notes)
+    values_only.setattr(structure, "REAL_BUILD_PARAMS", 1)
+    with pytest.raises(InputError, match=r"nor could it be read at reduced depth \(its layers differ \(test\)\)"):
+        _read(data, path)
+
+
+def test_block_kinds_set_a_layers_index_aside():
+    """BigBird's attention holds its layer's index as ``seed``; an index, whatever its name, is not a kind."""
+    cfg = transformers.BigBirdPegasusConfig(vocab_size=64, d_model=32, encoder_layers=4, decoder_layers=4,
+                                            encoder_attention_heads=2, decoder_attention_heads=2,
+                                            encoder_ffn_dim=64, decoder_ffn_dim=64)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(cfg)
+    lists = depth.block_lists(model)
+    assert [(b.path, len(b.kinds), len(set(b.kinds))) for b in lists] == [("encoder.layers", 4, 1),
+                                                                            ("decoder.layers", 4, 1)]
+    assert any(p.endswith(":seed") for p in lists[0].positions)
+
+
+# ----------------------------------------------------------------------------------- full-size default configs
+@pytest.mark.parametrize("arch, layers", [("granitemoe", 32), ("bart", 12)])
+def test_a_full_size_default_config_gives_every_layer(tmp_path, arch, layers):
+    """GraniteMoE (an MoE of 3 B parameters: its router's top-k ran no forward on the meta device) and BART (400 M
+    parameters, its forward reads values) as their default configs state them."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    CONFIG_MAPPING[arch]().save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert c.n_layers == layers
+    per_layer = {}
+    for s in c.sites:
+        if s.layer is not None:
+            stem = re.sub(r"(^|\.)\d+(\.|:).*", "", s.source)  # the layer list's path
+            per_layer.setdefault(stem, set()).add(s.layer)
+    assert all(found == set(range(layers)) for found in per_layer.values()), per_layer
+
+
+# ------------------------------------------------------------------------------------------ composite configs
+def test_a_composite_config_reads_each_part(tmp_path):
+    """CLIP's forward needs text and image together; its text and vision models are each read, under their paths."""
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16).save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    parts = {s.source.split(".", 1)[0] for s in c.sites}
+    assert parts == {"text_model", "vision_model"}, parts
+    assert sum(s.source.startswith("vision_model.") for s in c.sites) == 2 * 2 + 2  # pre-LN, final and embedding
+    assert len({s.name for s in c.sites}) == len(c.sites)
+
+
+def test_a_composite_whose_forward_runs_reads_the_parts_it_did_not_reach(tmp_path):
+    """LLaVA's forward on token ids never runs its vision tower: the tower is read on its own."""
+    text = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=32, patch_size=8)
+    transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=3).save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert any(s.source.startswith("vision_tower.") for s in c.sites)
+    assert any(s.source.startswith("language_model.") or s.source.startswith("layers.") for s in c.sites)
+    assert any("vision_tower" in n for n in c.notes), c.notes
+
+
+@pytest.mark.parametrize("model_type, config", [
+    ("align_text_model", lambda t: t.AlignTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                     num_attention_heads=4, vocab_size=64)),
+    ("blip_text_model", lambda t: t.BlipTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                   num_attention_heads=4, vocab_size=64, encoder_hidden_size=32)),
+])
+def test_a_part_no_auto_class_maps_is_built_by_its_own_class(tmp_path, model_type, config):
+    from normscope.sources import model_class
+
+    cfg = config(transformers)
+    assert type(cfg) not in transformers.AutoModel._model_mapping
+    assert model_class(transformers, cfg, base=True).config_class is type(cfg)
+    cfg.save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert c.architecture == model_type and c.n_layers == 2 and c.sites
+
+
+# ---------------------------------------------------------------------------------- configs as transformers saves
+def test_non_finite_floats_as_transformers_writes_them(tmp_path):
+    """transformers writes ``inf`` as ``{"__float__": "Infinity"}`` (Mamba-2 hybrids' ``time_step_limit``)."""
+    cfg = transformers.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=8, head_dim=8, num_heads=8,
+                                    n_groups=1, expand=2, time_step_limit=(0.0, float("inf")))
+    cfg.save_pretrained(tmp_path)
+    assert "__float__" in (tmp_path / "config.json").read_text()
+    c = contract(tmp_path / "config.json")
+    assert c.n_layers == 2 and c.sites
+
+
+def test_per_stage_sizes_and_unset_values_are_not_refused(tmp_path):
+    """A hierarchical model states its heads per stage (``num_attention_heads: [1, 2]``); a value transformers
+    leaves unset (``vocab_size: null``) is not normscope's to refuse. A size it does use must still be sane."""
+    from normscope.sources import check_config
+
+    check_config({"num_attention_heads": [1, 2, 4], "vocab_size": None}, "c.json")
+    with pytest.raises(InputError, match=r"num_attention_heads\[1\] must be a positive integer"):
+        check_config({"num_attention_heads": [1, 0]}, "c.json")
+    with pytest.raises(InputError, match="hidden_size must be a positive integer"):
+        check_config({"hidden_size": -3}, "c.json")
+    transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                 num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
+                                 decoder_hidden_size=32).save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert c.sites

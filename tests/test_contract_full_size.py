@@ -180,8 +180,8 @@ def test_a_part_no_auto_class_maps_is_built_by_its_own_class(tmp_path, model_typ
 # ---------------------------------------------------------------------------------- configs as transformers saves
 def test_non_finite_floats_as_transformers_writes_them(tmp_path):
     """transformers writes ``inf`` as ``{"__float__": "Infinity"}`` (Mamba-2 hybrids' ``time_step_limit``)."""
-    cfg = transformers.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=8, head_dim=8, num_heads=8,
-                                    n_groups=1, expand=2, time_step_limit=(0.0, float("inf")))
+    cfg = transformers.Mamba2Config(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=8, head_dim=8,
+                                    num_heads=8, n_groups=1, expand=2, time_step_limit=(0.0, float("inf")))
     cfg.save_pretrained(tmp_path)
     assert "__float__" in (tmp_path / "config.json").read_text()
     c = contract(tmp_path / "config.json")
@@ -203,3 +203,59 @@ def test_per_stage_sizes_and_unset_values_are_not_refused(tmp_path):
                                  decoder_hidden_size=32).save_pretrained(tmp_path)
     c = contract(tmp_path / "config.json")
     assert c.sites
+
+
+# ----------------------------------------------------------------------- Falcon-40B's two parallel LayerNorms
+def _falcon40b(t):
+    """Falcon-40B's block at a small width: ``new_decoder_architecture``, ``ln_attn`` and ``ln_mlp`` on one input."""
+    return t.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                          new_decoder_architecture=True, vocab_size=64)
+
+
+def test_falcon40b_gguf_pair_maps_to_the_configs_two_sites(tmp_path):
+    """llama.cpp stores ``ln_attn`` as ``blk.N.attn_norm`` and ``ln_mlp`` as ``blk.N.attn_norm_2``; its falcon graph
+    runs both on the block's input (parallel)."""
+    import gguf
+    import numpy as np
+
+    from normscope.artifacts import compare
+
+    _falcon40b(transformers).save_pretrained(tmp_path / "falcon")
+    w = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), arch="falcon")
+    w.add_block_count(2)
+    w.add_layer_norm_eps(1e-5)
+    rng = np.random.default_rng(0)
+    for name in ("blk.0.attn_norm", "blk.0.attn_norm_2", "blk.1.attn_norm", "blk.1.attn_norm_2", "output_norm"):
+        w.add_tensor(name + ".weight", rng.uniform(0.5, 1.5, 64).astype(np.float32))
+        w.add_tensor(name + ".bias", rng.uniform(-0.1, 0.1, 64).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = contract(tmp_path / "falcon.gguf")
+    assert [s.name for s in file.sites] == ["layers.0.attn_norm", "layers.0.ffn_norm", "layers.1.attn_norm",
+                                            "layers.1.ffn_norm", "final_norm"]
+    assert file.placement == "parallel"
+    config = contract(tmp_path / "falcon" / "config.json")
+    assert [s.source for s in config.sites[:2]] == ["h.0.ln_attn", "h.0.ln_mlp"] and config.placement == "parallel"
+    result = compare(config, file)
+    assert result.ok and len(result.matched) == 5, [i.message for i in result.items]
+
+
+def test_falcon40b_onnx_pair_maps_to_the_configs_two_sites(tmp_path):
+    from normscope.artifacts import compare
+
+    cfg = _falcon40b(transformers)
+    cfg.save_pretrained(tmp_path / "falcon")
+    torch.manual_seed(0)
+    model = transformers.FalconModel(cfg).eval()
+    model.config.use_cache = False
+    path = tmp_path / "falcon.onnx"
+    ids = torch.randint(0, 64, (1, 6))
+    torch.onnx.export(model, (ids, None, torch.ones_like(ids)), str(path), dynamo=False,
+                      input_names=["input_ids", "attention_mask"])
+    file = contract(path)
+    names = [s.name for s in file.sites]
+    assert {"layers.0.attn_norm", "layers.0.ffn_norm", "layers.1.attn_norm", "layers.1.ffn_norm"} <= set(names), names
+    result = compare(contract(tmp_path / "falcon" / "config.json"), file)
+    assert not result.mismatches and len(result.matched) == 5, [i.message for i in result.items]

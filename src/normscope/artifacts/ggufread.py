@@ -31,7 +31,10 @@ FAMILY = {
     "llama": "rmsnorm", "mistral": "rmsnorm", "qwen2": "rmsnorm", "qwen3": "rmsnorm", "gemma": "rmsnorm",
     "gemma2": "rmsnorm", "gemma3": "rmsnorm", "olmo2": "rmsnorm", "phi3": "rmsnorm",
     "gpt2": "layernorm", "bert": "layernorm", "phi2": "layernorm", "command-r": "layernorm", "gptneox": "layernorm",
+    "falcon": "layernorm",
 }
+#: architectures whose llama.cpp graph always runs attention and the MLP on the block's one input (parallel)
+PARALLEL = {"falcon"}
 MAX_DIMS = 4
 MAX_NESTING = 4
 # value type → size in bytes (strings and arrays are variable)
@@ -249,6 +252,9 @@ def _contract(path: Path, reader, gguf) -> ModelContract:
     if parallel is True and out.placement == "pre":  # two pre norms read the one stream: the file says so
         out.stated_placement = "parallel"
         out.notes.append(f"placement parallel: {arch}.use_parallel_residual is true")
+    elif arch in PARALLEL and out.placement == "pre":  # Falcon-40B's two norms (attn_norm, attn_norm_2) on one input
+        out.stated_placement = "parallel"
+        out.notes.append(f"placement parallel: llama.cpp's {arch} runs attention and the MLP on the block's input")
     return out
 
 

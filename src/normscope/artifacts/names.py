@@ -54,6 +54,8 @@ _BLOCK = {
     "attention_norm": "attn_norm",
     "norm1": "attn_norm",
     "norm2": "ffn_norm",
+    "ln_attn": "attn_norm",  # Falcon-40B's parallel pair
+    "ln_mlp": "ffn_norm",
     # GGUF (llama.cpp names tensors by role)
     "post_attention_norm": "attn_branch_norm",
     "post_ffw_norm": "ffn_branch_norm",
@@ -61,6 +63,7 @@ _BLOCK = {
     "layer_output_norm": "ffn_post_norm",
     "attn_q_norm": "q_norm",
     "attn_k_norm": "k_norm",
+    "attn_norm_2": "ffn_norm",  # llama.cpp's falcon: ln_mlp
 }
 _BLOCK.update({slot: slot for slot in SLOT_ROLES if slot not in ("final_norm", "embed_norm")})
 _AMBIGUOUS = "post_attention_layernorm"

@@ -4,7 +4,8 @@ For each model type: its config class with default values is saved with ``save_p
 folder (the form a checkpoint's config.json takes), transformers itself is asked to build a model from it on
 the meta device (the denominator: types whose model transformers can build), and ``normscope.artifacts.contract``
 reads the file. Each type runs in a worker process with a time limit; the CPU seconds and the rise of the
-worker's peak resident memory are its own. The table prints ok / refused (by class) / failed, and the types
+worker's peak resident memory are its own (the worker has imported torch, transformers' modelling base and
+normscope once, as a long-lived process has: a fresh `normscope contract` adds those imports, a few seconds). The table prints ok / refused (by class) / failed, and the types
 outside the target.
 
     python bench/contract_coverage.py                 # every type, 2 workers (about an hour on 2 cores)
@@ -39,6 +40,7 @@ transformers.logging.set_verbosity_error()
 from transformers.models.auto import configuration_auto, modeling_auto
 from normscope.artifacts import contract
 from normscope.errors import NormscopeError
+import transformers.modeling_utils, normscope.sites, normscope.model  # what every read imports, once per process
 
 def status(key):
     for line in open("/proc/self/status"):

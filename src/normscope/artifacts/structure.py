@@ -64,8 +64,18 @@ def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta
 
 
 def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, and — when it does not name what failed (a ``None`` where the
+    code needed a value) — the line of the model's code that raised it, which names the config field."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return text if len(text) <= limit else text[:limit] + "…"
+    text = text if len(text) <= limit else text[:limit] + "…"
+    if isinstance(exc, AttributeError | TypeError | KeyError):
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/transformers/models/" in f.filename]
+        if frames and frames[-1].line:
+            f = frames[-1]
+            text += f", at {Path(f.filename).name}:{f.lineno}: {f.line.strip()[:160]}"
+    return text
 
 
 def read_structure(config: dict[str, Any], config_path: Path, source: str) -> ModelContract:

@@ -33,7 +33,13 @@ from pathlib import Path
 LIMIT_S = 60  # wall seconds a type may take before its worker is killed (the target is 10 s of CPU)
 
 WORKER = r"""
-import json, os, sys, tempfile, time, warnings
+import json, os, sys, tempfile, threading, time, warnings
+parent = os.getppid()
+def orphaned():  # the bench was stopped: a worker busy on one type must not run on
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+threading.Thread(target=orphaned, daemon=True).start()
 warnings.filterwarnings("ignore")
 import torch, transformers
 transformers.logging.set_verbosity_error()

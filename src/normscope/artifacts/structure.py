@@ -96,14 +96,18 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
             if keys:
                 key = max(set(keys), key=keys.count)  # the key most sites read
                 out.eps, out.eps_key = float(stated[key]), key
-        what = f"its {prefix} ({type(model.get_submodule(prefix)).__name__})" if prefix else type(model).__name__
+        what = f"{type(model.get_submodule(prefix)).__name__} (its {prefix})" if prefix else type(model).__name__
         out.notes.append(f"read from the structure of transformers' {what} built from this config {how}")
     if not out.sites:
         if refused:
             raise refused[0][1]
         raise InputError(f"{config_path}: the {label} architecture has no normalization site that its forward meets")
     for prefix, exc in refused:
-        out.notes.append(f"not read: {prefix} ({exc})")
+        if prefix.startswith("the whole "):
+            out.notes.append(f"{prefix[len('the whole '):]} as a whole did not run on the default inputs, so its "
+                             f"parts were read each on its own, and what lies outside them was not ({exc})")
+        else:
+            out.notes.append(f"not read: {prefix} ({exc})")
     out.n_layers = max((s.layer + 1 for s in out.sites if isinstance(s.layer, int)), default=None)
     for site in out.sites:
         if site.eps is not None and out.eps is not None and not math.isclose(site.eps, out.eps, rel_tol=0.01):

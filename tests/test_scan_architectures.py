@@ -80,8 +80,8 @@ TRUTH = {
                  "decoder.layers.0.encoder_attn_layer_norm": "pre", "decoder.layer_norm": "final"},
                 {"encoder.layers": "pre", "decoder.layers": "pre"}, "pre"),
     # Mamba2Block: residual + mixer(Mamba2RMSNorm(x)); the mixer's MambaRMSNormGated is inside the sublayer
-    "mamba2": ({"layers.0.norm": "pre", "layers.0.mixer.norm:inline#0": "other",
-                "layers.1.mixer.norm:inline#0": "other", "norm_f": "final"},
+    "mamba2": ({"layers.0.norm": "pre", "layers.0.mixer.norm": "other",
+                "layers.1.mixer.norm": "other", "norm_f": "final"},
                {"layers": "pre"}, "pre"),
     # AlbertTransformer runs the one shared AlbertLayerGroup num_hidden_layers times; AlbertAttention and
     # AlbertLayer are post-LN (LayerNorm(x + sublayer)); AlbertEmbeddings.LayerNorm on the embeddings' sum.
@@ -140,12 +140,14 @@ def test_streams_are_rendered(scans):
 
 def test_a_gated_norm_is_found_with_its_gate_held_fixed(scans):
     # Mamba2Mixer: y = self.norm(scan_output, gate): MambaRMSNormGated takes two tensors, normalizes
-    # x · silu(gate) and multiplies by its weight; Mamba2Block: residual + mixer(Mamba2RMSNorm(x)) (pre)
+    # x · silu(gate) and multiplies by its weight; Mamba2Block: residual + mixer(Mamba2RMSNorm(x)) (pre).
+    # The module is the site (tests/test_scan_classes.py: more gated norms), its contract read on the gated input
     r = scans("mamba2")
     by = {s.name: s for s in r.sites}
-    gated = [by[f"layers.{i}.mixer.norm:inline#0"] for i in (0, 1)]
+    gated = [by[f"layers.{i}.mixer.norm"] for i in (0, 1)]
     for s in gated:
-        assert s.kind == "inline" and s.role == "other" and s.spec.kind == "rmsnorm", s
+        assert s.kind == "module" and s.role == "other" and s.spec.kind == "rmsnorm", s
+        assert s.cls == "Mamba2RMSNormGated" and s.evidence["gate"]["measured"]["applied"] == "before the statistic"
         assert s.spec.eps == pytest.approx(3e-5, rel=0.01) and s.spec.gamma and not s.spec.beta
         assert s.activation["ok"], s.activation
     assert [by[f"layers.{i}.norm"].role for i in (0, 1)] == ["pre", "pre"] and by["norm_f"].role == "final"

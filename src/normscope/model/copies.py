@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import TargetError
+from ..targets.torch_target import redraw_vectors
 
 BIG_MODEL_BYTES = 1 << 30  # larger models' parameters are not copied by untouched(); writes to them are detected
 
@@ -200,17 +201,11 @@ def _same_objects(now: dict, saved: dict) -> bool:
 
 
 def redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
-    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept)."""
+    """A copy whose vector parameters are re-drawn away from zero (scalars, such as a learned ε, are kept): the
+    values ``infer`` re-draws its own copy with (:func:`normscope.targets.torch_target.redraw_vectors`); None when
+    the module holds no vector parameter."""
     m = copy.deepcopy(module)
-    rng = np.random.default_rng(0)
-    vectors = [p for p in m.parameters() if p.is_floating_point() and p.numel() >= 2]
-    if not vectors:
-        return None
-    with torch.no_grad():
-        for p in vectors:
-            v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
-            p.copy_(torch.from_numpy(v))
-    return m
+    return m if redraw_vectors(m) else None
 
 
 def stored_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:

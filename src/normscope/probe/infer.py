@@ -24,15 +24,21 @@ fresh inputs          ``validation``: the contract must reproduce the target
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
+
+import numpy as np
 
 from ..errors import NotANormalization, TargetError
+from ..groups import Groups
 from ..inputs import probe_shape, quiet
 from ..results.inference import SCHEMA, Confidence, Evidence, Inference
+from ..results.params import NormParams
 from ..spec import NormSpec
 from ..targets import as_target
 from ..targets.base import check_dtype_list
-from .fields.affine import affine, parameter_values
+from .fields.affine import affine, own_affine, parameter_values
 from .fields.axes import axes_evidence, dependency
 from .fields.center import center
 from .fields.eps import eps
@@ -132,27 +138,36 @@ def infer(
     ``target``: a torch module, an ONNX model (path, bytes, ModelProto), a Target, or a plain callable with
     ``framework="torch"|"numpy"|"jax"``. ``shape``: the input shape to probe with. Raises
     :class:`~normscope.NotANormalization` when no NormSpec explains the target, with the experiment that
-    ruled it out.
+    ruled it out. A target whose own parameters hide its structure (a γ of zero moves no output) is probed again
+    on its private copy with re-drawn parameters, and the contract held to its own (evidence
+    ``parameters_probed``).
     """
     started = time.perf_counter()
     t = as_target(target, framework)
     shape = probe_shape(shape)
     calls_before, modified_before = t.calls, t.input_modifications
     probe = Probe.open(t, shape, check_dtype_list(dtypes), seed, progress)
+    try:
+        spec, params, validation, ev = _contract(probe)
+    except NotANormalization as first:
+        spec, params, validation, ev = _with_redrawn_parameters(probe, first)
+    if (changed := input_changes(probe, modified_before)) is not None:
+        ev["modifies_input"] = changed
+    return Inference(spec=spec, evidence=ev, params=params, calls=t.calls - calls_before,
+                     target=t.description, shape=shape, probe_dtype=probe.dtype, dtypes=probe.accepted,
+                     seconds=time.perf_counter() - started, validation=validation)
 
-    def result(spec, params, validation) -> Inference:
-        if (changed := input_changes(probe, modified_before)) is not None:
-            ev["modifies_input"] = changed
-        return Inference(spec=spec, evidence=ev, params=params, calls=t.calls - calls_before,
-                         target=t.description, shape=shape, probe_dtype=probe.dtype, dtypes=probe.accepted,
-                         seconds=time.perf_counter() - started, validation=validation)
 
+def _contract(probe: Probe) -> tuple[NormSpec, NormParams, dict[str, Any], dict[str, Evidence]]:
+    """Every step of inference on the target as it is: the contract, its parameters, its validation and the
+    evidence of each field."""
+    t = probe.target
     det = determinism(probe)
     ev: dict[str, Evidence] = {"determinism": det.evidence}
     found_modes = modes(probe, det)
     if not found_modes.differ and (frozen := frozen_batchnorm(probe, det, found_modes)) is not None:
         ev.update(frozen.evidence)
-        return result(frozen.spec, frozen.params, frozen.validation)
+        return frozen.spec, frozen.params, frozen.validation, ev
 
     module_training = t.training
     with t.mode(True if found_modes.differ else bool(module_training)):
@@ -163,7 +178,7 @@ def infer(
                 "each output depends only on its own input (perturbing one position moved no other "
                 "output): an elementwise map, not a normalization")
         if g.size < 2:
-            raise TargetError(f"each statistic covers one element at shape {shape}; probe a larger shape")
+            raise TargetError(f"each statistic covers one element at shape {probe.shape}; probe a larger shape")
         centred, ev["center"] = center(probe, dep)
         aff = affine(probe, g, det)
         ev.update(aff.evidence)
@@ -172,8 +187,8 @@ def infer(
         algorithm, ev["variance_algorithm"] = variance_algorithm(probe, g, aff.noise, centred)
         batch, batch_evidence = batch_stats(probe, found_modes, module_training)
 
-        spec, channel_style = _spec_of(g, len(shape), centred, found_eps, aff, algorithm, batch)
-        ev["axes"] = axes_evidence(dep, shape, channel_style)
+        spec, channel_style = _spec_of(g, len(probe.shape), centred, found_eps, aff, algorithm, batch)
+        ev["axes"] = axes_evidence(dep, probe.shape, channel_style)
         params = parameter_values(probe, g, spec, aff)
         promoted, ev["output_dtype"] = output_dtype(probe)  # first: the precision experiment emulates the output
         if promoted:
@@ -191,4 +206,40 @@ def infer(
         if not module_training:
             final = eval_spec
     ev["batch_stats"] = batch_evidence
-    return result(final, params, validation)
+    return final, params, validation, ev
+
+
+def _with_redrawn_parameters(probe: Probe, first: NotANormalization
+                             ) -> tuple[NormSpec, NormParams, dict[str, Any], dict[str, Evidence]]:
+    """The contract of a target whose own parameters made inference fail (``first``): a γ of zero — a standard
+    initialisation (a zero-initialised residual branch's last norm) or a trained channel that died — moves no
+    output, so no experiment sees the normalization. The contract does not depend on γ/β's values: it is inferred
+    on the target's private copy with re-drawn vector parameters, then γ/β are the target's own (fitted on its
+    output, the normalized values known from the contract) and the contract with them is validated on the target
+    as it is. Raises ``first`` where the target has no parameters to re-draw."""
+    t = probe.target
+    with t.redrawn_parameters() as drawn:
+        if not drawn:
+            raise first
+        probe.progress(f"its own parameters hide the structure ({first}): probing a copy with re-drawn parameters")
+        try:
+            spec, drawn_params, drawn_validation, ev = _contract(dataclasses.replace(
+                probe, rng=np.random.default_rng(probe.seed)))
+        except NotANormalization as second:
+            raise NotANormalization(f"{first} (and with re-drawn parameters: {second})") from None
+    probe.progress("γ/β of its own parameters, and validation with them")
+    g = Groups.of(spec, probe.shape)
+    params = own_affine(probe, spec, drawn_params)
+    try:
+        validation = validate(probe, spec, params, g, probe.dtype)
+    except NotANormalization as exc:
+        raise NotANormalization(f"{first}; with re-drawn parameters it is {spec.summary()}, but with its own "
+                                f"parameters that contract does not hold: {exc}") from None
+    ev["parameters_probed"] = Evidence(
+        "re-drawn vector parameters in the private copy",
+        {"parameters": sorted(drawn), "with_own_parameters": str(first),
+         "redrawn_validation_error": drawn_validation.get("max_relative_error")},
+        Confidence.DECISIVE,
+        "its own parameters made the probe fail, so the contract was inferred on a copy with re-drawn γ/β; γ/β are "
+        "its own, fitted on its output, and the contract is validated with them")
+    return spec, params, validation, ev

@@ -3,7 +3,8 @@
 TARGET is ``package.module:factory`` (``--args``/``--kwargs`` JSON, as for infer), a local Hugging Face model
 directory (its weights), or a ``config.json`` (random weights: an architecture-level scan, with the layer count
 and vocabulary capped by ``--layers``/``--vocab``). Exit codes: 0 scanned, 1 findings with ``--strict``,
-2 usage or input error (one line on stderr).
+6 inconclusive with ``--strict`` (no finding, but sites that could not be judged: a non-finite input reaching
+them), 2 usage or input error (one line on stderr).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # rich is loaded when a command runs, not when the parser is built
     from rich.console import Console
 
-from ..exitcodes import EXIT_FAIL as EXIT_FINDINGS
 from ..exitcodes import EXIT_OK
 
 
@@ -25,7 +25,8 @@ def add_parser(subparsers) -> Any:
         help="every norm site of a model: contract, role (pre/post/branch/qk/…) and block placement",
         description="Run one forward of a model, find every normalization (by class, by behaviour, functional "
                     "calls), infer each contract on its real input and classify its role from the dataflow. "
-                    "Exit 0 scanned, 1 findings (with --strict), 2 usage error.",
+                    "Exit 0 scanned, 1 findings (with --strict), 6 inconclusive (with --strict: sites that could "
+                    "not be judged, e.g. a non-finite input), 2 usage error.",
     )
     p.add_argument("target", metavar="TARGET", help=MODEL_TARGET_HELP)
     p.add_argument("--inputs", help=INPUTS_HELP)
@@ -34,7 +35,8 @@ def add_parser(subparsers) -> Any:
     p.add_argument("--dtypes", help="dtypes infer tries at each site (default float32,bfloat16,float16)")
     add_model_args(p, probes=True)
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when the scan has findings (default: exit 0 whatever it finds)")
+                   help="exit 1 when the scan has findings, 6 when it is inconclusive (default: exit 0 whatever "
+                        "it finds)")
     p.add_argument("--all", action="store_true",
                    help="the complete view: one paragraph per group of sites with its γ statistics and its "
                         "real-activation error (default: the verdict, then each contract once with its sites)")
@@ -47,6 +49,7 @@ def run(args, console: Console) -> int:
     """Scan the model TARGET names (resolved by normscope.sources)."""
     from ..errors import InputError
     from ..model_options import deadline, model_inputs
+    from ..results.verdict import exit_code
     from ..sources import load_model
     from .core import scan
     from .render import render_scan
@@ -64,4 +67,4 @@ def run(args, console: Console) -> int:
     else:
         console.print(f"[dim]{origin}[/]")
         render_scan(result, console, full=args.all)
-    return EXIT_FINDINGS if args.strict and result.findings else EXIT_OK
+    return exit_code(result.verdict) if args.strict else EXIT_OK

@@ -19,7 +19,7 @@ import torch
 
 from .. import reference
 from ..errors import InputError, NormscopeError, NotANormalization, TargetError
-from ..model import Progress, arguments, describe, offloaded, on_meta, private_copy, redrawn, stored_params, untouched
+from ..model import Progress, arguments, describe, offloaded, on_meta, private_copy, stored_params, untouched
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
@@ -37,6 +37,8 @@ _SCALE_TOL = {"float64": 1e-6, "float32": 1e-3}
 # float64 is opt-in: torch's float64 LayerNorm on CPU is ~200× slower than float32, and some implementations
 # change their ε there (torch RMSNorm(eps=None)).
 DEFAULT_DTYPES = ("float32", "bfloat16", "float16")
+NONFINITE_NOTE = ("the recorded input is not finite (NaN or ±∞): no contract says what a norm returns there, so the "
+                  "contract was inferred on probe inputs but not held to this activation")
 META_NOTE = ("the model is on the meta device (shapes without values): each contract is inferred on a copy with "
              "drawn parameters, no activation is checked, no γ statistics, and only sites of a normalization class "
              "or call are found (finding one by behaviour needs values)")
@@ -71,7 +73,9 @@ class FunctionalNorm(torch.nn.Module):
         for k in self.tensors:
             kw[k] = getattr(self, k)
         if self.fn_name == "batch_norm":
-            kw["training"] = self.training
+            # without running statistics batch statistics are all it has, in either mode (BiT's weight
+            # standardization: F.batch_norm(w, None, None, training=True)); evaluation mode would raise
+            kw["training"] = self.training or kw.get("running_mean") is None
         if self.fn_name == "instance_norm" and kw.get("running_mean") is not None:
             kw["use_input_stats"] = self.training
         return self.fn(x, **kw)
@@ -83,11 +87,70 @@ def _site_name(path: str) -> str:
 
 
 class _Candidate:
+    """A norm site before its contract is inferred. ``inside``: the call of the normalization class it sits in, for a
+    norm inside a class site (BiT's ``BitGroupNormActivation``: ``group_norm`` then an activation) — a site only
+    when that class turns out to be no normalization as a whole; ``evidence``: what discovery measured (a gate)."""
+
     def __init__(self, kind: str, name: str, cls: str, x: torch.Tensor, y: torch.Tensor, xv: int, yv: int,
-                 call: int | None, order: int, make: Callable[[], torch.nn.Module]):
+                 call: int | None, order: int, make: Callable[[], torch.nn.Module], inside: int | None = None,
+                 evidence: dict[str, Any] | None = None):
         self.kind, self.name, self.cls = kind, name, cls
         self.x, self.y, self.xv, self.yv = x, y, xv, yv
         self.call, self.order, self.make = call, order, make
+        self.inside, self.evidence = inside, evidence or {}
+
+
+def _label(c: ModuleCall) -> str:
+    return _site_name(c.path) + (f"#{c.number}" if c.number else "")
+
+
+def _innermost(trace: Trace, call: int | None, among: set[int] | dict[int, Any]) -> int | None:
+    """The innermost call of ``among`` that ``call`` runs inside (or is)."""
+    while call is not None:
+        if call in among:
+            return call
+        call = trace.calls[call].parent
+    return None
+
+
+def _gated_calls(trace: Trace, class_ids: set[int]) -> dict[int, ModuleCall]:
+    """Calls of a normalization class that take more than the tensor they normalize (a gated RMSNorm's
+    ``norm(x, gate)``): one output of the first input's shape, and other tensor arguments. No call of this shape
+    is a module site by itself (a norm takes one input); the norm inside it is, under the module's name."""
+    out = {}
+    for c in trace.calls:
+        if c.index in class_ids or c.output is None or not c.inputs or len(c.inputs) + len(c.kw_inputs) < 2:
+            continue
+        if not known_class(c.module) or c.mixing:
+            continue
+        x, y = trace.values[c.inputs[0]], trace.values[c.output]
+        if x.shape == y.shape and x.dtype.is_floating_point:
+            out[c.index] = c
+    return out
+
+
+def _gate(trace: Trace, g: ModuleCall, x: int, y: int) -> dict[str, Any]:
+    """Where a gated norm's other tensor arguments (its gate) enter, from the call's dataflow: into the value the
+    statistic reads (``x · silu(gate)``, Mamba 2), or onto the normalized output (``(w · x̂) · silu(gate)``,
+    Qwen3-Next)."""
+    gates = {f"args[{i}]": v for i, v in enumerate(g.inputs) if i > 0} | dict(g.kw_inputs)
+    reach = set(gates.values())
+    for op in trace.ops[g.first_op:g.last_op + 1]:
+        if any(i in reach for i in op.inputs):
+            reach.update(op.outputs)
+    if x in reach:
+        applied, note = "before the statistic", (
+            "the module multiplies its input by a function of its gate before the statistic: the contract is the "
+            "normalization of that gated input (x · f(gate)), read with the gate held as recorded")
+    elif g.output in reach and y != g.output:
+        applied, note = "after the normalization", (
+            "the module multiplies the normalized output by a function of its gate: the contract is the "
+            "normalization of its input, the gate's product after it is not part of it")
+    else:
+        applied, note = "not applied", "the gate reaches neither the statistic nor the output"
+    return {"experiment": "the module call's dataflow in the recorded forward: where its other tensor arguments "
+                          "enter", "measured": {"gate": sorted(gates), "applied": applied},
+            "confidence": "decisive", "note": note}
 
 
 def _discover(trace: Trace, progress: Progress, behaviour: bool = True
@@ -97,22 +160,31 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
                    and c.output != c.input and c.x.is_floating_point()]
     class_calls = [c for c in norm_shaped if known_class(c.module)]
     class_ids = {c.index for c in class_calls}
+    gated = _gated_calls(trace, class_ids)
     norm_ops = [op for op in trace.ops if op.norm is not None and "y" in op.norm]
     op_anc = {op.index: trace.ancestors(op.call) for op in norm_ops}
     class_anc = {c.index: trace.ancestors(c.parent) for c in class_calls}
-
-    def label(c: ModuleCall) -> str:
-        return _site_name(c.path) + (f"#{c.number}" if c.number else "")
+    owners = class_ids | set(gated)
 
     out: list[_Candidate] = []
+    inner: dict[int, list[_Candidate]] = {}  # a gated call → the norms inside it
     rejected: list[dict[str, Any]] = []
     for c in class_calls:
-        out.append(_Candidate("module", label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
+        out.append(_Candidate("module", _label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
                               c.first_op, _maker(c)))
     counters: dict[tuple[str, str], int] = {}
+
+    def place(cand: _Candidate, owner: int | None) -> None:
+        """A norm inside a class site waits for that site's verdict; one inside a gated call is its module's."""
+        if owner in class_ids:
+            cand.inside = owner
+            out.append(cand)
+        elif owner is not None:
+            inner.setdefault(owner, []).append(cand)
+        else:
+            out.append(cand)
+
     for op in norm_ops:
-        if op_anc[op.index] & class_ids:
-            continue  # the implementation of a module site
         path = calls[op.call].path if op.call is not None else ""
         fname = op.norm["function"]
         k = counters.get((path, fname), 0)
@@ -120,8 +192,8 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
         x = op.norm["args"].get("input")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not op.outputs or not op.inputs:
             continue
-        out.append(_Candidate("functional", f"{_site_name(path)}:{fname}#{k}", fname, x, op.norm["y"], op.inputs[0],
-                              op.outputs[0], op.call, op.index, _functional_maker(op)))
+        place(_Candidate("functional", f"{_site_name(path)}:{fname}#{k}", fname, x, op.norm["y"], op.inputs[0],
+                         op.outputs[0], op.call, op.index, _functional_maker(op)), _innermost(trace, op.call, owners))
     # behaviour: any other norm-shaped call with no norm inside, innermost first
     containers = set()
     for c in class_calls:
@@ -131,18 +203,27 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
     tested = 0
     accepted: set[int] = set()
     untested = [c for c in norm_shaped if c.index not in class_ids and c.index not in containers]
+    not_finite = 0
     for c in sorted(untested if behaviour else [], key=lambda c: -c.depth):
         if trace.ancestors(c.index) & accepted or any(c.index in trace.ancestors(a) for a in accepted):
+            continue
+        if not _finite(c.x):  # f(16x) vs f(64x) is no test on NaN or ±∞
+            not_finite += 1
             continue
         tested += 1
         verdict, measured = _scale_invariant(c)
         if not verdict:
             continue
-        progress(f"behaviour: {label(c)} looks scale-invariant (f(16x) vs f(64x): {measured:.2g})")
-        out.append(_Candidate("behaviour", label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
+        progress(f"behaviour: {_label(c)} looks scale-invariant (f(16x) vs f(64x): {measured:.2g})")
+        out.append(_Candidate("behaviour", _label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
                               c.first_op, _maker(c)))
         accepted.add(c.index)
-    for site in find_inline(trace, class_ids | accepted):
+    # inline patterns, also inside the class sites: a class that applies more than its norm (an activation after
+    # it) is no normalization as a whole, and then the norm it computes is the site
+    for site in find_inline(trace, accepted):
+        owner = _innermost(trace, site.call, owners)
+        if owner in class_ids and (site.x, site.y) == (calls[owner].input, calls[owner].output):
+            continue  # the class site's own implementation: the same function as the class site
         x, y = trace.tensor(site.x), trace.tensor(site.y)
         path = calls[site.call].path if site.call is not None else ""
         k = counters.get((path, "inline"), 0)
@@ -154,13 +235,25 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
                 raise ValueError("its input or output was written in place later in the forward")
             module = InlineNorm(trace, site)
         except ValueError as exc:
-            rejected.append({"name": name, "class": f"inline {kind}", "kind": "inline", "reason": str(exc)})
+            if owner not in class_ids:
+                rejected.append({"name": name, "class": f"inline {kind}", "kind": "inline", "reason": str(exc)})
             continue
-        out.append(_Candidate("inline", name, f"inline {kind}", x.detach().clone(), y.detach().clone(), site.x,
-                              site.y, site.call, site.first_op, _inline_maker(module)))
+        place(_Candidate("inline", name, f"inline {kind}", x.detach().clone(), y.detach().clone(), site.x, site.y,
+                         site.call, site.first_op, _inline_maker(module)), owner)
+    # a gated norm: the one norm inside the call is the module's site, its gate noted
+    for g, found in inner.items():
+        if len(found) != 1:
+            out.extend(found)
+            continue
+        (cand,) = found
+        c = gated[g]
+        cand.kind, cand.name, cand.cls = "module", _label(c), type(c.module).__name__
+        cand.evidence["gate"] = _gate(trace, c, cand.xv, cand.yv)
+        out.append(cand)
     out.sort(key=lambda s: s.order)
     return out, rejected, {"behaviour_candidates_tested": tested,
-                           "behaviour_candidates_untested": 0 if behaviour else len(untested)}
+                           "behaviour_candidates_untested": 0 if behaviour else len(untested),
+                           "behaviour_candidates_not_finite": not_finite}
 
 
 def _silent_cast_note(dtypes: tuple[str, ...]) -> str:
@@ -208,6 +301,52 @@ def _scale_invariant(c: ModuleCall) -> tuple[bool, float]:
 
 
 # ---------------------------------------------------------------------------------------------- contracts
+def _finite(t: torch.Tensor) -> bool:
+    return t.is_meta or not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _nonfinite_count(t: torch.Tensor) -> dict[str, int]:
+    """How many values of ``t`` are NaN and how many ±∞, of how many."""
+    return {"nan": int(torch.isnan(t).sum()), "inf": int(torch.isinf(t).sum()), "values": t.numel()}
+
+
+def _nonfinite_inputs(args, kwargs) -> list[str]:
+    """The model's floating inputs that hold NaN or ±∞, named as they were given (``pixel_values``, ``args[0]``),
+    with how many such values each holds."""
+    named = [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+    out = []
+    for name, v in named:
+        if isinstance(v, torch.Tensor) and not _finite(v):
+            c = _nonfinite_count(v)
+            what = " and ".join(f"{c[k]} {label}" for k, label in (("nan", "NaN"), ("inf", "±∞")) if c[k])
+            out.append(f"{name} ({what} of {c['values']} values)")
+    return out
+
+
+def _inconclusive(sites: list[Site], bad_inputs: list[str], untested: int) -> list[str]:
+    """Why a scan without a finding still cannot say every site holds: sites whose recorded input is not finite
+    (named with the model's inputs that are not, where it is theirs), each with what would decide it."""
+    blind = [s.name for s in sites if s.activation.get("input_finite") is False]
+    if not blind and not (bad_inputs and untested):
+        return []
+    which = (f"{len(blind)} norm site{'s' * (len(blind) != 1)} received non-finite values (first: {blind[0]}) and "
+             "could not be held to their real activations" if blind else "no norm site received them")
+    if untested:
+        which += (f"; {untested} module call{'s' * (untested != 1)} shaped like a normalization received them and "
+                  "could not be tested by behaviour (a norm among them is not listed)")
+    if bad_inputs:
+        return [f"the input is not finite: {', '.join(bad_inputs)}; {which}; what would decide it: finite inputs"]
+    return [f"the forward is not finite before {blind[0]}: the model's inputs are finite, but the input of "
+            f"{blind[0]} holds {_describe_count(sites, blind[0])}; {which}; what would decide it: inputs on which the "
+            "forward stays finite up to its norms"]
+
+
+def _describe_count(sites: list[Site], name: str) -> str:
+    a = next(s.activation for s in sites if s.name == name)
+    parts = [f"{a[k]} {label}" for k, label in (("nan", "NaN"), ("inf", "±∞")) if a.get(k)]
+    return f"{' and '.join(parts) or 'non-finite values'} of {a.get('values', '?')} values"
+
+
 def _activation_check(spec, params, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     """The contract against the real activation recorded at the site."""
     d = dtype_name(str(x.dtype).replace("torch.", ""))
@@ -234,7 +373,7 @@ def _gamma_stats(spec, params) -> dict[str, float] | None:
     return {"mean": float(g.mean()), "min": float(g.min()), "max": float(g.max()), "offset": float(spec.gamma_offset)}
 
 
-Inference = tuple[Any, str | None, str]  # (infer's result, a note on re-drawn parameters, the site it ran at)
+Inference = tuple[Any, str]  # (infer's result, the site it ran at)
 
 
 def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: float | None = None,
@@ -242,7 +381,9 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
                 ) -> tuple[Site | None, dict[str, Any] | None, Inference | None]:
     """The site's contract, inferred on its module (or taken from ``shared``: an inference at a site of the same
     kind) and held to the site's own real activation with its own parameters. ``module``: the site's private copy
-    when the caller made it already (``cand.make()`` otherwise)."""
+    when the caller made it already (``cand.make()`` otherwise). Trained weights that hide the structure (γ ≈ 0 on
+    some channels moves no output there) are ``infer``'s to handle: it probes its copy with re-drawn parameters
+    (evidence ``parameters_probed``), and the contract is held to the real ones on the real activation below."""
     started = time.perf_counter()
     shape = tuple(cand.x.shape)
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
@@ -256,34 +397,15 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
         return infer(target, shape=shape, dtypes=dtypes, seed=0,
                      progress=lambda msg: progress(f"{cand.name}: {msg}"))
 
-    note = None
     try:
         module = module if module is not None else cand.make()
-        result = None
-        if shared is not None:
-            result, note, _ = shared
-        try:
-            if result is None:
-                result = run(module)
-        except NotANormalization as first:
-            # Trained weights can hide the structure (γ ≈ 0 on some channels moves no output there): the
-            # contract does not depend on γ/β's values, so probe a copy with re-drawn vector parameters and
-            # hold the contract to the real ones on the real activation below.
-            other = redrawn(module)
-            if other is None:
-                raise
-            try:
-                result = run(other)
-            except NotANormalization as second:
-                raise NotANormalization(f"{first} (and with re-drawn parameters: {second})") from None
-            note = (f"probed on a copy with re-drawn γ/β because the module's own parameters made the probe "
-                    f"fail ({first})")
+        result = shared[0] if shared is not None else run(module)
     except NotANormalization as exc:
         return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}, None
     except NormscopeError as exc:
         return Site(**base, error=str(exc), seconds=time.perf_counter() - started), None, None
-    inference = shared or (result, note, cand.name)
-    evidence = {k: v.to_dict() for k, v in result.evidence.items()}
+    inference = shared or (result, cand.name)
+    evidence = {k: v.to_dict() for k, v in result.evidence.items()} | cand.evidence
     silent = getattr(module, "silent_casts", ())
     if silent:  # the replay lacks the site's casts: what they do at another dtype was not seen
         for field in ("stats_dtype", "affine_order"):
@@ -293,20 +415,20 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
     calls = 0 if shared else result.calls
     if shared:
         evidence["shared_inference"] = {
-            "experiment": "one inference per kind of module", "measured": {"inferred_at": shared[2]},
+            "experiment": "one inference per kind of module", "measured": {"inferred_at": shared[1]},
             "confidence": "decisive",
-            "note": f"the contract was inferred at {shared[2]}, a module of the same class, attributes and parameter "
+            "note": f"the contract was inferred at {shared[1]}, a module of the same class, attributes and parameter "
                     "shapes on an input of the same shape and dtype; this site's own activation is checked below"}
     if cand.x.is_meta:  # shapes without values: nothing recorded to check, and γ/β were drawn
         return Site(**base, spec=result.spec, activation={"not_measured": META_NOTE}, evidence=evidence,
                     calls=calls, seconds=time.perf_counter() - started), None, inference
     params, sources = stored_params(module, result)
-    activation = _activation_check(result.spec, params, cand.x, cand.y)
+    if _finite(cand.x):
+        activation = _activation_check(result.spec, params, cand.x, cand.y)
+    else:  # nothing a contract says holds on NaN or ∞: the site is not judged (the scan is inconclusive)
+        activation = {"not_measured": NONFINITE_NOTE, "input_finite": False, **_nonfinite_count(cand.x)}
     activation["parameters"] = sources
     evidence["validation"] = result.validation
-    if note:
-        evidence["parameters_probed"] = {"experiment": "re-drawn vector parameters", "measured": {},
-                                         "confidence": "decisive", "note": note}
     return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
                 evidence=evidence, calls=calls, seconds=time.perf_counter() - started), None, inference
 
@@ -381,7 +503,10 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         roles: list[tuple[Role, int, int]] = []
         calls = 0
         inferred: dict[tuple, Inference] = {}  # one inference per kind of module
+        not_norms: dict[int, dict[str, Any]] = {}  # class sites that are no normalization, by call
         for i, cand in enumerate(candidates):
+            if cand.inside is not None and cand.inside not in not_norms:
+                continue  # the implementation of a class site that is a normalization
             say(f"[{i + 1}/{len(candidates)}] {cand.name}")
             try:
                 module = cand.make()  # one private copy for the key and the inference
@@ -391,7 +516,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             site, rej = None, None
             if key is not None and key in inferred:
                 site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key], module=module)
-                if site is not None and not site.activation.get("ok", meta):
+                if site is not None and not site.activation.get("ok", True):
                     site = None  # its own activation disagrees: infer this site by itself
             if site is None and rej is None:
                 site, rej, inference = _infer_site(cand, dtypes, say, call_timeout, module=module)
@@ -399,7 +524,11 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                     inferred[key] = inference
             if rej is not None:
                 rejected.append(rej)
+                if cand.kind == "module" and cand.call is not None:
+                    not_norms[cand.call] = rej
                 continue
+            if cand.inside is not None:  # the norm a class that is none as a whole applies
+                not_norms[cand.inside].setdefault("sites_inside", []).append(site.name)
             role = flow.role(cand.xv, cand.yv, cand.call)
             site.role, site.role_evidence = role.role, role.why
             site.layer = flow.layer(cand.call)
@@ -427,14 +556,37 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         ev = (s.evidence or {}).get("stats_dtype") or {}
         if ev.get("measured", {}).get("silent_casts"):
             notes.append({"kind": "undecided", "sites": [s.name], "message": f"{s.name}: {ev['note']}"})
+    inside: dict[str, list[dict[str, Any]]] = {}
     for r in rejected:
-        if r["kind"] != "behaviour":
+        if r.get("sites_inside"):  # a norm and more (an activation after it): its norm is the site
+            inside.setdefault(r["class"], []).append(r)
+        elif r["kind"] != "behaviour":
             findings.append({"kind": "not_a_normalization", "sites": [r["name"]],
                              "message": f"{r['name']} ({r['class']}) looks like a normalization but behaves like none: "
                                         f"{r['reason']}"})
+    for cls, rs in inside.items():
+        names = [n for r in rs for n in r["sites_inside"]]
+        notes.append({"kind": "norm_inside", "sites": names,
+                      "message": f"{', '.join(r['name'] for r in rs)} ({cls}) appl{'ies' if len(rs) == 1 else 'y'} "
+                                 "more than a normalization (e.g. an activation after it: infer rules the whole out, "
+                                 f"'rejected' says how), so the normalization inside is the site: {', '.join(names)}"})
+    gates: dict[tuple[str, str], list[str]] = {}
+    for s in sites:
+        if "gate" in (s.evidence or {}):
+            gates.setdefault((s.cls, s.evidence["gate"]["measured"]["applied"]), []).append(s.name)
+    for (cls, applied), names in gates.items():
+        what = {"before the statistic": "the normalization of its gated input x · f(gate), read with the gate held as "
+                                        "recorded",
+                "after the normalization": "the normalization of its input; the gate multiplies the normalized "
+                                           "output after it"}.get(applied, "the normalization of its input")
+        notes.append({"kind": "gated", "sites": names,
+                      "message": f"{', '.join(names)} ({cls}): a gated norm, its gate applied {applied}; the contract "
+                                 f"is {what}"})
     stats.update({"ops": len(trace.ops), "module_calls": len(trace.calls), "residual_adds": len(flow.residuals),
                   "infer_calls": calls})
+    inconclusive = [] if meta else _inconclusive(sites, _nonfinite_inputs(args, kwargs),
+                                                 stats.get("behaviour_candidates_not_finite", 0))
     return ModelScan(model=type(model).__name__, inputs=describe(args, kwargs), sites=sites, placement=placement,
                      blocks=block_records, config_eps=stated, findings=findings, rejected=rejected,
                      dtypes=dtypes, seconds=time.perf_counter() - started, stats=stats, streams=streams,
-                     notes=notes)
+                     notes=notes, inconclusive=inconclusive)

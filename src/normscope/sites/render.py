@@ -101,6 +101,10 @@ def _findings(result: ModelScan, console: Console, evidence: bool) -> None:
         console.print(f"[bold red]{len(result.findings)} finding{'s' * (len(result.findings) != 1)}:[/]")
         for f in result.findings:
             indented(console, f"• {f['message']}", 2, 2)
+        _inconclusive(result, console)
+        return
+    if result.inconclusive:
+        _inconclusive(result, console)
         return
     if not result.sites:
         indented(console, "no norm sites: no module, functional call or inline pattern of this forward was found "
@@ -118,6 +122,11 @@ def _findings(result: ModelScan, console: Console, evidence: bool) -> None:
         if evidence:
             checked += " (" + ", ".join(f"{k}={v:g}" for k, v in result.config_eps.items()) + ")"
     indented(console, f"no findings: {checked}", 0, 2)
+
+
+def _inconclusive(result: ModelScan, console: Console) -> None:
+    for why in result.inconclusive:
+        indented(console, f"inconclusive: {why}", 0, 2)
 
 
 def _folded(names: list[str]) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 from ..errors import InputError, SpecError
 from ..jsonable import document, jsonable, parse
 from ..results.inference import undecided
+from ..results.verdict import Verdict, verdict_of
 from ..spec import NormSpec
 
 SCHEMA = "normscope.scan/1"
@@ -81,12 +82,13 @@ class Site:
 
 
 @dataclasses.dataclass
-class ModelScan:
+class ModelScan(Verdict):
     """Every norm site of a model with its contract, role and placement, and the findings.
 
     ``placement`` is the model's: its residual streams' one placement, else ``mixed``; ``streams`` states each
     stream's (an encoder's, a decoder's: ``{"stream", "path", "blocks", "placement"}``) and ``blocks`` each
-    block's (with the stream it belongs to)."""
+    block's (with the stream it belongs to). ``inconclusive``: why sites could not be judged (a non-finite input
+    reaching them), each with what would decide it."""
 
     model: str
     inputs: dict[str, Any]
@@ -101,11 +103,14 @@ class ModelScan:
     stats: dict[str, Any] = dataclasses.field(default_factory=dict)
     streams: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     notes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # facts that are not findings
+    inconclusive: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def ok(self) -> bool:
-        """No finding: every site inferred, reproduced on its real activation and consistent with the config ε."""
-        return not self.findings
+    def verdict(self) -> str:
+        """``"fail"`` (a finding), ``"inconclusive"`` (no finding, but sites that could not be judged:
+        :attr:`inconclusive` says why) or ``"pass"`` (every site inferred, reproduced on its real activation and
+        consistent with the config ε); ``ok`` is a pass."""
+        return verdict_of(bool(self.findings), bool(self.inconclusive))
 
     def site(self, name: str) -> Site:
         for s in self.sites:
@@ -128,6 +133,7 @@ class ModelScan:
             "schema": SCHEMA, "model": self.model, "inputs": jsonable(self.inputs), "placement": self.placement,
             "blocks": jsonable(self.blocks), "streams": jsonable(self.streams), "config_eps": jsonable(self.config_eps),
             "findings": jsonable(self.findings), "notes": jsonable(self.notes), "ok": self.ok,
+            "verdict": self.verdict, "inconclusive": list(self.inconclusive),
             "sites": [s.to_dict() for s in self.sites],
             "rejected": jsonable(self.rejected), "dtypes": None if self.dtypes is None else list(self.dtypes),
             "seconds": round(self.seconds, 4), "stats": jsonable(self.stats),
@@ -146,7 +152,7 @@ class ModelScan:
                        findings=d.get("findings") or [], rejected=d.get("rejected") or [],
                        dtypes=None if d.get("dtypes") is None else tuple(d["dtypes"]), seconds=d.get("seconds", 0.0),
                        stats=d.get("stats") or {}, streams=d.get("streams") or [],
-                       notes=d.get("notes") or [])
+                       notes=d.get("notes") or [], inconclusive=list(d.get("inconclusive") or []))
         except (KeyError, TypeError) as exc:
             raise InputError(f"the scan JSON is missing or has a malformed field ({exc})") from None
         except SpecError as exc:

@@ -85,6 +85,8 @@ class ModuleCall:
     first_op: int
     last_op: int = -1
     input: int | None = None  # the value of the only positional tensor argument, when there is exactly one
+    inputs: tuple[int, ...] = ()  # the values of the positional tensor arguments, in order
+    kw_inputs: dict[str, int] = dataclasses.field(default_factory=dict)  # the tensor keyword arguments' values
     output: int | None = None  # the value of the output, when it is one tensor
     tensor_args: int = 0
     tensor_kwargs: int = 0
@@ -171,6 +173,7 @@ class Trace:
                            first_op=len(self.ops))
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             c.tensor_args = len(tensors)
+            c.inputs = tuple(self.value(t) for t in tensors)
             if len(tensors) == 1 and len(args) >= 1 and isinstance(args[0], torch.Tensor):
                 c.input = self.value(args[0])
                 c.x = args[0].detach().clone()
@@ -191,6 +194,7 @@ class Trace:
         try:
             c.last_op = len(self.ops) - 1
             c.tensor_kwargs = len(_tensors(kwargs, []))
+            c.kw_inputs = {k: self.value(v) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)}
             if isinstance(output, torch.Tensor):
                 c.output = self.value(output)
                 if (c.x is not None and not c.mixing and c.tensor_kwargs == 0

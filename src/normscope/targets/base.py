@@ -20,6 +20,18 @@ from ..dtypes import DTYPES, dtype_name
 from ..errors import DeadlinePassed, InputError, TargetError, TargetRaised, TargetTimeout
 
 DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
+REDRAW_SEED = 0  # the stream :func:`redraw` draws from: one set of values wherever a copy is re-drawn
+
+
+def redraw(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """The values re-drawn parameters take, by name in the order given: uniform in ±[0.5, 1.5] from one fixed
+    stream. A contract does not depend on γ/β's values, and values away from zero (a γ of zero moves no output)
+    and from one (a γ of ones hides the order of γ and the cast) hide no field. The one home of the re-draw:
+    :meth:`Target.redrawn_parameters` (``infer``) and ``model.redrawn`` (scan's and diff's private copies) take
+    their values here, so the copy ``infer`` probes is the copy ``scan`` probes."""
+    rng = np.random.default_rng(REDRAW_SEED)
+    return {name: rng.uniform(0.5, 1.5, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+            for name, shape in shapes.items()}
 
 
 @dataclass(frozen=True)
@@ -278,6 +290,17 @@ class Target:
 
         Yields None where the target cannot do this (plain functions). The caller's object is never
         touched: targets that support this work on a private copy.
+        """
+        yield None
+
+    @contextlib.contextmanager
+    def redrawn_parameters(self) -> Iterator[dict[str, np.ndarray] | None]:
+        """Inside the block, the target's own copy holds its vector parameters re-drawn by :func:`redraw`
+        (yielded by name; scalars, such as a learned ε, keep their values): the copy ``infer`` probes when the
+        parameters the target holds hide its structure (a γ of zero, a standard initialisation, moves no output).
+
+        Yields None where the target cannot do this (plain functions) or holds no vector parameter. The caller's
+        object is never touched: targets that support this work on a private copy.
         """
         yield None
 

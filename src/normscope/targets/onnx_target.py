@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import dtype_from_onnx, numpy_dtype, onnx_elem_type
 from ..errors import TargetError
 from ..extras import require
-from .base import Capabilities, Target
+from .base import Capabilities, Target, redraw
 
 
 def _onnx():
@@ -143,6 +143,29 @@ class OnnxTarget(Target):
 
         return {i.name: numpy_helper.to_array(i).astype(np.float64) for i in self.model.graph.initializer
                 if _floating(i.data_type)}
+
+    @contextlib.contextmanager
+    def redrawn_parameters(self):
+        from onnx import numpy_helper
+
+        vectors = [i for i in self.model.graph.initializer if _floating(i.data_type) and int(np.prod(i.dims or [1])) > 1]
+        if not vectors:
+            yield None
+            return
+        saved = [(i, numpy_helper.to_array(i).copy()) for i in vectors]
+        drawn = redraw({i.name: tuple(arr.shape) for i, arr in saved})
+        values = {}
+        for init, arr in saved:
+            v = drawn[init.name].astype(arr.dtype)
+            init.CopyFrom(numpy_helper.from_array(v, init.name))
+            values[init.name] = v.astype(np.float64)
+        self._sessions.clear()
+        try:
+            yield values
+        finally:
+            for init, arr in saved:
+                init.CopyFrom(numpy_helper.from_array(arr, init.name))
+            self._sessions.clear()
 
     @contextlib.contextmanager
     def perturbed_parameters(self, rng):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..dtypes import torch_dtype
 from ..errors import TargetError
-from .base import Capabilities, Target
+from .base import Capabilities, Target, redraw
 
 
 def _torch():
@@ -80,6 +80,18 @@ def _global_hooks_suspended() -> Iterator[None]:
         for d, items in zip(stores, saved, strict=True):
             d.clear()
             d.update(items)
+
+
+def redraw_vectors(module) -> dict[str, np.ndarray]:
+    """Re-draw ``module``'s floating vector parameters (two or more elements) in place with :func:`~.base.redraw`'s
+    values; scalars (a learned ε) are kept. Returns the values by name ({} when it holds no vector parameter)."""
+    torch = _torch()
+    vectors = [(n, p) for n, p in module.named_parameters() if p.is_floating_point() and p.numel() >= 2]
+    values = redraw({n: tuple(p.shape) for n, p in vectors})
+    with torch.no_grad():
+        for n, p in vectors:
+            p.copy_(torch.from_numpy(values[n]))
+    return values
 
 
 class TorchFunctionTarget(Target):
@@ -294,6 +306,24 @@ class TorchModuleTarget(TorchFunctionTarget):
                 v = rng.uniform(0.5, 1.5, size=tuple(p.shape)) * rng.choice([-1.0, 1.0], size=tuple(p.shape))
                 p.copy_(torch.from_numpy(v))
                 values[n] = v
+        self._copies.clear()
+        try:
+            yield values
+        finally:
+            with torch.no_grad():
+                for (_, p), s in zip(params, saved, strict=True):
+                    p.copy_(s)
+            self._copies.clear()
+
+    @contextlib.contextmanager
+    def redrawn_parameters(self):
+        torch = _torch()
+        params = list(self._master.named_parameters())
+        saved = [p.detach().clone() for _, p in params]
+        values = redraw_vectors(self._master)
+        if not values:
+            yield None
+            return
         self._copies.clear()
         try:
             yield values

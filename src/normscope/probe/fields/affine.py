@@ -197,3 +197,32 @@ def parameter_values(probe: Probe, g: Groups, spec: NormSpec, aff: Affine) -> No
     return NormParams(
         gamma=layout.take(aff.gamma_hat / r_v, param_axes) - spec.gamma_offset if aff.gamma else None,
         beta=layout.take(aff.beta_hat, param_axes) if aff.beta else None)
+
+
+def own_affine(probe: Probe, spec: NormSpec, params: NormParams, calls: int = 4) -> NormParams:
+    """γ and β of the target as it is, its contract known: y = γ·x̂ + β at each parameter position, fitted by
+    least squares over ``calls`` random inputs, x̂ from the reference (with ``params``' running statistics). What
+    :func:`parameter_values` recovers, for a target whose experiments ran on other parameters (a re-drawn copy):
+    it needs no output to move, so a γ of zero comes back as zero."""
+    if not (spec.gamma or spec.beta):
+        return params
+    lay = Layout.of(spec, probe.shape)
+    over = (0,) + tuple(a + 1 for a in lay.param_grad_axes)  # the calls, and every axis but the parameter axes
+    x = probe.rng.normal(size=(calls, *probe.shape)) * 3.0
+    y = np.stack([probe.run(xi) for xi in x])
+    xhat = np.stack([reference.forward(xi, spec.without_affine(), **params.running()) for xi in x])
+    n = x.size // int(np.prod(lay.param_shape, dtype=np.int64))
+    sx, sy = xhat.sum(axis=over), y.sum(axis=over)
+    sxx, sxy = (xhat * xhat).sum(axis=over), (xhat * y).sum(axis=over)
+    with np.errstate(all="ignore"):
+        if spec.gamma and spec.beta:
+            slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+            offset = (sy - slope * sx) / n
+        elif spec.gamma:
+            slope, offset = sxy / sxx, None
+        else:
+            slope, offset = None, (sy - sx) / n
+    shape = lay.param_shape
+    return params.replace(
+        gamma=None if slope is None else np.reshape(slope, shape) - spec.gamma_offset,
+        beta=None if offset is None else np.reshape(offset, shape))

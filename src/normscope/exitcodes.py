@@ -11,7 +11,7 @@ EXIT_USAGE = 2  # usage or input error: one line on stderr names the problem and
 EXIT_NOT_NORM = 3  # infer: the target is not a normalization
 EXIT_TIMEOUT = 4  # the target hung: one call ran longer than --timeout
 EXIT_DIVERGED = 5  # diff: the candidate diverged
-EXIT_INCONCLUSIVE = 6  # diff, check, contract, diagnose --strict: could not tell (a site not compared, nothing tested)
+EXIT_INCONCLUSIVE = 6  # diff, check, contract, scan/diagnose --strict: could not tell (a site not compared, nothing tested)
 EXIT_CRASH = 70  # an internal error (a bug; the traceback is printed): never a verdict (sysexits' EX_SOFTWARE)
 EXIT_INTERRUPTED = 130  # Ctrl-C
 EXIT_BROKEN_PIPE = 141  # the output pipe was closed early
@@ -31,9 +31,10 @@ EXIT_CODES = """exit codes:
        reference not finite; check: a finding that decides the contract could
        not separate it from another, or every finding a skip: nothing tested;
        contract: no mismatch, but a site unverified or nothing compared;
-       diagnose --strict: no incident, but too few recorded steps, a failed
-       probe or damaged lines); the reason and what would decide it are
-       printed; never a pass
+       scan --strict: no finding, but sites not judged, e.g. a non-finite
+       model input; diagnose --strict: no incident, but too few recorded
+       steps, a failed probe or damaged lines); the reason and what would
+       decide it are printed; never a pass
   70   internal error: a bug in normscope (the traceback is printed); never a
        verdict on what was checked
   130  interrupted (Ctrl-C)

@@ -3,9 +3,9 @@
 Exit codes (``normscope.exitcodes``; also in ``normscope --help``, the README and docs/usage.md):
 0 success; 1 a check failed (and nothing else); 2 usage or input error (one line on stderr);
 3 not a normalization (``infer``); 4 the target hung (a call ran past ``--timeout``); 5 ``diff``: the
-candidate diverged; 6 inconclusive (``diff``, ``check``, ``contract``, ``diagnose --strict``); 70 an internal
-error (a bug, or a verdict a command does not know); 130 interrupted (Ctrl-C); 141 the output pipe was closed
-(e.g. ``| head``).
+candidate diverged; 6 inconclusive (``diff``, ``check``, ``contract``, ``scan --strict``, ``diagnose --strict``); 70 an
+internal error (a bug, or a verdict a command does not know); 130 interrupted (Ctrl-C); 141 the output pipe was
+closed (e.g. ``| head``).
 
 Imports are lazy: ``--help`` and ``explain`` never load the probes, and torch is loaded only for a torch
 target.

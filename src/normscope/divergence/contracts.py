@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import NormscopeError, NotANormalization
-from ..model import private_copy, redrawn, stored_params
+from ..errors import NormscopeError
+from ..model import private_copy, stored_params
 
 _PLAIN = (bool, int, float, str)
 #: a candidate at a lower dtype than the reference: the contract must reproduce the reference module's output
@@ -43,18 +43,12 @@ def _probe_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def infer_module(module: torch.nn.Module, shape: tuple[int, ...]):
     """The inference of a norm module at inputs of ``shape`` (on a float32 private copy, at infer's own dtypes:
-    the contract ``normscope infer`` reports); trained weights that hide the structure get one retry on a copy with
-    re-drawn vector parameters. Raises what inference raises."""
+    the contract ``normscope infer`` reports). Trained weights that hide the structure are ``infer``'s to handle: it
+    probes its copy again with re-drawn vector parameters (evidence ``parameters_probed``). Raises what inference
+    raises."""
     from ..probe.infer import infer
 
-    m = private_copy(module).float()
-    try:
-        return infer(m, shape=shape, seed=0)
-    except NotANormalization:
-        other = redrawn(m)
-        if other is None:
-            raise
-        return infer(other, shape=shape, seed=0)
+    return infer(private_copy(module).float(), shape=shape, seed=0)
 
 
 class Contracts:

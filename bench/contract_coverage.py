@@ -168,7 +168,7 @@ def main() -> None:
     p.add_argument("types", nargs="*", help="model types to run (default: all)")
     p.add_argument("--sample", type=int, help="a fixed sample of N types spread over the sorted list")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--json", help="write the rows to this file (and each as it comes to FILE + 'l', JSON lines)")
     args = p.parse_args()
     src = Path(__file__).resolve().parent.parent / "src"
     types = args.types or model_types()
@@ -196,6 +196,9 @@ def main() -> None:
                 worker = Worker(src)
             with lock:
                 rows.append(row)
+                if args.json:  # row by row, so a run stopped part-way still leaves what it measured
+                    with open(args.json + "l", "a") as f:
+                        f.write(json.dumps(row) + "\n")
                 done = len(rows)
                 print(f"[{done}/{len(types)} {time.perf_counter() - t0:5.0f}s] {t}: {row['outcome']}"
                       + (f" {row.get('cpu_s', 0):.1f}s" if row["outcome"] == "ok" else

@@ -142,7 +142,9 @@ class Worker:
                                      stderr=subprocess.DEVNULL, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert self.lines.get(timeout=120).strip() == "ready"
+        ready = self.lines.get(timeout=900)  # a loaded machine takes minutes to import torch and transformers
+        if ready.strip() != "ready":
+            raise SystemExit(f"a worker did not start: {ready!r}")
 
     def _read(self):
         for line in self.proc.stdout:

@@ -5,8 +5,8 @@ folder (the form a checkpoint's config.json takes), transformers itself is asked
 the meta device (the denominator: types whose model transformers can build), and ``normscope.artifacts.contract``
 reads the file. Each type runs in a worker process with a time limit; the CPU seconds and the rise of the
 worker's peak resident memory are its own (the worker has imported torch, transformers' modelling base and
-normscope once, as a long-lived process has: a fresh `normscope contract` adds those imports, a few seconds). The table prints ok / refused (by class) / failed, and the types
-outside the target.
+normscope once, as a long-lived process has: a fresh `normscope contract` adds those imports, a few seconds).
+The table prints ok / refused (by class) / failed, and the types outside the target.
 
     python bench/contract_coverage.py                 # every type, 2 workers (about an hour on 2 cores)
     python bench/contract_coverage.py --sample 70     # a fixed sample spread over the list

@@ -1,14 +1,31 @@
 """The inputs a model is run on: the user's (copied, so nothing they passed is changed) or, for a Hugging Face
-text model, a small default batch of token ids; and their description for a result."""
+model, a small default batch of what its ``main_input_name`` and forward signature say it takes, sized from its
+config; and their description for a result."""
 
 from __future__ import annotations
 
 import inspect
+import math
+import re
 from typing import Any
 
 import torch
 
 from ..errors import InputError
+
+#: the batch a non-text default input has (a text model's is 2 sequences of 8 tokens)
+BATCH = 1
+#: the default length of a sequence the config does not fix: frames of a spectrogram, steps of a latent sequence
+FRAMES = 64
+#: samples of raw audio (1 s at 16 kHz), rounded up to whole frames of the model's hop
+SAMPLES = 16000
+#: more channels than this at a raw-audio model's first convolution are a latent sequence's, not audio's
+MAX_AUDIO_CHANNELS = 8
+#: the side of an image whose config states no size (every patch size and stride in use divides it)
+IMAGE_SIDE = 224
+
+_HOW = ("in Python pass them (scan/diff(model, inputs): a tensor, a tuple of positional arguments or a dict of "
+        "keyword arguments), on the command line --shape or --inputs")
 
 
 def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | None:
@@ -28,25 +45,69 @@ def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | No
 
 
 def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
-    """A small batch of what a Hugging Face model's ``main_input_name`` says it takes: token ids for a text model,
-    an image of the size its config states for a vision model (``pixel_values``: channels × image size²)."""
+    """A small batch of what a Hugging Face model's ``main_input_name`` says it takes, with every other argument
+    its forward requires, on the model's device (the meta device too):
+
+    - ``input_ids``: token ids (2 × 8), an encoder–decoder's decoder ids too (:func:`token_inputs`);
+    - images (``pixel_values``): channels × the config's ``image_size`` (an int, a (height, width) list or a dict;
+      224² when none is stated), a pair for a keypoint matcher, ``num_frames`` of them for a video model
+      (``pixel_values_videos``, or a config stating ``num_frames``), flattened patches with their ``grid_thw`` /
+      ``spatial_shapes`` for a model that takes images as patch sequences;
+    - raw audio (``input_values``): 16000 samples rounded up to the hop of the config's strides, (batch, samples)
+      or (batch, channels, samples) as the forward documents it; a spectrogram for a model stating ``num_mel_bins``
+      and no convolutional feature encoder;
+    - spectrograms (``input_features``): ``num_mel_bins`` (or ``input_feat_per_channel``, ``feature_size``, …) ×
+      frames, channels first when the first convolution takes them so, as many frames as ``max_source_positions``
+      and the strides demand where the model fixes the length;
+    - time series (``past_values``): ``context_length`` (+ the largest lag) steps with their time features and
+      observed mask;
+    - any other documented tensor whose shape the config's fields give (``latents`` of (batch, hidden_size,
+      frames), …).
+
+    A model whose inputs the config cannot give raises :class:`InputError` naming what its forward needs and which
+    config field is missing."""
     config = getattr(model, "config", None)
-    vocab = vocabulary_size(model, embeddings=False)
+    if config is None:
+        raise InputError(f"{type(model).__name__} needs inputs: {_HOW}; only Hugging Face models get inputs by "
+                         "default")
+    main, argument = _main_input(model)
+    if main == "input_ids":
+        vocab = vocabulary_size(model, embeddings=False)
+        if vocab is None:
+            raise InputError(f"{type(model).__name__} needs inputs: its forward takes token ids and its config "
+                             f"states no vocab_size; {_HOW}")
+        g = torch.Generator().manual_seed(0)
+        lo = min(4, vocab - 1)
+        return token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
+    return _Defaults(model, config, main, argument).build()
+
+
+def _main_input(model: torch.nn.Module) -> tuple[str, str]:
+    """What a model's input is and the argument it goes in. Its ``main_input_name`` names both where the forward
+    takes that argument. A forward that does not takes it as its one required argument (VibeVoice's tokenizers:
+    ``input_values`` passed as ``hidden_states``); a class that keeps the default ``input_ids`` its forward does
+    not take (a vision tower taking ``pixel_values`` or ``hidden_states``) has its input named by that argument:
+    the forward's first required one, else its first."""
     main = getattr(model, "main_input_name", "input_ids")
-    if config is not None and main == "pixel_values":
-        size = getattr(config, "image_size", None)
-        size = size[0] if isinstance(size, list | tuple) else size
-        channels = getattr(config, "num_channels", 3)
-        if isinstance(size, int) and isinstance(channels, int):
-            return {"pixel_values": torch.zeros(1, channels, size, size, device=_device(model))}
-    if config is None or vocab is None or main != "input_ids":
-        raise InputError(
-            f"{type(model).__name__} needs inputs: in Python pass them (scan/diff(model, inputs): a tensor, a tuple "
-            "of positional arguments or a dict of keyword arguments), on the command line --shape or --inputs; "
-            "only Hugging Face text models get input_ids by default")
-    g = torch.Generator().manual_seed(0)
-    lo = min(4, vocab - 1)
-    return token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
+    if isinstance(main, list | tuple):
+        main = main[0] if main else "input_ids"
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return main, main
+    if main in params:
+        return main, main
+    named = [p for p in params.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not named:
+        raise InputError(f"{type(model).__name__} has no forward of its own to run (its parts are models of their "
+                         f"own: scan each of them); {_HOW}")
+    required = [p.name for p in named if p.default is inspect.Parameter.empty]
+    first = required[0] if required else named[0].name
+    if main != "input_ids" and len(required) == 1:
+        annotation = params[first].annotation
+        if annotation is inspect.Parameter.empty or "Tensor" in str(annotation):
+            return main, first
+    return first, first
 
 
 def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
@@ -62,11 +123,589 @@ def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
     return kwargs
 
 
+# ------------------------------------------------------------------------------------------ non-text defaults
+class _Missing(Exception):
+    """An argument the config does not give: ``what`` says which field (or which kind of value) is missing."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what = what
+
+
+_SEQUENCE_DIMS = {"sequence_length", "seq_length", "seq_len", "frames", "num_frames", "time_steps", "episode_length",
+                  "num_samples", "audio_length", "length", "target_sequence_length", "num_tokens", "num_patches",
+                  "feature_sequence_length", "num_latents", "max_length", "num_steps"}
+_CHANNEL_KEYS = ("num_channels", "audio_channels", "channels", "in_channels", "input_channels")
+
+
+class _Defaults:
+    """The default batch of one non-text Hugging Face model (see :func:`default_inputs`)."""
+
+    def __init__(self, model: torch.nn.Module, config: Any, main: str, argument: str):
+        self.model, self.config, self.main = model, config, main
+        self.device = _device(model)
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        try:
+            self.params = dict(inspect.signature(model.forward).parameters)
+        except (TypeError, ValueError):
+            self.params = {}
+        self.doc = inspect.getdoc(model.forward) or ""
+        self.g = torch.Generator().manual_seed(0)
+        self.kwargs: dict[str, Any] = {}
+        self.model_type = getattr(config, "model_type", None)
+        #: alternative layouts of the main input, tried in order (see :meth:`_pick`)
+        self._options: list[tuple[torch.Tensor, int]] | None = None
+        #: the arguments that come with the main input (its grid, its padding), kept for each alternative
+        self._own: set[str] = set()
+        #: the axis of the main input its steps (frames, samples, patches) are on
+        self.steps_axis = 1
+        #: the argument the main input is passed as (:func:`_main_input`)
+        self.argument = argument
+
+    # ------------------------------------------------------------------------------------------------ driver
+    def build(self) -> dict[str, Any]:
+        try:
+            self._fill(self.main)
+            self._own = set(self.kwargs) - {self.main}
+            options = self._options or [self.kwargs[self.main]]
+            for option in options:
+                self._complete(option)
+                if len(options) == 1 or self._reaches(self._called(self.kwargs)):
+                    break
+            else:  # no layout reached the first layer as it takes it: the first, as documented
+                self._complete(options[0])
+        except _Missing as exc:
+            raise InputError(f"{type(self.model).__name__} needs inputs: its forward takes {self._needs()}, and "
+                             f"{exc.what}; {_HOW}") from None
+        return self._called(self.kwargs)
+
+    def _called(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.argument == self.main:
+            return kwargs
+        return {(self.argument if k == self.main else k): v for k, v in kwargs.items()}
+
+    def _complete(self, main: tuple[torch.Tensor, int] | torch.Tensor) -> None:
+        """``self.kwargs``: the main input (a tensor, or one with the axis its steps are on), every argument the
+        forward requires, and the optional ones it needs (:meth:`_companions`)."""
+        extra = {k: v for k, v in self.kwargs.items() if k in self._own}
+        tensor, self.steps_axis = main if isinstance(main, tuple) else (main, self.steps_axis)
+        self.kwargs = {self.main: tensor, **extra}
+        for name in self._required():
+            if name != self.argument:
+                self._fill(name)
+        self._companions()
+        if "use_cache" in self.params:
+            self.kwargs["use_cache"] = False
+
+    def _required(self) -> list[str]:
+        return [k for k, p in self.params.items() if p.default is inspect.Parameter.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    def _needs(self) -> str:
+        """What the forward takes: its main input and the arguments it requires, each with its documented shape
+        (or its type, when that is not a tensor)."""
+        names = [k for k in self._required() if k != self.argument]
+        if self.argument in self.params or not self.params:
+            names.insert(0, self.argument)
+        else:
+            names.insert(0, f"(main input {self.main}: not an argument of its forward)")
+        return ", ".join(n if n not in self.params and n != self.argument else
+                         f"{n} ({self._documented(n) or self._kind(n) or 'no documented shape'})" for n in names)
+
+    def _kind(self, name: str) -> str | None:
+        """The type an argument is annotated with, when that is not a tensor (a video session, a cache)."""
+        annotation = self.params[name].annotation if name in self.params else inspect.Parameter.empty
+        if annotation is inspect.Parameter.empty:
+            return None
+        text = getattr(annotation, "__name__", None) or str(annotation)
+        return None if "Tensor" in text else text
+
+    def _fill(self, name: str) -> None:
+        if name in self.kwargs:
+            return
+        if name == self.main and any(k in self._required() for k in ("grid_thw", "image_grid_thw")):
+            self._patch_grid(name)  # images as one sequence of patches, whatever the argument is called
+        elif name in ("pixel_values_videos", "pixel_values") or name.endswith("pixel_values"):
+            self._images(name)
+        elif name in ("input_values", "input_features", "audio_mel"):
+            self._audio(name)
+        elif name == "past_values":
+            self._series()
+        elif name.endswith("input_ids") or name == "task_inputs":
+            self.kwargs[name] = self._ids(name)
+        elif name.endswith(("mask", "masks", "padding")):
+            self.kwargs[name] = self._mask(name)
+        elif name in ("grid_thw", "image_grid_thw", "spatial_shapes", "merge_sizes"):
+            raise _Missing(f"{name} goes with images given as patch sequences, which {self.main} is not")
+        elif (kind := self._kind(name)) is not None:
+            raise _Missing(f"{name} is a {kind}, not a tensor sized by the config")
+        elif name == self.main and self._documented(name) is None:
+            self._by_first_layer(name)
+        else:
+            self.kwargs[name] = self._documented_tensor(name)
+
+    def _companions(self) -> None:
+        """Optional arguments the forward still needs: an encoder–decoder's decoder ids, a text-conditioned vision
+        model's text, a time-series decoder's future time features."""
+        cfg = self.config
+        mask = f"{self.main}_mask"
+        if (mask in self.params and mask not in self.kwargs  # often optional yet read (AudioFlamingo3's encoder)
+                and self.kwargs[self.main].dim() <= 3):  # a sequence's: an image's mask has no shape to take
+            self.kwargs[mask] = self._mask(mask)
+        if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in self.params:
+            self.kwargs.setdefault("decoder_input_ids", self._ids("decoder_input_ids", length=4))
+        if ("input_ids" in self.params and "input_ids" not in self.kwargs and self.main != "input_ids"
+                and self._vocab("input_ids") is not None and self._sub("text_config") is not None):
+            self.kwargs["input_ids"] = self._ids("input_ids")
+        if self.main == "past_values" and "future_time_features" in self.params and self._lags() is not None:
+            steps = _int(cfg, "prediction_length")
+            if steps:
+                self.kwargs["future_time_features"] = self._randn(BATCH, steps, _int(cfg, "num_time_features") or 0)
+
+    # -------------------------------------------------------------------------------------------------- images
+    def _images(self, name: str) -> None:
+        required = self._required()
+        if name == self.main and any(k in required for k in ("grid_thw", "image_grid_thw")):
+            return self._patch_grid(name)
+        if name == self.main and "spatial_shapes" in required:
+            return self._patch_batch(name)
+        if self.main.endswith("pixel_values") or self.main == "pixel_values_videos":
+            reference = self.kwargs.get(self.main)
+            if reference is not None and name != self.main:  # a prompt image: the main image's shape
+                self.kwargs[name] = self._randn(*reference.shape)
+                return None
+        h, w = self._image_hw()
+        c = self._channels()
+        if self._pairs():
+            shape: tuple[int, ...] = (BATCH, 2, c, h, w)
+        elif name == "pixel_values_videos" or self._frames() is not None:
+            frames = self._frames()
+            if frames is None:
+                raise _Missing("the config states no num_frames (or frames_per_clip)")
+            shape = (BATCH, frames, c, h, w)
+        else:
+            shape = (BATCH, c, h, w)
+        self.kwargs[name] = self._randn(*shape)
+        return None
+
+    def _image_hw(self) -> tuple[int, int]:
+        """(height, width): the config's (or its vision or backbone config's) ``image_size``, else 224²; at least
+        ``patch_size`` over the smallest of ``scaled_images_ratios`` for a model that cuts scaled copies into
+        patches (DepthPro), and a whole number of windows for windowed attention (``num_windows`` a side)."""
+        owners = self._owners(("vision_config", "backbone_config", "image_model_config", "encoder_config"))
+        hw = next((hw for owner in owners for key in ("image_size", "crop_size", "input_size")
+                   if (hw := _hw(getattr(owner, key, None))) is not None), (IMAGE_SIDE, IMAGE_SIDE))
+        ratios = getattr(self.config, "scaled_images_ratios", None)
+        patch = _int(self.config, "patch_size")
+        if patch and isinstance(ratios, list | tuple) and ratios and all(isinstance(r, int | float) and r > 0
+                                                                          for r in ratios):
+            side = math.ceil(patch / min(ratios))
+            hw = (max(hw[0], side), max(hw[1], side))
+        for owner in owners:
+            windows, patch = _int(owner, "num_windows"), _int(owner, "patch_size")
+            if windows and patch:
+                unit = windows * patch
+                hw = (-(-hw[0] // unit) * unit, -(-hw[1] // unit) * unit)
+                break
+        return hw
+
+    def _channels(self) -> int:
+        for owner in self._owners(("vision_config", "backbone_config", "image_model_config")):
+            for key in _CHANNEL_KEYS:
+                v = _int(owner, key)
+                if v:
+                    return v
+        return 3
+
+    def _frames(self) -> int | None:
+        if self.main not in ("pixel_values", "pixel_values_videos"):
+            return None
+        for owner in self._owners(("vision_config",)):
+            for key in ("num_frames", "frames_per_clip"):
+                v = _int(owner, key)
+                if v:
+                    return v
+        return None
+
+    def _pairs(self) -> bool:
+        """A keypoint matcher takes pairs of images (batch, 2, channels, height, width)."""
+        from transformers.models.auto import modeling_auto
+
+        return self.model_type in getattr(modeling_auto, "MODEL_FOR_KEYPOINT_MATCHING_MAPPING_NAMES", {})
+
+    def _patch_dim(self) -> int:
+        """The size of one flattened patch: what the first layer (the patch embedding) takes."""
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Linear):
+                return m.in_features
+            if isinstance(m, torch.nn.Conv2d | torch.nn.Conv3d):
+                return m.in_channels * math.prod(m.kernel_size)
+        c, p = self._channels(), _int(self.config, "patch_size")
+        if not p:
+            raise _Missing("the config states no patch_size")
+        return c * p * p
+
+    def _patch_grid(self, name: str) -> None:
+        """Images as one sequence of flattened patches with their (temporal, height, width) grid (Qwen2-VL-like
+        vision encoders): a grid of 4 × 4 merged patches."""
+        merge = next((v for k in ("spatial_merge_size", "merge_size") if (v := _int(self.config, k))), 1)
+        side = 4 * merge
+        self.kwargs[name] = self._randn(side * side, self._patch_dim())
+        grid = torch.tensor([[1, side, side]], device=self.device)
+        for key in ("grid_thw", "image_grid_thw"):
+            if key in self.params:
+                self.kwargs[key] = grid
+        if "merge_sizes" in self.params:
+            self.kwargs["merge_sizes"] = torch.tensor([merge], device=self.device)
+
+    def _patch_batch(self, name: str) -> None:
+        """Images as a batch of flattened patch sequences with their (height, width) in patches (Siglip2-like)."""
+        n = _int(self.config, "num_patches") or 256
+        side = math.isqrt(n) or 16
+        self.kwargs[name] = self._randn(BATCH, side * side, self._patch_dim())
+        self.kwargs["spatial_shapes"] = torch.tensor([[side, side]] * BATCH, device=self.device)
+        for key in ("pixel_attention_mask",):
+            if key in self.params:
+                self.kwargs[key] = torch.ones(BATCH, side * side, dtype=torch.long, device=self.device)
+
+    # --------------------------------------------------------------------------------------------------- audio
+    def _audio(self, name: str) -> None:
+        if name == "input_values" and self._first_layer(torch.nn.Conv1d) is None and self._mel_bins() is not None:
+            return self._spectrogram(name)  # Audio Spectrogram Transformer: a spectrogram called input_values
+        if name == "input_values":
+            return self._waveform(name)
+        return self._spectrogram(name)
+
+    def _hop(self) -> int | None:
+        """How many samples one frame of a convolutional audio encoder covers (the product of its strides)."""
+        cfg = self.config
+        for key in ("conv_stride", "downsampling_ratios", "upsampling_ratios", "patch_sizes", "strides"):
+            v = getattr(cfg, key, None)
+            if isinstance(v, list | tuple) and v and all(isinstance(s, int) and s > 0 for s in v):
+                return math.prod(v)
+        return _int(cfg, "hop_length")
+
+    def _waveform(self, name: str) -> None:
+        """Raw audio: (batch, samples) when the model adds the channel axis its first convolution takes, else
+        (batch, channels, samples) — which of the two, the first convolution says (see :meth:`_reaches`)."""
+        hop = self._hop() or 1
+        samples = -(-SAMPLES // hop) * hop
+        conv = self._first_layer(torch.nn.Conv1d)
+        channels = conv.in_channels if conv is not None else self._channel_count() or 1
+        if channels > MAX_AUDIO_CHANNELS:  # a decoder's latents (VibeVoice's): FRAMES steps of them
+            samples = FRAMES
+        flat, shaped = (self._randn(BATCH, samples), 1), (self._randn(BATCH, channels, samples), 2)
+        candidates = [flat, shaped] if (self._documented_rank(name) or 2) == 2 else [shaped, flat]
+        self._pick(name, candidates)
+
+    def _pick(self, name: str, candidates: list[tuple[torch.Tensor, int]]) -> None:
+        """Alternative layouts of the main input ``name`` (each with the axis of its steps): :meth:`build` uses the
+        first that reaches the model's first layer in the layout that layer takes (:meth:`_reaches`), the first
+        when none does."""
+        self.kwargs[name], self.steps_axis = candidates[0]
+        if len(candidates) > 1 and name == self.main:
+            self._options = candidates
+
+    def _reaches(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the forward on ``kwargs`` gets to the first layer it calls (a convolution or linear map) with an
+        input that layer takes: channels at dim 1 of a batched input for a convolution, features last for a linear
+        map. The forward stops there — nothing after it runs, so the check costs what comes before the first layer
+        (a reshape or two; on the meta device, nothing) — and an error before it means the layout is not taken."""
+
+        class Reached(Exception):
+            pass
+
+        def stop(module, args):
+            x = args[0] if args else None
+            if not isinstance(x, torch.Tensor):
+                raise Reached(False)
+            if isinstance(module, torch.nn.Linear):
+                raise Reached(x.dim() >= 2 and x.shape[-1] == module.in_features)
+            raise Reached(x.dim() == len(module.kernel_size) + 2 and x.shape[1] == module.in_channels)
+
+        layers = [m for m in self.model.modules() if isinstance(m, torch.nn.Linear | torch.nn.modules.conv._ConvNd)]
+        handles = [m.register_forward_pre_hook(stop) for m in layers]
+        try:
+            with torch.no_grad():
+                self.model(**kwargs)
+        except Reached as r:
+            return bool(r.args[0])
+        except Exception:
+            return False
+        finally:
+            for h in handles:
+                h.remove()
+        return False
+
+    def _by_first_layer(self, name: str) -> None:
+        """An undocumented main input (``hidden_states``, ``image``, ``spectrogram``) shaped for the model's first
+        layer: steps of its input features for a linear map, its channels by steps (or steps by channels) for a
+        1-d convolution, an image of the config's size for a 2-d one — the layout that reaches that layer."""
+        first = self._first_layer(torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d)
+        if isinstance(first, torch.nn.Linear):
+            candidates = [(self._randn(BATCH, FRAMES, first.in_features), 1),
+                          (self._randn(FRAMES, first.in_features), 0)]
+        elif isinstance(first, torch.nn.Conv1d):
+            candidates = [(self._randn(BATCH, first.in_channels, FRAMES), 2),
+                          (self._randn(BATCH, FRAMES, first.in_channels), 1)]
+        elif isinstance(first, torch.nn.Conv2d):
+            candidates = [(self._randn(BATCH, first.in_channels, *self._image_hw()), 2)]
+        else:
+            raise _Missing(f"it documents no shape for {self.argument}, and its first layer is not a linear map or "
+                           "a convolution to shape it by")
+        self._pick(name, candidates)
+
+    def _first_layer(self, kind: type) -> Any:
+        """The model's first layer (convolution or linear map, in registration order) when it is a ``kind``."""
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Linear | torch.nn.modules.conv._ConvNd):
+                return m if isinstance(m, kind) else None
+        return None
+
+    def _mel_bins(self) -> int | None:
+        """Features per frame of a spectrogram: the config's ``num_mel_bins`` (or a synonym), else what the
+        model's first layers take (a Conv2d subsampling stack before a Linear: the width that leaves the
+        Linear's input size)."""
+        for owner in self._owners(("encoder_config", "audio_config", "feature_extractor_config")):
+            for key in ("num_mel_bins", "input_feat_size", "feature_projection_input_dim", "input_feat_per_channel",
+                        "n_mels", "mel_bins", "num_mel_filters", "input_dim", "feature_size"):
+                v = _int(owner, key)
+                if v:
+                    if key == "input_feat_per_channel":
+                        v *= _int(owner, "input_channels") or 1
+                    return v
+        return self._bins_from_layers()
+
+    def _bins_from_layers(self) -> int | None:
+        convs: list[torch.nn.Conv2d] = []
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                convs.append(m)
+            elif isinstance(m, torch.nn.Linear) and convs:
+                if m.in_features % convs[-1].out_channels:
+                    return None
+                width = m.in_features // convs[-1].out_channels
+                for bins in range(1, 4097):  # the width the stack makes of `bins` features
+                    w = bins
+                    for c in convs:
+                        w = (w + 2 * c.padding[1] - c.dilation[1] * (c.kernel_size[1] - 1) - 1) // c.stride[1] + 1 \
+                            if isinstance(c.padding, tuple) else w
+                    if w == width:
+                        return bins
+                return None
+            elif isinstance(m, torch.nn.Linear | torch.nn.Conv1d):
+                return None
+        return None
+
+    def _spectrogram(self, name: str) -> None:
+        """Spectrogram frames: (batch, frames, features), or (batch, features, frames) where the first layer is a
+        Conv1d over the features that gets them so (Whisper: as many frames as ``max_source_positions`` and its
+        strides demand); a first Linear taking a multiple of the features gets stacked frames."""
+        bins = self._mel_bins()
+        if bins is None:
+            raise _Missing("the config states no num_mel_bins (nor input_feat_per_channel, feature_size, …): "
+                           "how many features a frame has")
+        frames = self._frames_per_chunk() or (_int(self.config, "max_length") if name == "input_values" else None)
+        frames = frames or FRAMES
+        candidates = [(self._randn(BATCH, frames, bins), 1)]
+        conv = next((m for m in self.model.modules() if isinstance(m, torch.nn.Conv1d) and m.in_channels == bins),
+                    None)
+        candidates.append((self._randn(BATCH, bins, self._fixed_frames(conv) or frames), 2))
+        image = self._first_layer(torch.nn.Conv2d)
+        if image is not None:  # a spectrogram as an image of channels × frames × bins (CLAP's audio encoder)
+            candidates.append((self._randn(BATCH, image.in_channels, frames, bins), 2))
+        for m in self.model.modules():  # frames stacked into one vector (low frame rate features)
+            if isinstance(m, torch.nn.Linear) and m.in_features % bins == 0 and m.in_features > bins:
+                candidates.append((self._randn(BATCH, frames, m.in_features), 1))
+                break
+        self._pick(name, candidates)
+
+    def _frames_per_chunk(self) -> int | None:
+        """Frames of an encoder that reads its input in whole windows (``n_window``: windows of twice that)."""
+        n = _int(self.config, "n_window")
+        return 2 * n if n else None
+
+    def _fixed_frames(self, first: torch.nn.Conv1d | None) -> int | None:
+        """Frames of a channels-first spectrogram: ``max_source_positions`` × the strides of the first convolution
+        and its sibling convolutions, where the config states the positions (Whisper requires exactly that many)."""
+        positions = _int(self.config, "max_source_positions")
+        if not positions or first is None:
+            return None
+        parent = next((m for m in self.model.modules() if any(c is first for c in m.children())), self.model)
+        return positions * math.prod(m.stride[0] for m in parent.children() if isinstance(m, torch.nn.Conv1d))
+
+    # ----------------------------------------------------------------------------------------------- time series
+    def _lags(self) -> list[int] | None:
+        lags = getattr(self.config, "lags_sequence", None)
+        return list(lags) if isinstance(lags, list | tuple) and all(isinstance(v, int) for v in lags) else None
+
+    def _series(self) -> None:
+        cfg = self.config
+        context = _int(cfg, "context_length")
+        if not context:
+            raise _Missing("the config states no context_length (nor prediction_length): how many steps the model "
+                           "looks back")
+        lags = self._lags()
+        steps = context + (max(lags) if lags else 0)
+        channels = next((v for k in ("num_input_channels", "input_size") if (v := _int(cfg, k))), 1)
+        rank = self._documented_rank("past_values") or 2
+        shape = (BATCH, steps, channels) if rank == 3 or channels > 1 else (BATCH, steps)
+        values = self._randn(*shape)
+        self.kwargs["past_values"] = values
+        if "past_time_features" in self.params and lags is not None:
+            self.kwargs["past_time_features"] = self._randn(BATCH, steps, _int(cfg, "num_time_features") or 0)
+        if "past_observed_mask" in self.params:
+            self.kwargs["past_observed_mask"] = torch.ones(shape, dtype=torch.bool, device=self.device)
+        if "past_values_padding" in self.params:
+            self.kwargs["past_values_padding"] = torch.zeros(BATCH, steps, dtype=self.dtype, device=self.device)
+        if "freq" in self.params:
+            self.kwargs["freq"] = torch.zeros(BATCH, 1, dtype=torch.long, device=self.device)
+        n = _int(cfg, "num_static_categorical_features")
+        if n and "static_categorical_features" in self.params:
+            self.kwargs["static_categorical_features"] = torch.zeros(BATCH, n, dtype=torch.long, device=self.device)
+        n = _int(cfg, "num_static_real_features")
+        if n and "static_real_features" in self.params:
+            self.kwargs["static_real_features"] = self._randn(BATCH, n)
+
+    # ------------------------------------------------------------------------------------------ other arguments
+    def _vocab(self, name: str) -> int | None:
+        """The vocabulary of token ids ``name`` (``qformer_input_ids``: the ``qformer_config``'s; ``input_ids``
+        and ``decoder_input_ids``: the text or decoder config's, else the model's)."""
+        prefix = name[: -len("input_ids")].rstrip("_") if name.endswith("input_ids") else ""
+        prefix = "" if prefix == "decoder" else prefix
+        owners = [self._sub(f"{prefix}_config")] if prefix else []
+        if name == "task_inputs":
+            owners.append(None)
+            v = _int(self.config, "text_encoder_vocab_size")
+            if v:
+                return v
+        owners += [self._sub("text_config"), self._sub("decoder_config"), self.config]
+        for owner in owners:
+            v = _int(owner, "vocab_size")
+            if v and v >= 2:
+                return v
+        return None
+
+    def _ids(self, name: str, length: int = 8) -> torch.Tensor:
+        vocab = self._vocab(name)
+        if vocab is None:
+            raise _Missing(f"the config states no vocab_size for {name}")
+        if name == "task_inputs":
+            length = _int(self.config, "task_seq_len") or length
+        return torch.randint(min(4, vocab - 1), min(vocab, 1000), (BATCH, length), generator=self.g).to(self.device)
+
+    def _mask(self, name: str) -> torch.Tensor:
+        """A mask of the argument it belongs to, every position kept: ones for an attention or observed mask,
+        False for a boolean mask of what is masked out, zeros for a padding indicator; an image's shape for the
+        masks of an image (``prompt_masks``), (batch, height, width) for ``pixel_mask``."""
+        base = name.removesuffix("_mask").removesuffix("_masks").removesuffix("_padding")
+        key = next((k for k in (base, f"{base}_values", f"{base}_ids", self.main) if k in self.kwargs), None)
+        if key is None:
+            raise _Missing(f"{name} belongs to an argument that was not given")
+        partner = self.kwargs[key]
+        if key == self.main and self._is_image(key):
+            shape = tuple(partner.shape) if name.endswith("masks") else (*partner.shape[:-3], *partner.shape[-2:])
+        elif key == self.main and partner.is_floating_point():
+            shape = (partner.shape[0], partner.shape[self.steps_axis])
+            if self.main == "past_values":
+                shape = tuple(partner.shape)
+        else:
+            shape = tuple(partner.shape[:2])
+        if name.endswith("masks") and self._is_image(key):
+            return self._randn(*shape).gt(0).to(self.dtype)
+        if name.endswith("_padding"):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        annotation = str(self.params[name].annotation) if name in self.params else ""
+        if "BoolTensor" in annotation and not any(w in name for w in ("observed", "attention")):
+            return torch.zeros(shape, dtype=torch.bool, device=self.device)  # nothing masked out
+        return torch.ones(shape, dtype=torch.long, device=self.device)
+
+    def _is_image(self, name: str) -> bool:
+        return name.endswith("pixel_values") or name == "pixel_values_videos"
+
+    def _documented(self, name: str) -> str | None:
+        name = self.argument if name == self.main else name
+        m = re.search(rf"^\s*{re.escape(name)} \(`[^`]*`(?:[^)]*?)? of shape `?\(([^)]*)\)", self.doc, re.M)
+        return f"({m.group(1)})" if m else None
+
+    def _documented_rank(self, name: str) -> int | None:
+        shape = self._documented(name)
+        return len(shape.strip("()").split(",")) if shape else None
+
+    def _documented_tensor(self, name: str) -> torch.Tensor:
+        """A tensor of the shape the forward's docstring gives ``name``, each dimension named by a config field
+        (``hidden_size``, ``state_dim``, …), the batch or a sequence length."""
+        shape = self._documented(name)
+        name = self.argument if name == self.main else name
+        if shape is None:
+            raise _Missing(f"it documents no shape for {name}")
+        dims = []
+        for dim in (d.strip() for d in shape.strip("()").split(",")):
+            if dim in ("batch_size", "bs", "batch"):
+                dims.append(BATCH)
+            elif dim.isdigit():
+                dims.append(int(dim))
+            elif (v := _int(self.config, dim)) or (dim == "channels" and (v := self._channel_count())):
+                dims.append(v)
+            elif dim in _SEQUENCE_DIMS or dim.endswith(("_length", "_len")):
+                dims.append(FRAMES)
+            else:
+                raise _Missing(f"the config states no {dim} for {name}'s shape {shape}")
+        return self._randn(*dims)
+
+    def _channel_count(self) -> int | None:
+        return next((v for k in _CHANNEL_KEYS if (v := _int(self.config, k))), None)
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _owners(self, subs: tuple[str, ...]) -> list[Any]:
+        """The config, then its named sub-configs (and theirs), where a field may be stated."""
+        out, todo = [], [self.config]
+        while todo:
+            owner = todo.pop(0)
+            if owner is None or any(owner is o for o in out):
+                continue
+            out.append(owner)
+            todo += [getattr(owner, s, None) for s in subs]
+        return out
+
+    def _sub(self, key: str) -> Any:
+        v = getattr(self.config, key, None)
+        return v if v is not None and not isinstance(v, dict | list | str | int | float) else None
+
+    def _has(self, key: str) -> bool:
+        return getattr(self.config, key, None) is not None
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.g).to(device=self.device, dtype=self.dtype)
+
+
+def _int(owner: Any, key: str) -> int | None:
+    v = getattr(owner, key, None) if owner is not None else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def _hw(size: Any) -> tuple[int, int] | None:
+    """(height, width) of an image size as configs state it: an int, a [height, width] list or a dict."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size, size
+    if isinstance(size, list | tuple) and size and all(isinstance(v, int) and v > 0 for v in size):
+        return (size[0], size[-1])
+    if isinstance(size, dict):
+        if isinstance(size.get("height"), int) and isinstance(size.get("width"), int):
+            return size["height"], size["width"]
+        for key in ("shortest_edge", "longest_edge", "size"):
+            if isinstance(size.get(key), int):
+                return size[key], size[key]
+    return None
+
+
 def _device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
+    """The model's device: the meta device where any of its parameters is there (a model built on the meta device
+    whose weight-norm parametrizations were drawn on the CPU), else its first parameter's."""
+    devices = [p.device for p in model.parameters()]
+    if any(d.type == "meta" for d in devices):
+        return torch.device("meta")
+    return devices[0] if devices else torch.device("cpu")
 
 
 def _clone(obj):

@@ -1,8 +1,8 @@
 """`contract` on configs as checkpoints state them: full size, composite, MoE, values the meta device lacks.
 
-The property every case meets: a read at reduced depth gives exactly the sites, names, roles and contract fields
-a build at full depth gives; a composite config's parts are each read; a full-size default config of an MoE or an
-encoder–decoder gives a contract for every layer.
+The property every case meets: a read at reduced depth (and with fewer experts) gives exactly the sites, names,
+roles and contract fields a build at full depth with every expert gives; a composite config's parts are each
+read; a full-size default config of an MoE or an encoder–decoder gives a contract for every layer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ FIELDS = ("name", "source", "layer", "role", "family", "center", "eps", "eps_pla
 PATTERNS = {
     "jamba": lambda t: t.JambaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=64, num_experts=4, num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=2,
+        vocab_size=64, num_experts=8, num_experts_per_tok=2, attn_layer_period=4, attn_layer_offset=2,
         expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_expand=2, mamba_dt_rank=4),
     "qwen3_next": lambda t: t.Qwen3NextConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
@@ -35,7 +35,7 @@ PATTERNS = {
         shared_expert_intermediate_size=16),
     "deepseek_v3": lambda t: t.DeepseekV3Config(
         hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=16,
+        num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=2, q_lora_rank=16,
         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, vocab_size=64, n_group=1,
         topk_group=1),
     "gemma3_text": lambda t: t.Gemma3TextConfig(
@@ -77,10 +77,13 @@ def values_only(monkeypatch):
 @pytest.mark.parametrize("arch", sorted(PATTERNS))
 def test_reduced_depth_gives_what_full_depth_gives(tmp_path, values_only, arch):
     data, path = _saved(PATTERNS[arch](transformers), tmp_path)
-    reduced = _read(data, path)  # reduced wherever the layers allow it
+    reduced = _read(data, path)  # reduced wherever the layers allow it, with 4 experts where there are more
     values_only.setattr(depth, "reduced_config", lambda config, lists: None)
+    values_only.setattr(depth, "fewer_experts", lambda config, keep=4: [])
     full = _read(data, path)
     assert any("reduced depth" in n for n in reduced.notes), reduced.notes
+    if arch in ("jamba", "deepseek_v3"):
+        assert any("4 of 8 experts" in n for n in reduced.notes), reduced.notes
     assert not any("reduced depth" in n for n in full.notes), full.notes
     assert [tuple(getattr(s, f) for f in FIELDS) for s in reduced.sites] == \
         [tuple(getattr(s, f) for f in FIELDS) for s in full.sites]
@@ -113,6 +116,17 @@ def test_block_kinds_set_a_layers_index_aside():
     assert [(b.path, len(b.kinds), len(set(b.kinds))) for b in lists] == [("encoder.layers", 4, 1),
                                                                             ("decoder.layers", 4, 1)]
     assert any(p.endswith(":seed") for p in lists[0].positions)
+
+
+def test_fewer_experts_are_used_only_where_the_layers_keep_their_pattern():
+    """Fewer experts change the experts' shapes, not which layers are of one kind; a cut that merged or split
+    kinds would make the extension wrong, so it is not used."""
+    full = [depth.BlockList("layers", ["dense", "moe", "dense", "moe"])]
+    assert depth.same_pattern(full, [depth.BlockList("layers", ["dense'", "moe'", "dense'", "moe'"])])
+    assert not depth.same_pattern(full, [depth.BlockList("layers", ["one", "one", "one", "one"])])
+    assert not depth.same_pattern(full, [depth.BlockList("decoder", ["dense", "moe", "dense", "moe"])])
+    cfg = transformers.Qwen3MoeConfig(num_experts=128, num_experts_per_tok=8)
+    assert depth.fewer_experts(cfg) == ["8 of 128 experts"] and cfg.num_experts == 8
 
 
 # ----------------------------------------------------------------------------------- full-size default configs

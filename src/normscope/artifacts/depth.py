@@ -117,6 +117,41 @@ def _cut(config, want: dict[int, int]) -> bool:
     return cut
 
 
+#: config fields holding how many routed experts an MoE layer has, and how many each token goes to
+_EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+_EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k", "moe_k")
+
+
+def fewer_experts(config, keep: int = 4) -> list[str]:
+    """Cut the routed experts of ``config`` and its sub-configs (in place) to ``keep``, or to as many as a token
+    goes to where that is more; what was cut, for the note. The norms sit outside the experts, so their contract
+    does not depend on how many there are; the caller checks that the layers keep their kinds."""
+    notes = []
+    fields = vars(config)
+    for value in list(fields.values()):
+        if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            notes += fewer_experts(value, keep)
+    per_token = max((v for k in _EXPERTS_PER_TOKEN if isinstance(v := fields.get(k), int)
+                     and not isinstance(v, bool)), default=1)
+    for key in _EXPERT_COUNTS:
+        n = fields.get(key)
+        k = max(keep, per_token)
+        if isinstance(n, int) and not isinstance(n, bool) and n > k:
+            setattr(config, key, k)
+            notes.append(f"{k} of {n} experts")
+    return notes
+
+
+def same_pattern(full: list[BlockList], other: list[BlockList]) -> bool:
+    """Whether two models' layer lists group their layers into kinds the same way (layer ``i`` and ``j`` of a list
+    are of one kind in both or in neither): a model with fewer experts has other shapes, the same pattern."""
+    if [f.path for f in full] != [o.path for o in other]:
+        return False
+    return all(len(f.kinds) == len(o.kinds) and [f.kinds.index(k) for k in f.kinds] == [o.kinds.index(k)
+                                                                                       for k in o.kinds]
+               for f, o in zip(full, other, strict=True))
+
+
 def same_prefix(full: list[BlockList], reduced: list[BlockList]) -> str | None:
     """None when each reduced list is the full one's prefix, kind by kind; else what differs."""
     for f, r in zip(full, reduced, strict=True):

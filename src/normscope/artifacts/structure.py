@@ -71,6 +71,8 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
     code needed a value) — the line of the model's code that raised it, which names the config field."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     text = text if len(text) <= limit else text[:limit] + "…"
+    while isinstance(exc, NormscopeError) and exc.__cause__ is not None:  # the model's own error, wrapped
+        exc = exc.__cause__
     if isinstance(exc, AttributeError | TypeError | KeyError):
         import traceback
 
@@ -189,6 +191,7 @@ def _read_one(model, config_path: Path, label: str):
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values
     tokens = _fewer_tokens(config)
+    full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
     reduced = depth.reduced_config(config, full)
     small, why = None, "no layer list to cut"
     if reduced is not None:
@@ -224,10 +227,32 @@ def _read_one(model, config_path: Path, label: str):
     try:
         result = scan(real, default_inputs(real), dtypes="float32", progress=False)
     except NormscopeError as exc:
-        raise InputError(f"{config_path}: the {label} architecture could not be scanned ({exc})") from None
+        raise InputError(f"{config_path}: the {label} architecture could not be scanned "
+                         f"({_first_line(exc, limit=600)})") from None
     if config is reduced:
         result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
     return result, how
+
+
+def _fewer_experts(model, config, full, tokens: str, config_path: Path, label: str):
+    """Cut ``config``'s routed experts (in place, :func:`.depth.fewer_experts`) where the layers keep their kinds:
+    the layer lists of the model with fewer experts, read on the meta device, and the note; else — experts
+    undone — the full model's lists and the note as they were."""
+    from . import depth
+
+    before = copy.deepcopy(config)
+    cut = depth.fewer_experts(config)
+    if not cut:
+        return full, tokens
+    try:
+        lists = depth.block_lists(_built(type(model), config, "meta", config_path, label), full)
+    except (InputError, AttributeError):
+        lists = None
+    if lists is None or not depth.same_pattern(full, lists):
+        vars(config).clear()
+        vars(config).update(vars(before))
+        return full, tokens
+    return lists, f"{tokens}, {cut[0]}"
 
 
 def _fewer_tokens(config, vocab: int = 512) -> str:

@@ -141,3 +141,21 @@ def test_a_vision_tower_taking_patch_sequences_gets_them_with_their_grid():
         out = model(**inputs)
     merge = config.spatial_merge_size
     assert out.pooler_output.shape[0] == patches.shape[0] // merge**2
+
+
+@pytest.mark.parametrize("config, extras", [
+    (lambda t: t.BrosConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64), {"bbox"}),
+    (lambda t: t.DecisionTransformerConfig(state_dim=5, act_dim=3, hidden_size=32, n_layer=2, n_head=2),
+     {"actions", "rewards", "returns_to_go", "timesteps"}),
+])
+def test_arguments_the_forward_documents_as_needed_are_given_where_it_fails_without_them(config, extras):
+    """BROS's boxes and Decision Transformer's actions, rewards and returns default to None in the signature, yet
+    the forward fails without them; the docstring documents them without *optional*. Given, the forward runs."""
+    cfg = config(transformers)
+    model = transformers.AutoModel.from_config(cfg).eval()
+    inputs = default_inputs(model)
+    assert extras <= set(inputs), inputs.keys()
+    with torch.no_grad():
+        model(**inputs)
+    assert set(default_inputs(_meta_model("llama"))) == {"input_ids", "use_cache"}  # a forward that runs: as it was

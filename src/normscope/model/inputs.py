@@ -78,7 +78,8 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
                              f"states no vocab_size; {_HOW}")
         g = torch.Generator().manual_seed(0)
         lo = min(4, vocab - 1)
-        return token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
+        kwargs = token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
+        return _Defaults(model, config, main, argument).complete_tokens(kwargs)
     return _Defaults(model, config, main, argument).build()
 
 
@@ -134,7 +135,10 @@ class _Missing(Exception):
 
 _SEQUENCE_DIMS = {"sequence_length", "seq_length", "seq_len", "frames", "num_frames", "time_steps", "episode_length",
                   "num_samples", "audio_length", "length", "target_sequence_length", "num_tokens", "num_patches",
-                  "feature_sequence_length", "num_latents", "max_length", "num_steps"}
+                  "feature_sequence_length", "num_latents", "max_length", "num_steps", "num_boxes"}
+#: arguments a forward documents without ``*optional*`` that are alternatives or extras, never needed: another
+#: form of an input (``inputs_embeds``), a mask, positions, a cache, labels, a cross-attention's memory
+_ALTERNATIVE = re.compile(r"(embeds|labels|hidden_states|mask|masks|position_ids|cache_position|past_key_values)$")
 _CHANNEL_KEYS = ("num_channels", "audio_channels", "channels", "in_channels", "input_channels")
 
 
@@ -161,6 +165,8 @@ class _Defaults:
         self.steps_axis = 1
         #: the argument the main input is passed as (:func:`_main_input`)
         self.argument = argument
+        #: the batch and the steps of a sequence whose length the config does not fix
+        self.batch, self.steps = BATCH, FRAMES
 
     # ------------------------------------------------------------------------------------------------ driver
     def build(self) -> dict[str, Any]:
@@ -174,6 +180,7 @@ class _Defaults:
                     break
             else:  # no layout reached the first layer as it takes it: the first, as documented
                 self._complete(options[0])
+            self._documented_extras()
         except _Missing as exc:
             raise InputError(f"{type(self.model).__name__} needs inputs: its forward takes {self._needs()}, and "
                              f"{exc.what}; {_HOW}") from None
@@ -200,6 +207,52 @@ class _Defaults:
     def _required(self) -> list[str]:
         return [k for k, p in self.params.items() if p.default is inspect.Parameter.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    def _documented_extras(self) -> None:
+        """Where the forward fails on the inputs so far, the tensors its docstring documents without
+        ``*optional*`` though the signature defaults them to None (Decision Transformer's actions and rewards,
+        BROS's boxes) — kept where with them it runs. (A forward that fails both ways — one that reads values, on
+        the meta device — keeps the inputs as they were.)"""
+        documented = []
+        for k in self.params:
+            line = re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)
+            if (k not in self.kwargs and k not in self._required() and not _ALTERNATIVE.search(k)
+                    and line is not None and "Tensor" in line.group(1) and "*optional*" not in line.group(1)):
+                documented.append(k)
+        if not documented or self._runs(self._called(self.kwargs)):
+            return
+        before = dict(self.kwargs)
+        try:
+            for name in documented:
+                self._fill(name)
+        except _Missing:
+            self.kwargs = before
+            return
+        if not self._runs(self._called(self.kwargs)):
+            self.kwargs = before
+
+    def _runs(self, kwargs: dict[str, Any]) -> bool:
+        try:
+            with torch.no_grad():
+                self.model(**kwargs)
+        except Exception:
+            return False
+        return True
+
+    def complete_tokens(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """A text model's token inputs with the other tensors its forward needs (its required arguments, and
+        :meth:`_documented_extras`), of the same batch and length."""
+        ids = kwargs["input_ids"]
+        self.batch, self.steps = ids.shape[0], ids.shape[-1]
+        self.kwargs = dict(kwargs)
+        try:
+            for name in self._required():
+                self._fill(name)
+            self._documented_extras()
+        except _Missing as exc:
+            raise InputError(f"{type(self.model).__name__} needs inputs: its forward takes {self._needs()}, and "
+                             f"{exc.what}; {_HOW}") from None
+        return self.kwargs
 
     def _needs(self) -> str:
         """What the forward takes: its main input and the arguments it requires, each with its documented shape
@@ -625,7 +678,7 @@ class _Defaults:
 
     def _documented(self, name: str) -> str | None:
         name = self.argument if name == self.main else name
-        m = re.search(rf"^\s*{re.escape(name)} \(`[^`]*`(?:[^)]*?)? of shape `?\(([^)]*)\)", self.doc, re.M)
+        m = re.search(rf"^\s*{re.escape(name)} \(`[^`]*`(?:[^)]*?)? of shape [`']?\(([^)]*)\)", self.doc, re.M)
         return f"({m.group(1)})" if m else None
 
     def _documented_rank(self, name: str) -> int | None:
@@ -642,15 +695,17 @@ class _Defaults:
         dims = []
         for dim in (d.strip() for d in shape.strip("()").split(",")):
             if dim in ("batch_size", "bs", "batch"):
-                dims.append(BATCH)
+                dims.append(self.batch)
             elif dim.isdigit():
                 dims.append(int(dim))
             elif (v := _int(self.config, dim)) or (dim == "channels" and (v := self._channel_count())):
                 dims.append(v)
             elif dim in _SEQUENCE_DIMS or dim.endswith(("_length", "_len")):
-                dims.append(FRAMES)
+                dims.append(self.steps)
             else:
                 raise _Missing(f"the config states no {dim} for {name}'s shape {shape}")
+        if re.search(rf"^\s*{re.escape(name)} \(`'?torch\.(Long|Int|Bool)Tensor", self.doc, re.M):
+            return torch.zeros(dims, dtype=torch.long, device=self.device)  # indices (time steps): the first
         return self._randn(*dims)
 
     def _channel_count(self) -> int | None:
@@ -701,8 +756,13 @@ def _hw(size: Any) -> tuple[int, int] | None:
 
 def _device(model: torch.nn.Module) -> torch.device:
     """The model's device: the meta device where any of its parameters is there (a model built on the meta device
-    whose weight-norm parametrizations were drawn on the CPU), else its first parameter's."""
+    whose weight-norm parametrizations were drawn on the CPU) and it is not offloaded, else its first parameter's
+    (an offloaded model's first one off the meta device)."""
+    from .copies import offloaded
+
     devices = [p.device for p in model.parameters()]
+    if offloaded(model):  # accelerate loads each module's weights for its call: the inputs go where it runs
+        return next((d for d in devices if d.type != "meta"), torch.device("cpu"))
     if any(d.type == "meta" for d in devices):
         return torch.device("meta")
     return devices[0] if devices else torch.device("cpu")

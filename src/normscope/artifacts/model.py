@@ -186,9 +186,12 @@ class ModelContract:
         site) gives the normalized size where present. Sites measured more than once keep their first
         application; later ones are named ``name#2``, ``name#3``.
         """
-        raw = list(getattr(scan, "sites", None) or [])
         if not hasattr(scan, "sites"):
             raise InputError("from_scan needs a scan result with .sites")
+        found = list(getattr(scan, "sites", None) or [])
+        raw = [s for s in found if getattr(s, "spec", None) is not None]
+        notes = [f"{s.name}: a norm site whose contract could not be inferred, left out "
+                 f"({getattr(s, 'error', None) or 'no contract'})" for s in found if getattr(s, "spec", None) is None]
         paths = [_scan_path(s.name) for s in raw]
         prefixes = stream_prefixes(list(getattr(scan, "streams", None) or []))
         names = structural_names([(p, getattr(s, "layer", None), getattr(s, "role", None),
@@ -231,7 +234,7 @@ class ModelContract:
                    architecture=getattr(scan, "architecture", None),
                    eps=float(config_eps) if isinstance(config_eps, int | float) else None,
                    n_layers=_n_layers(sites), stated_placement=placement if isinstance(placement, str) else None,
-                   weights=True)  # the scanned model's own; without_weights() where they were drawn
+                   weights=True, notes=notes)  # the scanned model's own weights; without_weights() where drawn
 
 
 def value_stats(values: Any) -> dict[str, float] | None:

@@ -94,6 +94,7 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
         for site in part.sites:
             site.name, site.source = _under(prefix, site.name), _under(prefix, site.source)
         out.sites.extend(part.sites)
+        out.notes.extend(f"{prefix}: {note}" if prefix else note for note in part.notes)
         if not prefix:
             out.stated_placement = result.placement
             stated = {k: v for k, v in result.config_eps.items() if "." not in k}

@@ -276,7 +276,7 @@ def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
         m = FunctionalNorm(op.norm["function"], op.norm["args"])
         training = bool(op.norm["args"].get("training", False) or (
             op.norm["function"] == "instance_norm" and op.norm["args"].get("running_mean") is None))
-        return m.train(training)
+        return private_copy(m, training=training)  # γ/β recorded on the meta device get drawn values
     return make
 
 

@@ -133,9 +133,9 @@ def fewer_experts(config, keep: int = 4) -> list[str]:
             notes += fewer_experts(value, keep)
     per_token = max((v for k in _EXPERTS_PER_TOKEN if isinstance(v := fields.get(k), int)
                      and not isinstance(v, bool)), default=1)
+    k = max(keep, per_token)
     for key in _EXPERT_COUNTS:
         n = fields.get(key)
-        k = max(keep, per_token)
         if isinstance(n, int) and not isinstance(n, bool) and n > k:
             setattr(config, key, k)
             notes.append(f"{k} of {n} experts")

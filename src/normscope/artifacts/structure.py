@@ -192,7 +192,7 @@ def _read_one(model, config_path: Path, label: str):
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values
     tokens = _fewer_tokens(config)
-    full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
+    config, full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
     reduced = depth.reduced_config(config, full)
     small, why = None, "no layer list to cut"
     if reduced is not None:
@@ -236,24 +236,21 @@ def _read_one(model, config_path: Path, label: str):
 
 
 def _fewer_experts(model, config, full, tokens: str, config_path: Path, label: str):
-    """Cut ``config``'s routed experts (in place, :func:`.depth.fewer_experts`) where the layers keep their kinds:
-    the layer lists of the model with fewer experts, read on the meta device, and the note; else — experts
-    undone — the full model's lists and the note as they were."""
+    """``config`` with fewer routed experts (:func:`.depth.fewer_experts`), the layer lists of that model read on
+    the meta device, and the note — where the layers keep their pattern of kinds; else all three as they were."""
     from . import depth
 
-    before = copy.deepcopy(config)
-    cut = depth.fewer_experts(config)
+    fewer = copy.deepcopy(config)
+    cut = depth.fewer_experts(fewer)
     if not cut:
-        return full, tokens
+        return config, full, tokens
     try:
-        lists = depth.block_lists(_built(type(model), config, "meta", config_path, label), full)
+        lists = depth.block_lists(_built(type(model), fewer, "meta", config_path, label), full)
     except (InputError, AttributeError):
-        lists = None
-    if lists is None or not depth.same_pattern(full, lists):
-        vars(config).clear()
-        vars(config).update(vars(before))
-        return full, tokens
-    return lists, f"{tokens}, {cut[0]}"
+        return config, full, tokens
+    if not depth.same_pattern(full, lists):
+        return config, full, tokens
+    return fewer, lists, f"{tokens}, {cut[0]}"
 
 
 def _fewer_tokens(config, vocab: int = 512) -> str:

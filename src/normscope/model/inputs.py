@@ -727,9 +727,6 @@ class _Defaults:
         v = getattr(self.config, key, None)
         return v if v is not None and not isinstance(v, dict | list | str | int | float) else None
 
-    def _has(self, key: str) -> bool:
-        return getattr(self.config, key, None) is not None
-
     def _randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=self.g).to(device=self.device, dtype=self.dtype)
 

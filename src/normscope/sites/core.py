@@ -276,7 +276,9 @@ def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
         m = FunctionalNorm(op.norm["function"], op.norm["args"])
         training = bool(op.norm["args"].get("training", False) or (
             op.norm["function"] == "instance_norm" and op.norm["args"].get("running_mean") is None))
-        return private_copy(m, training=training)  # γ/β recorded on the meta device get drawn values
+        if on_meta(m):  # γ/β recorded on the meta device: a copy with drawn values
+            return private_copy(m, training=training)
+        return m.train(training)
     return make
 
 

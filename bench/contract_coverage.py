@@ -88,6 +88,7 @@ for line in sys.stdin:
         print(json.dumps(row), flush=True)
         continue
     row["builds"] = buildable(config)
+    print(json.dumps({"builds": row["builds"]}), flush=True)  # known to the bench even if the read then times out
     with tempfile.TemporaryDirectory() as tmp:
         try:
             config.save_pretrained(tmp)
@@ -154,7 +155,13 @@ class Worker:
     def run(self, model_type: str) -> dict | None:
         self.proc.stdin.write(model_type + "\n")
         self.proc.stdin.flush()
+        self.builds = None
         try:
+            line = self.lines.get(timeout=LIMIT_S)
+            first = json.loads(line) if line else None
+            if first is None or "outcome" in first:  # no config: no build line came first
+                return first
+            self.builds = first["builds"]
             line = self.lines.get(timeout=LIMIT_S)
         except queue.Empty:
             return None
@@ -194,7 +201,8 @@ def main() -> None:
             row = worker.run(t)
             if row is None:  # timed out or died: a fresh worker for the next type
                 worker.kill()
-                row = {"type": t, "outcome": "timeout", "message": f"over {LIMIT_S} s or the worker died"}
+                row = {"type": t, "builds": worker.builds, "outcome": "timeout",
+                       "message": f"over {LIMIT_S} s or the worker died"}
                 worker = Worker(src)
             with lock:
                 rows.append(row)

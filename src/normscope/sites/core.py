@@ -29,6 +29,7 @@ from .classes import known_class
 from .config_eps import config_eps, eps_findings, eps_followers, site_keys
 from .dataflow import Dataflow, Role, block_modules
 from .inline import InlineNorm, find_inline
+from .probe_size import same_layout, smaller_shape
 from .result import ModelScan, Site
 from .trace import NORM_FUNCTIONS, ModuleCall, Op, Trace, record
 
@@ -98,6 +99,7 @@ class _Candidate:
         self.x, self.y, self.xv, self.yv = x, y, xv, yv
         self.call, self.order, self.make = call, order, make
         self.inside, self.evidence = inside, evidence or {}
+        self.probe: tuple[tuple[int, ...], dict[str, Any] | None] | None = None  # smaller_shape's answer, once made
 
 
 def _label(c: ModuleCall) -> str:
@@ -391,17 +393,20 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
     base = dict(name=cand.name, kind=cand.kind, cls=cand.cls, role="other", role_evidence="", layer=None,
                 shape=shape, dtype=str(cand.x.dtype).replace("torch.", ""), order=cand.order)
 
-    def run(m):
+    def run(m, at):
         target = m
         if call_timeout is not None:
             target = as_target(m)
             target.timeout = call_timeout or None  # 0: no limit
-        return infer(target, shape=shape, dtypes=dtypes, seed=0,
+        return infer(target, shape=at, dtypes=dtypes, seed=0,
                      progress=lambda msg: progress(f"{cand.name}: {msg}"))
 
     try:
         module = module if module is not None else cand.make()
-        result = shared[0] if shared is not None else run(module)
+        probed, cut = cand.probe if cand.probe is not None else smaller_shape(module, shape, cand.x.dtype)
+        result = shared[0] if shared is not None else run(module, probed)
+        if cut is not None and not same_layout(result.spec, shape, probed):  # shaped by a cut axis after all
+            result, cut = run(cand.make(), shape), None
     except NotANormalization as exc:
         return None, {"name": cand.name, "class": cand.cls, "kind": cand.kind, "reason": str(exc)}, None
     except NormscopeError as exc:
@@ -414,6 +419,8 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
             if field in evidence:
                 evidence[field] = {**evidence[field], "confidence": "not probed", "note": _silent_cast_note(silent),
                                    "measured": {**evidence[field].get("measured", {}), "silent_casts": list(silent)}}
+    if cut is not None:
+        evidence["probe_shape"] = cut
     calls = 0 if shared else result.calls
     if shared:
         evidence["shared_inference"] = {
@@ -446,8 +453,8 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
                                                                  | type(None))))
     tensors = tuple((n, tuple(t.shape), str(t.dtype), t.item() if t.numel() == 1 and not t.is_meta else None)
                     for n, t in list(module.named_parameters()) + list(module.named_buffers()))
-    return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, tuple(cand.x.shape),
-            str(cand.x.dtype))
+    probed = cand.probe[0] if cand.probe is not None else tuple(cand.x.shape)
+    return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, probed, str(cand.x.dtype))
 
 
 def _to_meta(value):
@@ -514,6 +521,8 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                 module = cand.make()  # one private copy for the key and the inference
             except NormscopeError:
                 module = None  # _infer_site makes it again and reports why it cannot
+            if module is not None:
+                cand.probe = smaller_shape(module, tuple(cand.x.shape), cand.x.dtype)
             key = _kind_key(cand, module) if module is not None else None
             site, rej = None, None
             if key is not None and key in inferred:

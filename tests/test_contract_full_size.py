@@ -41,6 +41,10 @@ PATTERNS = {
     "gemma3_text": lambda t: t.Gemma3TextConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, vocab_size=64, sliding_window_pattern=3),
+    # a vision tower counted by ``depth``, with mergers run after the layers its index list names
+    "qwen3_vl_vision": lambda t: t.Qwen3VLVisionConfig(
+        depth=6, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=48,
+        deepstack_visual_indexes=[1, 3, 5], num_position_embeddings=64),
     "bart": lambda t: t.BartConfig(
         vocab_size=64, d_model=32, encoder_layers=5, decoder_layers=3, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32),
@@ -78,15 +82,18 @@ def values_only(monkeypatch):
 def test_reduced_depth_gives_what_full_depth_gives(tmp_path, values_only, arch):
     data, path = _saved(PATTERNS[arch](transformers), tmp_path)
     reduced = _read(data, path)  # reduced wherever the layers allow it, with 4 experts where there are more
-    values_only.setattr(depth, "reduced_config", lambda config, lists: None)
+    values_only.setattr(depth, "reduced_config", lambda config, lists, move_indices=False: None)
     values_only.setattr(depth, "fewer_experts", lambda config, keep=4: [])
     full = _read(data, path)
     assert any("reduced depth" in n for n in reduced.notes), reduced.notes
     if arch in ("jamba", "deepseek_v3"):
         assert any("4 of 8 experts" in n for n in reduced.notes), reduced.notes
+    assert not any("not called" in n for n in reduced.notes + full.notes)  # every norm module met
     assert not any("reduced depth" in n for n in full.notes), full.notes
-    assert [tuple(getattr(s, f) for f in FIELDS) for s in reduced.sites] == \
-        [tuple(getattr(s, f) for f in FIELDS) for s in full.sites]
+    rows = [[tuple(getattr(s, f) for f in FIELDS) for s in c.sites] for c in (reduced, full)]
+    if arch == "qwen3_vl_vision":  # a merger run after a moved layer index comes earlier in the reduced forward
+        rows = [sorted(r, key=lambda row: row[1]) for r in rows]
+    assert rows[0] == rows[1]
     assert (reduced.placement, reduced.n_layers, reduced.eps, reduced.eps_key) == \
         (full.placement, full.n_layers, full.eps, full.eps_key)
 
@@ -103,6 +110,46 @@ def test_a_pattern_the_reduced_depth_would_break_is_read_at_full_depth_or_refuse
     values_only.setattr(structure, "REAL_BUILD_PARAMS", 1)
     with pytest.raises(InputError, match=r"nor could it be read at reduced depth \(its layers differ \(test\)\)"):
         _read(data, path)
+
+
+def test_layer_indices_a_cut_drops_move_onto_added_layers_only_where_nothing_else_changes():
+    """Qwen3-VL's deep-stack mergers run after the layers [8, 16, 24] name: a cut to 2 layers would never run them
+    (their norms unmet). The indices move onto layers 2, 3, 4; a list of ints that is no index list (kernel sizes)
+    would change parameters outside the layer lists, and the plain cut is kept."""
+    fields = {"deepstack": [8, 16, 24], "sizes": [3, 3], "per_layer": list(range(27))}
+
+    class Config:
+        pass
+
+    config = Config()
+    vars(config).update(fields)
+    assert depth._move_indices(vars(config), config, 27, 2) == 5
+    assert config.deepstack == [2, 3, 4] and config.sizes == [3, 3]  # not increasing: no index list
+    cfg = PATTERNS["qwen3_vl_vision"](transformers)
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(cfg)
+    lists = depth.block_lists(model)
+    plain, moved = depth.reduced_config(cfg, lists), depth.reduced_config(cfg, lists, move_indices=True)
+    assert (plain.depth, plain.deepstack_visual_indexes) == (2, [1, 3, 5])
+    assert (moved.depth, moved.deepstack_visual_indexes) == (4, [1, 2, 3])
+
+
+def test_a_norm_module_the_forward_never_calls_is_named(tmp_path):
+    from normscope import scan
+
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(16)
+            self.spare = torch.nn.LayerNorm(16)  # built, never called
+
+        def forward(self, x):
+            return self.norm(x)
+
+    result = scan(Unused(), torch.randn(2, 16), progress=False)
+    assert [s.name for s in result.sites] == ["norm"]
+    note = next(n for n in result.notes if n["kind"] == "not_called")
+    assert note["sites"] == ["spare"] and "not called" in note["message"] and "spare" in note["message"]
 
 
 def test_block_kinds_set_a_layers_index_aside():

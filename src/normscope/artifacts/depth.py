@@ -7,7 +7,9 @@ follow), so sliding and full attention, dense and MoE, Mamba and attention layer
 kind is its structure — each module's class, parameter shapes and plain settings (the layer's own index set
 aside) — read from the full model on the meta device. The reduced model must have the same kinds in the same
 order as the full model's prefix, else it is refused. The norm sites the scan of the reduced model finds in a
-layer are then given to every layer of the full model of that kind.
+layer are then given to every layer of the full model of that kind. Layer indices a configuration lists for what
+runs after a layer (Qwen3-VL's deep-stack mergers) move onto layers added after the prefix where the cut would drop
+them, so their norms are met; their sites keep their names and contracts, in the reduced forward's order.
 """
 
 from __future__ import annotations
@@ -87,34 +89,56 @@ def _settings(layer: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def reduced_config(config, lists: list[BlockList]):
+def reduced_config(config, lists: list[BlockList], move_indices: bool = False):
     """A copy of the transformers ``config`` (and its sub-configs) with each layer count that a block list has cut
-    to that list's :meth:`BlockList.prefix`, its per-layer lists cut with it; None when nothing is cut."""
+    to that list's :meth:`BlockList.prefix`, its per-layer lists cut with it; None when nothing is cut.
+
+    ``move_indices``: lists of layer indices the cut would drop (the layers after which Qwen3-VL's deep-stack
+    mergers run) keep every entry — the dropped ones move onto layers added after the prefix — so what runs at
+    those layers is met. Where the indices decide the layers' kinds, the reduced model's layers then differ from
+    the full model's prefix and the caller tries the plain cut."""
     want: dict[int, int] = {}  # a full layer count → the count to build
     for bl in lists:
         n = len(bl.kinds)
         want[n] = max(want.get(n, 0), bl.prefix(), min(n, 2))  # two at least: a block repeats to be seen as one
     out = copy.deepcopy(config)
-    cut = _cut(out, {n: k for n, k in want.items() if k < n})
+    cut = _cut(out, {n: k for n, k in want.items() if k < n}, move_indices)
     return out if cut else None
 
 
-def _cut(config, want: dict[int, int]) -> bool:
+def _cut(config, want: dict[int, int], move_indices: bool = False) -> bool:
     cut = False
     fields = vars(config)
     for value in list(fields.values()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
-            cut |= _cut(value, want)
-    counts = {key: value for key, value in fields.items() if "layer" in key and isinstance(value, int)
-              and not isinstance(value, bool) and value in want}
+            cut |= _cut(value, want, move_indices)
+    counts = {key: value for key, value in fields.items() if ("layer" in key or key == "depth")
+              and isinstance(value, int) and not isinstance(value, bool) and value in want}
     for key, n in counts.items():
         k = want[n]
+        if move_indices:
+            k = _move_indices(fields, config, n, k)
         for other, value in list(fields.items()):
             if isinstance(value, list) and len(value) == n:
                 setattr(config, other, value[:k])
         setattr(config, key, k)
         cut = True
     return cut
+
+
+def _move_indices(fields: dict[str, Any], config, n: int, k: int) -> int:
+    """Move the entries ≥ ``k`` of the config's lists of layer indices (increasing, each < ``n``, fewer than ``n``)
+    onto layers ``k``, ``k + 1``, …; the new layer count."""
+    lists = {key: value for key, value in fields.items() if isinstance(value, list | tuple) and 0 < len(value) < n
+             and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n for v in value)
+             and list(value) == sorted(set(value))}
+    dropped = sorted({v for value in lists.values() for v in value if v >= k})
+    if not dropped:
+        return k
+    moved = {v: k + i for i, v in enumerate(dropped)}
+    for key, value in lists.items():
+        setattr(config, key, type(value)(moved.get(v, v) for v in value))
+    return k + len(dropped)
 
 
 #: config fields holding how many routed experts an MoE layer has, and how many each token goes to
@@ -150,6 +174,12 @@ def same_pattern(full: list[BlockList], other: list[BlockList]) -> bool:
     return all(len(f.kinds) == len(o.kinds) and [f.kinds.index(k) for k in f.kinds] == [o.kinds.index(k)
                                                                                        for k in o.kinds]
                for f, o in zip(full, other, strict=True))
+
+
+def outside(model: torch.nn.Module, lists: list[BlockList]) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameters outside its layer lists, with their shapes: what a cut of the lists leaves alone."""
+    heads = tuple(f"{b.path}." for b in lists)
+    return [(name, tuple(p.shape)) for name, p in model.named_parameters() if not name.startswith(heads)]
 
 
 def same_prefix(full: list[BlockList], reduced: list[BlockList]) -> str | None:

@@ -192,6 +192,7 @@ class ModelContract:
         raw = [s for s in found if getattr(s, "spec", None) is not None]
         notes = [f"{s.name}: a norm site whose contract could not be inferred, left out "
                  f"({getattr(s, 'error', None) or 'no contract'})" for s in found if getattr(s, "spec", None) is None]
+        notes += [n["message"] for n in getattr(scan, "notes", None) or [] if n.get("kind") == "not_called"]
         paths = [_scan_path(s.name) for s in raw]
         prefixes = stream_prefixes(list(getattr(scan, "streams", None) or []))
         names = structural_names([(p, getattr(s, "layer", None), getattr(s, "role", None),

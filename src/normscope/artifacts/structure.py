@@ -197,13 +197,17 @@ def _read_one(model, config_path: Path, label: str):
     small, why = None, "no layer list to cut"
     if reduced is not None:
         shape = _built(type(model), reduced, "meta", config_path, label)
-        try:
-            why = depth.same_prefix(full, depth.block_lists(shape, full))
-        except AttributeError:  # a list the reduced model does not have
-            why = "its layer lists differ from the full model's"
-        small = sum(p.numel() for p in shape.parameters())
-        if why is None and small > REDUCED_BUILD_PARAMS:
-            why = f"{small:,} parameters at the reduced depth"
+        why, small = _reduced_fits(full, shape)
+        moved = depth.reduced_config(config, full, move_indices=True)
+        if why is None and moved is not None and moved.to_dict() != reduced.to_dict():
+            # layer indices the cut dropped, moved onto added layers: used where only the lists grew
+            try:
+                other = _built(type(model), moved, "meta", config_path, label)
+            except InputError:
+                other = None
+            if (other is not None and _reduced_fits(full, other)[0] is None
+                    and depth.outside(other, full) == depth.outside(shape, full)):
+                reduced, shape, small = moved, other, sum(p.numel() for p in other.parameters())
     if why is None:
         config = reduced
         kept = ", ".join(f"{len(r.kinds)} of {len(f.kinds)} layers in {f.path}"
@@ -233,6 +237,20 @@ def _read_one(model, config_path: Path, label: str):
     if config is reduced:
         result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
     return result, how
+
+
+def _reduced_fits(full, shape) -> tuple[str | None, int]:
+    """Why the reduced model (on the meta device) cannot stand for the full one (None: it can), and its size."""
+    from . import depth
+
+    try:
+        why = depth.same_prefix(full, depth.block_lists(shape, full))
+    except AttributeError:  # a list the reduced model does not have
+        why = "its layer lists differ from the full model's"
+    small = sum(p.numel() for p in shape.parameters())
+    if why is None and small > REDUCED_BUILD_PARAMS:
+        why = f"{small:,} parameters at the reduced depth"
+    return why, small
 
 
 def _fewer_experts(model, config, full, tokens: str, config_path: Path, label: str):

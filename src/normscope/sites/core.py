@@ -457,6 +457,23 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, probed, str(cand.x.dtype))
 
 
+def _uncalled_norms(model: torch.nn.Module, trace: Trace) -> list[str]:
+    """The modules of a normalization class that the recorded forward never called (a tower the inputs do not
+    reach, a merger applied after a layer index the model does not have): no contract is read for them."""
+    called = {id(c.module) for c in trace.calls}
+    return [name for name, m in model.named_modules() if m is not model and known_class(m) and id(m) not in called]
+
+
+def _uncalled_note(names: list[str]) -> dict[str, Any]:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    one = len(names) == 1
+    them = "it" if one else "them"
+    return {"kind": "not_called", "sites": names,
+            "message": f"{len(names)} module{'' if one else 's'} of a normalization class {'was' if one else 'were'} "
+                       f"not called by the forward on these inputs ({shown}): no contract is read for {them}; what "
+                       f"would decide it: inputs whose forward reaches {them}"}
+
+
 def _to_meta(value):
     if isinstance(value, torch.Tensor):
         return value.to("meta")
@@ -506,6 +523,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             say("finding norm sites")
             try:
                 candidates, rejected, stats = _discover(trace, say, behaviour=not meta)
+                uncalled = _uncalled_norms(model, trace)
             finally:
                 trace.release()
         sites: list[Site] = []
@@ -555,6 +573,8 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         s.eps_keys = sorted(site_keys(s, followers)) if followers is not None else None
     if meta:
         notes.insert(0, {"kind": "meta", "sites": [], "message": META_NOTE})
+    if uncalled:
+        notes.append(_uncalled_note(uncalled))
     for s in sites:
         if s.spec is None:
             findings.append({"kind": "not_inferred", "sites": [s.name], "message": f"{s.name}: {s.error}"})

@@ -152,6 +152,21 @@ def test_a_norm_module_the_forward_never_calls_is_named(tmp_path):
     assert note["sites"] == ["spare"] and "not called" in note["message"] and "spare" in note["message"]
 
 
+def test_a_model_with_no_normalization_gives_an_empty_contract_backed_by_behaviour(tmp_path):
+    """MobileBERT's NoNorm is an elementwise affine map: on the meta device no call can be tested by behaviour, so
+    the model is built with values, its calls shaped like a norm are tested, and the contract says none is one."""
+    cfg = transformers.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intra_bottleneck_size=16,
+                                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+                                        num_feedforward_networks=1)
+    data, path = _saved(cfg, tmp_path)
+    c = _read(data, path)
+    assert c.sites == []
+    note = next(n for n in c.notes if "no normalization site" in n)
+    tested = int(re.search(r"\((\d+) calls shaped like one tested by behaviour", note).group(1))
+    assert tested > 0
+    assert any("random weights on the CPU" in n and "tested by behaviour, which needs values" in n for n in c.notes)
+
+
 def test_block_kinds_set_a_layers_index_aside():
     """BigBird's attention holds its layer's index as ``seed``; an index, whatever its name, is not a kind."""
     cfg = transformers.BigBirdPegasusConfig(vocab_size=64, d_model=32, encoder_layers=4, decoder_layers=4,

@@ -335,6 +335,12 @@ def model_class(transformers, config, base: bool = False):
         return named[0]
     for auto in auto_classes:
         if type(config) in auto._model_mapping:
+            names = getattr(auto._model_mapping, "_model_mapping", {}).get(config.model_type)
+            first = names[0] if isinstance(names, tuple | list) else names
+            if isinstance(first, str) and not isinstance(getattr(transformers, first, None), type):
+                continue  # a class the mapping names and transformers does not have
+            if isinstance(names, tuple | list):
+                return getattr(transformers, first)  # the auto class would pick by ``architectures``
             return auto
     if named:
         return named[0]

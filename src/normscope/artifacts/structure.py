@@ -107,7 +107,10 @@ def read_structure(config: dict[str, Any], config_path: Path, source: str) -> Mo
     if not out.sites:
         if refused:
             raise refused[0][1]
-        raise InputError(f"{config_path}: the {label} architecture has no normalization site that its forward meets")
+        tested = sum(result.stats.get("behaviour_candidates_tested", 0) for _, result, _ in parts)
+        out.notes.append(f"the {label} architecture has no normalization site: nothing its forward on the default "
+                         f"inputs met is a normalization class or behaves as one ({tested} calls shaped like one "
+                         "tested by behaviour; a weight normalization is no site)")
     for prefix, exc in refused:
         if prefix.startswith("the whole "):
             out.notes.append(f"{prefix[len('the whole '):]} as a whole did not run on the default inputs, so its "
@@ -185,9 +188,17 @@ def _read_one(model, config_path: Path, label: str):
 
     full = depth.block_lists(model)  # before a forward, which may change a layer's settings (BigBird's attention)
     try:
-        return scan(model, inputs, dtypes="float32", progress=False), META
+        result = scan(model, inputs, dtypes="float32", progress=False)
+        untested = result.stats.get("behaviour_candidates_untested", 0)
+        if result.sites or not untested:
+            return result, META
+        # no norm class met, and only values tell whether a call shaped like a norm is one: built with values
+        meta_error = NormscopeError(f"no normalization class met, {untested} calls shaped like one to test by "
+                                    "behaviour")
+        why_values = f"{untested} calls shaped like a norm are tested by behaviour, which needs values"
     except NormscopeError as exc:
         meta_error = exc
+        why_values = "its forward reads values, so it does not run on the meta device"
     size = sum(p.numel() for p in model.parameters())
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values
@@ -213,8 +224,7 @@ def _read_one(model, config_path: Path, label: str):
         kept = ", ".join(f"{len(r.kinds)} of {len(f.kinds)} layers in {f.path}"
                          for f, r in zip(full, depth.block_lists(shape, full), strict=True))
         how = (f"at reduced depth with random weights on the CPU ({kept}: each kind of layer at least once, the sites "
-               f"found then given to every layer of that kind; {small:,} of {size:,} parameters{tokens}: its forward "
-               "reads values, so it does not run on the meta device)")
+               f"found then given to every layer of that kind; {small:,} of {size:,} parameters{tokens}: {why_values})")
     else:
         built_size = sum(p.numel() for p in _built(type(model), config, "meta", config_path, label).parameters())
         if built_size > REAL_BUILD_PARAMS:
@@ -222,8 +232,7 @@ def _read_one(model, config_path: Path, label: str):
                              f"({_first_line(meta_error)}), and at {size:,} parameters it is too large to build with "
                              f"random weights here, nor could it be read at reduced depth ({why}); scan a checkpoint "
                              "instead (normscope contract --live MODEL)") from None
-        how = (f"with random weights on the CPU ({built_size:,} parameters{tokens}: its forward reads values, so it "
-               "does not run on the meta device)")
+        how = f"with random weights on the CPU ({built_size:,} parameters{tokens}: {why_values})"
     import torch
 
     with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was

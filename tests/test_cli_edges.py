@@ -706,3 +706,18 @@ def test_no_bench_script_shadows_an_installed_package():
         spec = importlib.util.find_spec(script.stem)
         origin = str(getattr(spec, "origin", "") or "")
         assert not any(origin.startswith(s) for s in site), f"bench/{script.name} shadows {origin}"
+
+
+@pytest.mark.parametrize("command", ["scan", "contract"])
+def test_a_truncated_safetensors_file_is_one_line_and_exit_2(cli, capsys, tmp_path, command):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    capsys.readouterr()  # what saving printed
+    code, _, err = cli(command, str(tmp_path))
+    assert code == 2
+    line = one_line(err)
+    assert "safetensors" in line or "model.safetensors" in line, line

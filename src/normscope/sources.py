@@ -401,8 +401,13 @@ def _pretrained(folder: Path, text: str):
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
         return model_class(transformers, config).from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] == "safetensors":  # a truncated or corrupt weights file
+            raise InputError(f"could not read the weights in {text}: {exc} — the safetensors file is truncated or "
+                             "not one; copy or download it again") from None
+        if isinstance(exc, OSError | ValueError | KeyError):
+            raise TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}") from None
+        raise
 
 
 def _from_config(source: Source, layers: int, vocab: int):

@@ -110,7 +110,7 @@ def test_the_case_table_covers_every_kind_of_input():
 def test_inputs_the_config_cannot_give_are_refused_naming_what_is_missing(model_type):
     with pytest.raises(InputError, match=REFUSED[model_type]) as info:
         default_inputs(_meta_model(model_type))
-    assert "--shape or --inputs" in str(info.value)  # and how to give them
+    assert "--inputs (scan, diff, gradflow; contract with --live)" in str(info.value)  # and how to give them
 
 
 def test_a_model_without_a_config_gets_no_defaults():

@@ -25,7 +25,7 @@ MAX_AUDIO_CHANNELS = 8
 IMAGE_SIDE = 224
 
 _HOW = ("in Python pass them (scan/diff(model, inputs): a tensor, a tuple of positional arguments or a dict of "
-        "keyword arguments), on the command line --shape or --inputs")
+        "keyword arguments), on the command line --inputs (scan, diff, gradflow; contract with --live)")
 
 
 def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | None:

@@ -721,3 +721,15 @@ def test_a_truncated_safetensors_file_is_one_line_and_exit_2(cli, capsys, tmp_pa
     assert code == 2
     line = one_line(err)
     assert "safetensors" in line or "model.safetensors" in line, line
+
+
+@pytest.mark.parametrize("command, inputs", [(c, i) for c in ("scan", "gradflow", "diff") for i in ("ids:2,0", "2,x")]
+                         + [("gradflow", "ids:2")])  # gradflow needs a sequence to predict the next token of
+def test_a_bad_inputs_value_names_the_flag_it_came_from(cli, tmp_path, command, inputs):
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    extra = ["--candidate-dtype", "bfloat16"] if command == "diff" else []
+    code, _, err = cli(command, str(tmp_path / "config.json"), "--inputs", inputs, *extra)
+    line = one_line(err)
+    assert code == 2 and "--inputs" in line and "--shape" not in line and "--tokens" not in line, line

@@ -26,9 +26,15 @@ BYTES_PER_ELEMENT = 8  # the probes are float64
 F = TypeVar("F", bound=Callable)
 
 
+def flag_example(flag: str) -> str:
+    """``e.g. --shape 2,8,64`` for an option that takes a shape (``e.g. --inputs ids:2,8`` for token ids)."""
+    sizes = "2,8" if flag.endswith("ids:") or flag == "--tokens" else "2,8,64"
+    return f"e.g. {flag}{'' if flag.endswith(':') else ' '}{sizes}"
+
+
 def probe_shape(shape, name: str = "shape") -> tuple[int, ...]:
     """``shape`` as a tuple of positive ints (an int is a 1-d shape); one clear InputError otherwise."""
-    example = "e.g. --shape 2,8,64" if name.startswith("--") else f"e.g. {name}=(2, 8, 64)"
+    example = flag_example(name) if name.startswith("--") else f"e.g. {name}=(2, 8, 64)"
     if shape is None:
         raise InputError(f"{name} is required: the input shape to probe with, {example}")
     if isinstance(shape, str):

@@ -97,14 +97,15 @@ def read_json_file(path: str | Path, expected: str, *, what: str = "", limit: in
     return data
 
 
-def parse_shape(text: str) -> tuple[int, ...]:
-    """``--shape 2,8,64`` as a tuple; every part must be a size ≥ 1 (no empty parts, no signs)."""
-    from .inputs import probe_shape
+def parse_shape(text: str, flag: str = "--shape") -> tuple[int, ...]:
+    """``--shape 2,8,64`` as a tuple; every part must be a size ≥ 1 (no empty parts, no signs). ``flag``: the option
+    as the user wrote it, for the messages (``--inputs ids:`` for token ids, whose example is ``2,8``)."""
+    from .inputs import flag_example, probe_shape
 
     parts = [s.strip() for s in text.split(",")]
     bad = [p for p in parts if not (p.isascii() and p.isdigit())]
     if bad:
         what = "an empty size" if "" in bad else f"{shorten(bad[0], 30)}, not a size ≥ 1"
-        raise InputError(f"--shape must be comma-separated sizes like 2,8,64; {shorten(text, 40)} has {what}")
-    return probe_shape(tuple(int(p) for p in parts), "--shape")
+        raise InputError(f"{flag} must be comma-separated sizes, {flag_example(flag)}; {shorten(text, 40)} has {what}")
+    return probe_shape(tuple(int(p) for p in parts), flag)
 

@@ -191,7 +191,7 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
             raise InputError(f"--inputs {text} holds a {type(obj).__name__}; save a tensor, tuple or dict")
         return obj
     if text.startswith("ids:"):
-        shape = parse_shape(text[4:])
+        shape = parse_shape(text[4:], "--inputs ids:")
         if len(shape) == 2:
             check_size(model, f"{what} --inputs {text}", shape[0], shape[1], shape[0] * shape[1],
                        f"ids:{shape[0]},{min(shape[1], 512)}")
@@ -203,7 +203,7 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
             return ids
 
         return token_inputs(model, ids)  # as a Hugging Face model takes them (an encoder–decoder's decoder too)
-    shape = parse_shape(text)
+    shape = parse_shape(text, "--inputs")
     check_size(model, f"{what} --inputs {text}", shape[0], None, math.prod(shape),
                ",".join(map(str, (2, *shape[1:]))))
     x = torch.randn(shape, generator=g)

@@ -160,19 +160,24 @@ def run(args, console: Console) -> int:
             raise InputError("give --inputs, or its older spellings --tokens/--shape, not both")
         if args.inputs.endswith(".pt"):
             raise InputError("gradflow takes --inputs ids:B,T or a shape (it draws the inputs and the loss itself)")
+        flags = ("--inputs ids:", "--inputs")
         if args.inputs.startswith("ids:"):
             args.tokens = args.inputs[4:]
         else:
             args.shape = args.inputs
+    else:
+        flags = ("--tokens", "--shape")
+    # the inputs' spelling checked before the model loads
+    b_t = parse_shape(args.tokens, flags[0]) if args.tokens else None
+    if b_t is not None and (len(b_t) != 2 or b_t[1] < 2):
+        raise InputError(f"{flags[0]} is B,T with T ≥ 2 (a batch of sequences); got {args.tokens}")
+    shape = parse_shape(args.shape, flags[1]) if args.shape and not args.tokens else None
     torch.manual_seed(0)  # a model built from a config starts from the same weights whatever ran before
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
-    if args.tokens:
-        b_t = parse_shape(args.tokens)
-        if len(b_t) == 2:  # a backward holds about as much again as the forward
-            check_size(model, f"gradflow --tokens {args.tokens}", 2 * b_t[0], b_t[1], b_t[0] * b_t[1],
-                       f"--tokens {b_t[0]},{min(b_t[1], 512)}")
-    elif args.shape:
-        shape = parse_shape(args.shape)
+    if b_t is not None:  # a backward holds about as much again as the forward
+        check_size(model, f"gradflow --tokens {args.tokens}", 2 * b_t[0], b_t[1], b_t[0] * b_t[1],
+                   f"--tokens {b_t[0]},{min(b_t[1], 512)}")
+    elif shape is not None:
         check_size(model, f"gradflow --shape {args.shape}", 2 * shape[0], None, 2 * math.prod(shape),
                    "--shape " + ",".join(map(str, (2, *shape[1:]))))
     loss_fn, describe = loss_for(model, args.tokens, args.shape)

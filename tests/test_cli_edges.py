@@ -733,3 +733,25 @@ def test_a_bad_inputs_value_names_the_flag_it_came_from(cli, tmp_path, command, 
     code, _, err = cli(command, str(tmp_path / "config.json"), "--inputs", inputs, *extra)
     line = one_line(err)
     assert code == 2 and "--inputs" in line and "--shape" not in line and "--tokens" not in line, line
+
+
+def test_check_leads_with_its_verdict_and_brief_stops_there(cli):
+    args = ("check", "torch.nn:LayerNorm", "--args", "[16]", "--kwargs", '{"eps": 1e-3}', "--shape", "2,16",
+            "--expect", "torch_layernorm", "--quick")
+    code, full, _ = cli(*args)
+    lines = full.splitlines()
+    verdict = next(i for i, line in enumerate(lines) if line.startswith("FAIL:"))
+    assert code == 1 and verdict <= 5, full  # after the target and the expected contract
+    assert any("expected ε=1e-05; found ε=0.001" in line for line in lines[verdict:verdict + 5]), full
+    assert lines[-1].startswith("FAIL:") or lines[-2].startswith("FAIL:")
+    code, brief, _ = cli(*args, "--brief")
+    assert code == 1 and "inferred: LayerNorm" in brief and "cast" in brief.splitlines()[-1]
+    assert "extreme" not in brief and len(brief.splitlines()) < len(lines) / 2
+
+
+def test_infer_brief_prints_the_contract_and_its_validation(cli):
+    code, out, _ = cli("infer", "torch.nn:LayerNorm", "--args", "[16]", "--shape", "2,16", "-q")
+    lines = out.splitlines()
+    assert code == 0 and len(lines) <= 12, out
+    assert any(line.startswith("contract: LayerNorm") for line in lines)
+    assert any("fields decisive" in line for line in lines) and lines[-1] != "" and "validation" in out

@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="fewer grid points (default: the full battery)")
     p.add_argument("--verbose", action="store_true", help="list every finding, passes included "
                                                           "(default: passes folded into per-section counts)")
+    p.add_argument("--brief", "-q", action="store_true", help="print the verdict and what explains it only "
+                                                              "(default: the findings follow)")
     p.set_defaults(run=run)
 
 
@@ -76,7 +78,7 @@ def run(args, console) -> int:
     if args.json:
         print(report.to_json())
     else:
-        render_check(report, console, verbose=args.verbose)  # refused dtypes are findings of the report
+        render_check(report, console, verbose=args.verbose, brief=args.brief)  # refused dtypes are findings of the report
         if args.junit:
             console.print(f"JUnit XML written to {args.junit}")
     code = exit_code(report.verdict)

@@ -16,6 +16,9 @@ def add_parser(sub) -> None:
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_target_args(p)
+    p.add_argument("--brief", "-q", action="store_true", help="print the contract, how decisive its evidence is and "
+                                                              "its validation only (default: each field's "
+                                                              "experiment and numbers follow)")
     p.set_defaults(run=run)
 
 
@@ -44,5 +47,5 @@ def run(args, console) -> int:
     if args.json:
         print(result.to_json())
     else:
-        render_inference(result, console)
+        render_inference(result, console, brief=args.brief)
     return EXIT_OK

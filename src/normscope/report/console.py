@@ -165,11 +165,22 @@ def compact(measured: Any, limit: int = 6) -> str:
     return str(measured)
 
 
-def render_inference(inf, console: Console) -> None:
+def render_inference(inf, console: Console, brief: bool = False) -> None:
+    """The inferred contract first, then (unless ``brief``) each field's experiment and numbers."""
     spec = inf.spec
     indented(console, f"{inf.target} at shape {tuple(inf.shape)}: probed in {inf.probe_dtype}, accepts "
                       f"{', '.join(inf.dtypes)}; {inf.calls} calls, {inf.seconds:.2f} s", 0)
     indented(console, f"contract: {inf.summary}", 0)
+    if brief:
+        levels: dict[str, list[str]] = {}
+        for field, ev in inf.evidence.items():
+            levels.setdefault(ev.confidence, []).append(field)
+        decisive = levels.pop("decisive", [])
+        rest = "; ".join(f"{level}: {', '.join(fields)}" for level, fields in levels.items())
+        indented(console, f"evidence: {len(decisive)} fields decisive" + (f"; {rest}" if rest else "")
+                 + " (without --brief: each field's experiment and numbers)", 0)
+        _validation_line(inf, console)
+        return
     values = {
         "axes": f"{list(spec.axes)}" + (f", groups={spec.groups} on axis {spec.group_axis}" if spec.groups else ""),
         "eps": f"{spec.eps:g}",
@@ -194,6 +205,10 @@ def render_inference(inf, console: Console) -> None:
     for name, values_ in inf.params.items():
         arr = list(values_.ravel()) if hasattr(values_, "ravel") else list(values_)
         console.print(f"{name} {tuple(getattr(values_, 'shape', ()))}: {vec(arr[:8])}{' …' if len(arr) > 8 else ''}")
+    _validation_line(inf, console)
+
+
+def _validation_line(inf, console: Console) -> None:
     v = inf.validation
     checks = {k: val for k, val in v.items() if k not in ("tolerance", "max_relative_error", "dtype", "eval")}
     console.print(
@@ -204,16 +219,19 @@ def render_inference(inf, console: Console) -> None:
 _STATUS_STYLE = {"pass": "green", "fail": "bold red", "skip": "yellow", "inconclusive": "bold yellow"}
 
 
-def render_check(report, console: Console, verbose: bool = False) -> None:
-    """The check report: counts per section, every failure and skip in full, passes folded.
+def render_check(report, console: Console, verbose: bool = False, brief: bool = False) -> None:
+    """The check report: the verdict and what explains it first, then counts per section, every failure and skip
+    in full, passes folded.
 
-    ``verbose`` lists every finding. Plain lines that wrap at the console's width, so it reads the same in
-    a narrow terminal and in a CI log.
+    ``verbose`` lists every finding; ``brief`` stops after the verdict. Plain lines that wrap at the console's
+    width, so it reads the same in a narrow terminal and in a CI log.
     """
-    c = report.counts()
     indented(console, f"{report.target} at shape {tuple(report.shape)}, dtypes {', '.join(report.dtypes)}; "
                       f"{report.calls} calls, {report.seconds:.2f} s", 0)
     indented(console, f"expected: {report.expected.summary()}", 0)
+    _check_verdict(report, console, verbose or brief)
+    if brief:
+        return
     indented(console, f"parameters: {report.params_source}", 0)
     sections: dict[str, dict[str, int]] = {}
     for f in report.findings:
@@ -235,10 +253,21 @@ def render_check(report, console: Console, verbose: bool = False) -> None:
         indented(console, f"{f.status.upper()} {f.section} / {f.name}" + (f": {numbers}" if numbers else ""), 0)
         if f.why:
             indented(console, f.why, 5)
-    folded = "" if verbose or not c["pass"] else " (passes folded; --verbose lists every finding)"
+    console.print()
+    _verdict_line(report, console, verbose)  # again last, where a CI log's reader looks
+
+
+def _verdict_line(report, console: Console, folded_said: bool) -> None:
+    c = report.counts()
+    folded = "" if folded_said or not c["pass"] else " (passes folded; --verbose lists every finding)"
     undecided = f", {c['inconclusive']} inconclusive" if c["inconclusive"] else ""
     indented(console, f"{report.verdict.upper()}: {c['pass']} passed, {c['fail']} failed{undecided}, "
                       f"{c['skip']} skipped{folded}", 0)
+
+
+def _check_verdict(report, console: Console, folded_said: bool) -> None:
+    """The verdict, why it is undecided where it is, and the inferred contract's differences from the expected."""
+    _verdict_line(report, console, folded_said)
     for reason in report.undecided:
         indented(console, reason, 5)
     if report.differences:

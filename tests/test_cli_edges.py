@@ -755,3 +755,13 @@ def test_infer_brief_prints_the_contract_and_its_validation(cli):
     assert code == 0 and len(lines) <= 12, out
     assert any(line.startswith("contract: LayerNorm") for line in lines)
     assert any("fields decisive" in line for line in lines) and lines[-1] != "" and "validation" in out
+
+
+@pytest.mark.parametrize("command", ["scan", "contract"])
+def test_an_unknown_model_type_is_one_short_line_with_the_nearest_names(cli, tmp_path, command):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "lama", "hidden_size": 8}))
+    code, _, err = cli(command, str(path))
+    line = one_line(err)
+    assert code == 2 and len(line) < 400 and "'lama'" in line and "llama" in line, line

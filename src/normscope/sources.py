@@ -323,6 +323,22 @@ def quiet_libraries() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
+def known_model_type(transformers, model_type: Any, where: str | Path) -> None:
+    """An InputError naming the nearest model types where the installed transformers does not know ``model_type``
+    (not its list of every architecture)."""
+    import difflib
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return
+    near = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING_NAMES), n=4, cutoff=0.5)
+    hint = f"the nearest it knows: {', '.join(near)}" if near else "none it knows is near that name"
+    raise InputError(f"{where}: model_type {shorten(str(model_type), 60)!s} is not an architecture the installed "
+                     f"transformers ({transformers.__version__}) knows ({hint}); fix model_type, or install a "
+                     "transformers that has it")
+
+
 def model_class(transformers, config, base: bool = False):
     """The transformers class that builds ``config``: with ``base``, the base model (``AutoModel``) before the
     class the config's ``architectures`` names; without, that class first, then the causal LM or the base model.
@@ -422,10 +438,12 @@ def _from_config(source: Source, layers: int, vocab: int):
     transformers = _transformers()
     notes = cap_config(data, max(layers, 0), max(vocab, 0))
     model_type = data.pop("model_type")
+    known_model_type(transformers, model_type, source.text)
     try:
         config = transformers.AutoConfig.for_model(model_type, **data)
     except (ValueError, KeyError, TypeError) as exc:
-        raise TargetError(f"{source.text}: transformers cannot build a {model_type!r} config ({exc})") from None
+        raise TargetError(f"{source.text}: transformers cannot build a {model_type!r} config "
+                          f"({shorten(str(exc), 300)})") from None
     built = config.get_text_config().to_dict() if hasattr(config, "get_text_config") else config.to_dict()
     unstated_eps(stated, built, source.text)
     cls = model_class(transformers, config)

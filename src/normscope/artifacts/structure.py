@@ -36,9 +36,10 @@ def build_on_meta(config: dict[str, Any], config_path: Path, device: str = "meta
     transformers = require("transformers", "hf")
     import torch
 
-    from ..sources import model_class
+    from ..sources import known_model_type, model_class
 
     model_type = config.get("model_type")
+    known_model_type(transformers, model_type, config_path)
     fields = {k: v for k, v in config.items() if k != "model_type"}
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()

@@ -84,7 +84,8 @@ def test_presets_table_and_json():
     r = run("presets")
     assert r.returncode == 0 and "llama_rmsnorm" in r.stdout and "E[x²]−E[x]²" in r.stdout
     data = json.loads(run("presets", "--json").stdout)
-    assert data["torch_rmsnorm"]["eps"] == 1.1920928955078125e-07
+    assert data["schema"] == "normscope.presets/1"  # as every JSON document normscope prints
+    assert data["presets"]["torch_rmsnorm"]["eps"] == 1.1920928955078125e-07
 
 
 def test_infer_layernorm():

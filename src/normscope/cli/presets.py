@@ -21,7 +21,8 @@ def run(args, console) -> int:
 
     specs = {name: factory() for name, factory in PRESETS.items()}
     if args.json:
-        print(json.dumps({name: spec.to_dict() for name, spec in specs.items()}, indent=2))
+        print(json.dumps({"schema": "normscope.presets/1",
+                          "presets": {name: spec.to_dict() for name, spec in specs.items()}}, indent=2))
     else:
         render_presets([(n, s, describe(n), knobs(n)) for n, s in specs.items()], console)
     return EXIT_OK

@@ -19,6 +19,7 @@ from rich.console import Console
 
 from normscope.errors import InputError
 from normscope.gradient_flow import SCHEMA, GradFlow, blocks_of, command, gradflow
+from normscope.gradient_flow.core import figure
 from normscope.nn import Block, Norm, TinyLM, deepnorm_constants
 from normscope.sites import scan
 from normscope.spec import NormSpec
@@ -297,6 +298,11 @@ def test_json_round_trip_and_plot(tmp_path):
         GradFlow.from_json(json.dumps({"schema": "normscope.scan/1"}))
     png = flow.plot(tmp_path / "flow.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    fig = figure({"flow": flow})
+    fig.canvas.draw()
+    for ax in fig.axes:  # a layer axis has whole-number ticks only
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
 
 
 def _cli(argv, capsys):

@@ -124,8 +124,17 @@ def _floats(v: Any) -> Any:
 def plot_flows(flows: Mapping[str, GradFlow], path: str | Path,
                columns: tuple[str, ...] = ("attention", "mlp", "stream_grad"), title: str | None = None) -> Path:
     """Several gradient flows in one figure: one panel per column, one line per flow (after steps dashed)."""
+    path = Path(path)
+    figure(flows, columns, title).savefig(path, dpi=110)
+    return path
+
+
+def figure(flows: Mapping[str, GradFlow], columns: tuple[str, ...] = ("attention", "mlp", "stream_grad"),
+           title: str | None = None):
+    """The matplotlib Figure :func:`plot_flows` writes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     if not flows:
         raise InputError("plot_flows needs at least one GradFlow")
@@ -145,6 +154,7 @@ def plot_flows(flows: Mapping[str, GradFlow], path: str | Path,
                         linestyle="--" if dashed else "-",
                         label=f"{label} (step {snap.step})" if dashed else label)
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
         ax.set_xlabel("layer")
         ax.set_ylabel("gradient norm" if col != "input_rms" else "RMS")
         ax.set_title(col)
@@ -152,9 +162,7 @@ def plot_flows(flows: Mapping[str, GradFlow], path: str | Path,
     axes[0].legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return fig
 
 
 # ---------------------------------------------------------------------------------------------- blocks

@@ -765,3 +765,14 @@ def test_an_unknown_model_type_is_one_short_line_with_the_nearest_names(cli, tmp
     code, _, err = cli(command, str(path))
     line = one_line(err)
     assert code == 2 and len(line) < 400 and "'lama'" in line and "llama" in line, line
+
+
+def test_a_whole_model_onnx_file_is_refused_with_each_reason_once(cli, tmp_path):
+    pytest.importorskip("onnxruntime")
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    path = tmp_path / "whole.onnx"
+    torch.onnx.export(model, (torch.randn(2, 16),), str(path), dynamo=False)
+    code, _, err = cli("infer", str(path), "--shape", "2,16")
+    line = one_line(err)
+    assert code == 2 and line.count("returned shape (2, 4)") == 1 and len(line) < 600, line

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..dtypes import DTYPES, dtype_name
 from ..errors import DeadlinePassed, InputError, TargetError, TargetRaised, TargetTimeout
+from ..inputs import shorten
 
 DEFAULT_TIMEOUT = 60.0  # seconds one call of a target may take before normscope reports it as hung
 REDRAW_SEED = 0  # the stream :func:`redraw` draws from: one set of values wherever a copy is re-drawn
@@ -407,7 +408,11 @@ def no_dtype_error(target: Target, tried) -> TargetError:
     first = reasons[0] if reasons else "no dtype tried"
     same = all(r.split(" failed on ")[-1].split(": ", 1)[-1] == first.split(" failed on ")[-1].split(": ", 1)[-1]
                for r in reasons)
-    detail = first if same else "; ".join(f"{d}: {r}" for d, r in zip(tried, reasons, strict=True))
+    by_reason: dict[str, list[str]] = {}  # the dtypes that failed alike, named once
+    for d, r in zip(tried, reasons, strict=True):
+        by_reason.setdefault(r, []).append(d)
+    detail = first if same else "; ".join(f"{', '.join(ds)}: {shorten(r, 240, as_text=True)}"
+                                          for r, ds in by_reason.items())
     own_words = " ".join(r.split(" failed on ")[-1].split(": ", 1)[-1] for r in reasons)  # the target's message
     about_shape = re.search(r"shape|size|dimension|\bdims?\b|broadcast|mismatch", own_words, re.IGNORECASE)
     hint = "" if "check --shape" in detail or not about_shape else " (check --shape)"

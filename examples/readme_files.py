@@ -139,6 +139,12 @@ def main(argv=None) -> None:
     p.add_argument("folder", nargs="?", default=".", help="where to write (default: the current folder)")
     p.add_argument("--skip-run", action="store_true", help="leave out the traced training run (runs/exp1)")
     args = p.parse_args(argv)
+    import importlib.util
+
+    missing = [m for m in ("transformers", "safetensors", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:  # `make demo` installs the core only; `make test` installs the dev extras these come with
+        raise SystemExit(f"the tour's files need {', '.join(missing)} (the hf and gguf extras): run `make test` "
+                         "once (it installs the dev extras), or `.venv/bin/pip install -e '.[hf,gguf]'`")
     folder = Path(args.folder)
     folder.mkdir(parents=True, exist_ok=True)
     written = [gemma3_config(folder), llama_checkpoint(folder)]

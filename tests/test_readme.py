@@ -140,3 +140,18 @@ def test_the_matcher_can_fail():
     assert mismatches("error 3.763e−6, tolerance 1e−4", ["error 3.813e−6, tolerance 1e−4"]) == []
     assert mismatches("error 3.763e−5, tolerance", ["error 3.813e−6, tolerance"]) == ["error 3.813e−6, tolerance"]
     assert mismatches("(2.25e−7)", ["(2.1e−7)"]) == [] and mismatches("2.1e−7", ["(2.1e−7)"]) == ["(2.1e−7)"]
+
+
+def test_the_tour_writer_says_what_it_needs_where_only_the_core_is_installed(monkeypatch, tmp_path):
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import readme_files
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"need gguf .*make test"):
+        readme_files.main([str(tmp_path / "tour")])
+    assert not (tmp_path / "tour").exists()  # nothing written

@@ -6,13 +6,15 @@ imports written into the test itself."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "normscope"
 
-# lowest first; a module belongs to the layer of its longest listed prefix ("" is the package's own __init__)
+# lowest first; a module belongs to the layer of its longest listed prefix ("" is the package's own __init__ only:
+# a module no prefix covers is in no layer, and the test says so)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("errors", "exitcodes", "jsonable", "lazy", "numba_bits", "numba_threads")),
     ("contract", ("spec", "presets")),
@@ -27,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model toolkit", ("model",)),
     ("model base", ("sites",)),
     ("model level", ("artifacts", "divergence", "tracing", "gradient_flow", "nn", "nn.blocks", "kernels")),
-    ("entry points", ("", "__main__", "cli", "sites.command", "artifacts.command", "divergence.command",
+    ("entry points", ("", "__main__", "documents", "cli", "sites.command", "artifacts.command", "divergence.command",
                       "tracing.command", "gradient_flow.command", "model_options", "testing", "pytest_plugin",
                       "explain")),
 ]
@@ -43,7 +45,7 @@ def layer_of(module: str) -> int:
     best, rank = -1, None
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".") or p == "") and len(p) > best:
+            if (module == p or (p and module.startswith(p + "."))) and len(p) > best:
                 best, rank = len(p), i
     assert rank is not None, f"normscope.{module} is in no layer: add it to LAYERS and docs/architecture.md"
     return rank
@@ -91,7 +93,15 @@ def imports_of(source: str, module: str, package: str) -> list[tuple[str, int, b
             for alias in node.names:
                 if alias.name.split(".")[0] == "normscope":
                     out.append((_resolve(alias.name[len("normscope."):]), node.lineno, lazy))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.match(node.value):
+            # a module named in a string (importlib.import_module, a lazy-export table) is imported when used
+            target = node.value[len("normscope."):]
+            if _resolve(target) == target:
+                out.append((target, node.lineno, True))
     return out
+
+
+_MODULE_STRING = re.compile(r"^normscope(\.[a-z_]+)+$")
 
 
 def violations(source: str, module: str, package: str) -> list[str]:
@@ -190,6 +200,17 @@ def test_the_cycle_check_fails_on_a_cycle():
 def test_the_checker_fails_on_a_wrong_import(module, package, source, expect):
     found = violations(source, module, package)
     assert len(found) == 1 and expect in found[0], found
+
+
+def test_the_checker_reads_a_module_named_in_a_string():
+    found = violations('LOADERS = {"x": ("normscope.sites.result", "ModelScan")}\n', "results", "results")
+    assert len(found) == 1 and "imports normscope.sites.result (lazily)" in found[0], found
+
+
+def test_a_module_in_no_layer_is_named():
+    with pytest.raises(AssertionError, match="normscope.unlisted is in no layer"):
+        layer_of("unlisted")
+    assert layer_of("") == len(LAYERS) - 1  # the package's own __init__: the entry points
 
 
 def test_the_checker_passes_imports_that_go_down():

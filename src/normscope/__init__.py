@@ -37,7 +37,7 @@ _LAZY = {
     "Site": ".sites",
     "diff": ".divergence",
     "Diff": ".divergence",
-    "load": ".results",
+    "load": ".documents",
     "trace": ".tracing",
     "diagnose": ".tracing",
     "Diagnosis": ".tracing",
@@ -100,9 +100,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .artifacts import ContractDiff, ModelContract, contract
     from .battery.check import check
     from .divergence import Diff, diff
+    from .documents import load
     from .gradient_flow import GradFlow, gradflow
     from .probe.infer import Inference, infer
-    from .results import load
     from .results.check import Finding, Report
     from .sites import ModelScan, Site, scan
     from .tracing import Anomaly, Diagnosis, diagnose, trace

@@ -270,6 +270,13 @@ def test_per_stage_sizes_and_unset_values_are_not_refused(tmp_path):
     from normscope.sources import check_config
 
     check_config({"num_attention_heads": [1, 2, 4], "vocab_size": None}, "c.json")
+    check_config({"num_hidden_layers": {"language": 9, "vision": 5}, "head_dim": 0}, "c.json")  # LXMERT; unset
+    with pytest.raises(InputError, match=r"num_hidden_layers\['vision'\] must be a positive integer"):
+        check_config({"num_hidden_layers": {"language": 9, "vision": -1}}, "c.json")
+    # an ε the model does not read may be null where each norm's ε is measured (Cohere2-MoE's rms_norm_eps)
+    check_config({"rms_norm_eps": None}, "c.json", measured_eps=True)
+    with pytest.raises(InputError, match="rms_norm_eps must be a finite number"):
+        check_config({"rms_norm_eps": None}, "c.json")
     with pytest.raises(InputError, match=r"num_attention_heads\[1\] must be a positive integer"):
         check_config({"num_attention_heads": [1, 0]}, "c.json")
     with pytest.raises(InputError, match="hidden_size must be a positive integer"):

@@ -148,10 +148,17 @@ def test_a_vision_tower_taking_patch_sequences_gets_them_with_their_grid():
                             intermediate_size=64), {"bbox"}),
     (lambda t: t.DecisionTransformerConfig(state_dim=5, act_dim=3, hidden_size=32, n_layer=2, n_head=2),
      {"actions", "rewards", "returns_to_go", "timesteps"}),
+    # the error names the tensor ("`visual_feats` cannot be `None`"); the count of boxes is no config field
+    (lambda t: t.LxmertConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                              l_layers=1, x_layers=1, r_layers=1, visual_feat_dim=16), {"visual_feats", "visual_pos"}),
+    # "either pixel_values or image_embeds": the first, at the text's batch
+    (lambda t: t.ViltConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, image_size=64, patch_size=16), {"pixel_values"}),
 ])
 def test_arguments_the_forward_documents_as_needed_are_given_where_it_fails_without_them(config, extras):
     """BROS's boxes and Decision Transformer's actions, rewards and returns default to None in the signature, yet
-    the forward fails without them; the docstring documents them without *optional*. Given, the forward runs."""
+    the forward fails without them; the docstring documents them without *optional* (or the error names them).
+    Given, the forward runs."""
     cfg = config(transformers)
     model = transformers.AutoModel.from_config(cfg).eval()
     inputs = default_inputs(model)

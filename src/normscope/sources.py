@@ -200,23 +200,25 @@ def config_int(config: dict[str, Any], keys: tuple[str, ...], where: str | Path,
     raise InputError(f"{where}: the config has none of {', '.join(keys)}")
 
 
-def check_config(config: dict[str, Any], where: str | Path) -> None:
+def check_config(config: dict[str, Any], where: str | Path, measured_eps: bool = False) -> None:
     """The one validation of a config's numbers, for every command that reads one (scan builds the model from
     it, contract reads it): each size it states is a positive integer within its limit, each ε a finite
-    number ≥ 0. A size may be null (transformers derives it, or the model does not use it) or a list of sizes
-    (one per stage of a hierarchical model)."""
+    number ≥ 0. A size may be null (transformers derives it, or the model does not use it), a list of sizes (one
+    per stage of a hierarchical model) or an object of them (one per tower: LXMERT's layers); a ``head_dim`` of 0
+    is unset, as the modelling code reads it (``head_dim or hidden_size // heads``). With ``measured_eps`` (a
+    reader that measures the ε each norm really uses) an ε may be null too: a key the model does not read."""
     for key in CONFIG_SIZES:
         value = config.get(key)
-        if isinstance(value, list):
-            for i, v in enumerate(value):
-                config_int({f"{key}[{i}]": v}, (f"{key}[{i}]",), where)
-        elif value is not None:
+        if isinstance(value, list | dict):
+            for i, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+                config_int({f"{key}[{i!r}]": v}, (f"{key}[{i!r}]",), where)
+        elif value is not None and not (key == "head_dim" and value == 0):
             config_int(config, (key,), where)
     for key in (k for k in config if is_eps_key(k)):
-        if key in config:
-            eps = config[key]
-            if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 <= eps < float("inf"):
-                raise InputError(f"{where}: {key} must be a finite number ≥ 0; got {eps!r}")
+        eps = config[key]
+        if not (eps is None and measured_eps) and (isinstance(eps, bool) or not isinstance(eps, int | float)
+                                or not 0 <= eps < float("inf")):
+            raise InputError(f"{where}: {key} must be a finite number ≥ 0; got {eps!r}")
 
 
 def unstated_eps(stated: dict[str, Any], built: dict[str, Any], where: str | Path) -> None:

@@ -133,7 +133,7 @@ def _from_structure(config: dict, config_path: Path, path: Path) -> ModelContrac
     """An architecture outside the table: read from the structure transformers builds (artifacts.structure)."""
     from .structure import read_structure
 
-    check_config(config, config_path)
+    check_config(config, config_path, measured_eps=True)  # the structure read measures each norm's ε
     out = read_structure(config, config_path, str(path))
     if out.eps_key is not None and out.eps_key not in config:
         raise InputError(f"{config_path}: no {out.eps_key}, the ε {config['model_type']}'s norms read; transformers "

@@ -211,33 +211,40 @@ class _Defaults:
     def _documented_extras(self) -> None:
         """Where the forward fails on the inputs so far, the tensors its docstring documents without
         ``*optional*`` though the signature defaults them to None (Decision Transformer's actions and rewards,
-        BROS's boxes) — kept where with them it runs. (A forward that fails both ways — one that reads values, on
-        the meta device — keeps the inputs as they were.)"""
-        documented = []
-        for k in self.params:
-            line = re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)
-            if (k not in self.kwargs and k not in self._required() and not _ALTERNATIVE.search(k)
-                    and line is not None and "Tensor" in line.group(1) and "*optional*" not in line.group(1)):
-                documented.append(k)
-        if not documented or self._runs(self._called(self.kwargs)):
+        BROS's boxes), or the documented tensors its error names (LXMERT's ``visual_feats``) — kept where with
+        them it runs. (A forward that fails every way — one that reads values, on the meta device — keeps the
+        inputs as they were.)"""
+        failure = self._failure(self._called(self.kwargs))
+        if failure is None:
             return
+        tensors = [k for k in self.params if k not in self.kwargs and k not in self._required()
+                   and (line := re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)) is not None
+                   and "Tensor" in line.group(1)]
+        documented = [k for k in tensors if not _ALTERNATIVE.search(k) and "*optional*" not in
+                      re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M).group(1)]
+        named = [k for k in tensors if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", failure)
+                 and not _ALTERNATIVE.search(k)]  # "either pixel_values or image_embeds": the first
+        tries = [t for t in (documented, named, list(dict.fromkeys(documented + named))) if t]
         before = dict(self.kwargs)
-        try:
-            for name in documented:
-                self._fill(name)
-        except _Missing:
-            self.kwargs = before
-            return
-        if not self._runs(self._called(self.kwargs)):
-            self.kwargs = before
+        for names in dict.fromkeys(tuple(t) for t in tries):
+            try:
+                for name in names:
+                    self._fill(name)
+            except _Missing:
+                self.kwargs = dict(before)
+                continue
+            if self._failure(self._called(self.kwargs)) is None:
+                return
+            self.kwargs = dict(before)
 
-    def _runs(self, kwargs: dict[str, Any]) -> bool:
+    def _failure(self, kwargs: dict[str, Any]) -> str | None:
+        """Why the forward fails on ``kwargs`` (its error's words), or None where it runs."""
         try:
             with torch.no_grad():
                 self.model(**kwargs)
-        except Exception:
-            return False
-        return True
+        except Exception as exc:
+            return str(exc)
+        return None
 
     def complete_tokens(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """A text model's token inputs with the other tensors its forward needs (its required arguments, and
@@ -313,7 +320,7 @@ class _Defaults:
         if self.main == "past_values" and "future_time_features" in self.params and self._lags() is not None:
             steps = _int(cfg, "prediction_length")
             if steps:
-                self.kwargs["future_time_features"] = self._randn(BATCH, steps, _int(cfg, "num_time_features") or 0)
+                self.kwargs["future_time_features"] = self._randn(self.batch, steps, _int(cfg, "num_time_features") or 0)
 
     # -------------------------------------------------------------------------------------------------- images
     def _images(self, name: str) -> None:
@@ -330,14 +337,14 @@ class _Defaults:
         h, w = self._image_hw()
         c = self._channels()
         if self._pairs():
-            shape: tuple[int, ...] = (BATCH, 2, c, h, w)
+            shape: tuple[int, ...] = (self.batch, 2, c, h, w)
         elif name == "pixel_values_videos" or self._frames() is not None:
             frames = self._frames()
             if frames is None:
                 raise _Missing("the config states no num_frames (or frames_per_clip)")
-            shape = (BATCH, frames, c, h, w)
+            shape = (self.batch, frames, c, h, w)
         else:
-            shape = (BATCH, c, h, w)
+            shape = (self.batch, c, h, w)
         self.kwargs[name] = self._randn(*shape)
         return None
 
@@ -415,11 +422,11 @@ class _Defaults:
         """Images as a batch of flattened patch sequences with their (height, width) in patches (Siglip2-like)."""
         n = _int(self.config, "num_patches") or 256
         side = math.isqrt(n) or 16
-        self.kwargs[name] = self._randn(BATCH, side * side, self._patch_dim())
-        self.kwargs["spatial_shapes"] = torch.tensor([[side, side]] * BATCH, device=self.device)
+        self.kwargs[name] = self._randn(self.batch, side * side, self._patch_dim())
+        self.kwargs["spatial_shapes"] = torch.tensor([[side, side]] * self.batch, device=self.device)
         for key in ("pixel_attention_mask",):
             if key in self.params:
-                self.kwargs[key] = torch.ones(BATCH, side * side, dtype=torch.long, device=self.device)
+                self.kwargs[key] = torch.ones(self.batch, side * side, dtype=torch.long, device=self.device)
 
     # --------------------------------------------------------------------------------------------------- audio
     def _audio(self, name: str) -> None:
@@ -447,7 +454,7 @@ class _Defaults:
         channels = conv.in_channels if conv is not None else self._channel_count() or 1
         if channels > MAX_AUDIO_CHANNELS:  # a decoder's latents (VibeVoice's): FRAMES steps of them
             samples = FRAMES
-        flat, shaped = (self._randn(BATCH, samples), 1), (self._randn(BATCH, channels, samples), 2)
+        flat, shaped = (self._randn(self.batch, samples), 1), (self._randn(self.batch, channels, samples), 2)
         candidates = [flat, shaped] if (self._documented_rank(name) or 2) == 2 else [shaped, flat]
         self._pick(name, candidates)
 
@@ -496,13 +503,13 @@ class _Defaults:
         1-d convolution, an image of the config's size for a 2-d one — the layout that reaches that layer."""
         first = self._first_layer(torch.nn.Linear | torch.nn.Conv1d | torch.nn.Conv2d)
         if isinstance(first, torch.nn.Linear):
-            candidates = [(self._randn(BATCH, FRAMES, first.in_features), 1),
+            candidates = [(self._randn(self.batch, FRAMES, first.in_features), 1),
                           (self._randn(FRAMES, first.in_features), 0)]
         elif isinstance(first, torch.nn.Conv1d):
-            candidates = [(self._randn(BATCH, first.in_channels, FRAMES), 2),
-                          (self._randn(BATCH, FRAMES, first.in_channels), 1)]
+            candidates = [(self._randn(self.batch, first.in_channels, FRAMES), 2),
+                          (self._randn(self.batch, FRAMES, first.in_channels), 1)]
         elif isinstance(first, torch.nn.Conv2d):
-            candidates = [(self._randn(BATCH, first.in_channels, *self._image_hw()), 2)]
+            candidates = [(self._randn(self.batch, first.in_channels, *self._image_hw()), 2)]
         else:
             raise _Missing(f"it documents no shape for {self.argument}, and its first layer is not a linear map or "
                            "a convolution to shape it by")
@@ -560,16 +567,16 @@ class _Defaults:
                            "how many features a frame has")
         frames = self._frames_per_chunk() or (_int(self.config, "max_length") if name == "input_values" else None)
         frames = frames or FRAMES
-        candidates = [(self._randn(BATCH, frames, bins), 1)]
+        candidates = [(self._randn(self.batch, frames, bins), 1)]
         conv = next((m for m in self.model.modules() if isinstance(m, torch.nn.Conv1d) and m.in_channels == bins),
                     None)
-        candidates.append((self._randn(BATCH, bins, self._fixed_frames(conv) or frames), 2))
+        candidates.append((self._randn(self.batch, bins, self._fixed_frames(conv) or frames), 2))
         image = self._first_layer(torch.nn.Conv2d)
         if image is not None:  # a spectrogram as an image of channels × frames × bins (CLAP's audio encoder)
-            candidates.append((self._randn(BATCH, image.in_channels, frames, bins), 2))
+            candidates.append((self._randn(self.batch, image.in_channels, frames, bins), 2))
         for m in self.model.modules():  # frames stacked into one vector (low frame rate features)
             if isinstance(m, torch.nn.Linear) and m.in_features % bins == 0 and m.in_features > bins:
-                candidates.append((self._randn(BATCH, frames, m.in_features), 1))
+                candidates.append((self._randn(self.batch, frames, m.in_features), 1))
                 break
         self._pick(name, candidates)
 
@@ -602,23 +609,23 @@ class _Defaults:
         steps = context + (max(lags) if lags else 0)
         channels = next((v for k in ("num_input_channels", "input_size") if (v := _int(cfg, k))), 1)
         rank = self._documented_rank("past_values") or 2
-        shape = (BATCH, steps, channels) if rank == 3 or channels > 1 else (BATCH, steps)
+        shape = (self.batch, steps, channels) if rank == 3 or channels > 1 else (self.batch, steps)
         values = self._randn(*shape)
         self.kwargs["past_values"] = values
         if "past_time_features" in self.params and lags is not None:
-            self.kwargs["past_time_features"] = self._randn(BATCH, steps, _int(cfg, "num_time_features") or 0)
+            self.kwargs["past_time_features"] = self._randn(self.batch, steps, _int(cfg, "num_time_features") or 0)
         if "past_observed_mask" in self.params:
             self.kwargs["past_observed_mask"] = torch.ones(shape, dtype=torch.bool, device=self.device)
         if "past_values_padding" in self.params:
-            self.kwargs["past_values_padding"] = torch.zeros(BATCH, steps, dtype=self.dtype, device=self.device)
+            self.kwargs["past_values_padding"] = torch.zeros(self.batch, steps, dtype=self.dtype, device=self.device)
         if "freq" in self.params:
-            self.kwargs["freq"] = torch.zeros(BATCH, 1, dtype=torch.long, device=self.device)
+            self.kwargs["freq"] = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         n = _int(cfg, "num_static_categorical_features")
         if n and "static_categorical_features" in self.params:
-            self.kwargs["static_categorical_features"] = torch.zeros(BATCH, n, dtype=torch.long, device=self.device)
+            self.kwargs["static_categorical_features"] = torch.zeros(self.batch, n, dtype=torch.long, device=self.device)
         n = _int(cfg, "num_static_real_features")
         if n and "static_real_features" in self.params:
-            self.kwargs["static_real_features"] = self._randn(BATCH, n)
+            self.kwargs["static_real_features"] = self._randn(self.batch, n)
 
     # ------------------------------------------------------------------------------------------ other arguments
     def _vocab(self, name: str) -> int | None:
@@ -645,7 +652,7 @@ class _Defaults:
             raise _Missing(f"the config states no vocab_size for {name}")
         if name == "task_inputs":
             length = _int(self.config, "task_seq_len") or length
-        return torch.randint(min(4, vocab - 1), min(vocab, 1000), (BATCH, length), generator=self.g).to(self.device)
+        return torch.randint(min(4, vocab - 1), min(vocab, 1000), (self.batch, length), generator=self.g).to(self.device)
 
     def _mask(self, name: str) -> torch.Tensor:
         """A mask of the argument it belongs to, every position kept: ones for an attention or observed mask,
@@ -700,8 +707,8 @@ class _Defaults:
                 dims.append(int(dim))
             elif (v := _int(self.config, dim)) or (dim == "channels" and (v := self._channel_count())):
                 dims.append(v)
-            elif dim in _SEQUENCE_DIMS or dim.endswith(("_length", "_len")):
-                dims.append(self.steps)
+            elif dim in _SEQUENCE_DIMS or dim.endswith(("_length", "_len")) or dim.startswith("num_"):
+                dims.append(self.steps)  # a length, or a count of items the config does not fix (LXMERT's boxes)
             else:
                 raise _Missing(f"the config states no {dim} for {name}'s shape {shape}")
         if re.search(rf"^\s*{re.escape(name)} \(`'?torch\.(Long|Int|Bool)Tensor", self.doc, re.M):

@@ -169,7 +169,7 @@ def check_plot_path(path: str, example: str) -> None:
                          "(e.g. .png)")
 
 
-def model_inputs(text: str | None, model: Any, what: str) -> Any:
+def model_inputs(text: str | None, model: Any, what: str, flag: str = "--inputs") -> Any:
     """``--inputs`` for ``model``: None (the model's default), a float tensor of a shape (at the dtype of the model's
     parameters), token ids ``ids:B,T``
     (below the model's vocabulary; a Hugging Face model gets them as ``input_ids=``), or what a ``.pt`` file
@@ -191,7 +191,7 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
             raise InputError(f"--inputs {text} holds a {type(obj).__name__}; save a tensor, tuple or dict")
         return obj
     if text.startswith("ids:"):
-        shape = parse_shape(text[4:], "--inputs ids:")
+        shape = parse_shape(text[4:], f"{flag} ids:")
         if len(shape) == 2:
             check_size(model, f"{what} --inputs {text}", shape[0], shape[1], shape[0] * shape[1],
                        f"ids:{shape[0]},{min(shape[1], 512)}")
@@ -203,7 +203,7 @@ def model_inputs(text: str | None, model: Any, what: str) -> Any:
             return ids
 
         return token_inputs(model, ids)  # as a Hugging Face model takes them (an encoder–decoder's decoder too)
-    shape = parse_shape(text, "--inputs")
+    shape = parse_shape(text, flag)
     check_size(model, f"{what} --inputs {text}", shape[0], None, math.prod(shape),
                ",".join(map(str, (2, *shape[1:]))))
     x = torch.randn(shape, generator=g)

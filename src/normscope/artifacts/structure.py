@@ -239,8 +239,15 @@ def _read_one(model, config_path: Path, label: str):
     with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
         torch.manual_seed(0)
         real = _built(type(model), config, "cpu", config_path, label)
-    try:
-        result = scan(real, default_inputs(real), dtypes="float32", progress=False)
+    try:  # the forward the scan runs shows whether the inputs need more (a forward of real size is costly)
+        plain = default_inputs(real, needed=False)
+        try:
+            result = scan(real, plain, dtypes="float32", progress=False)
+        except NormscopeError:
+            completed = default_inputs(real)
+            if set(completed) == set(plain):
+                raise
+            result = scan(real, completed, dtypes="float32", progress=False)
     except NormscopeError as exc:
         raise InputError(f"{config_path}: the {label} architecture could not be scanned "
                          f"({_first_line(exc, limit=600)})") from None

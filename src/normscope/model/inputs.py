@@ -44,7 +44,7 @@ def vocabulary_size(model: torch.nn.Module, embeddings: bool = True) -> int | No
     return None
 
 
-def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
+def default_inputs(model: torch.nn.Module, needed: bool = True) -> dict[str, Any]:
     """A small batch of what a Hugging Face model's ``main_input_name`` says it takes, with every other argument
     its forward requires, on the model's device (the meta device too):
 
@@ -64,8 +64,10 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
     - any other documented tensor whose shape the config's fields give (``latents`` of (batch, hidden_size,
       frames), …).
 
-    A model whose inputs the config cannot give raises :class:`InputError` naming what its forward needs and which
-    config field is missing."""
+    ``needed``: where the forward fails on these, run it again with the documented tensors it still needs (one
+    forward more where it runs: pass False to leave that to the caller, who then runs the forward itself and
+    asks again only where it fails). A model whose inputs the config cannot give raises :class:`InputError` naming
+    what its forward needs and which config field is missing."""
     config = getattr(model, "config", None)
     if config is None:
         raise InputError(f"{type(model).__name__} needs inputs: {_HOW}; only Hugging Face models get inputs by "
@@ -79,8 +81,8 @@ def default_inputs(model: torch.nn.Module) -> dict[str, Any]:
         g = torch.Generator().manual_seed(0)
         lo = min(4, vocab - 1)
         kwargs = token_inputs(model, torch.randint(lo, min(vocab, 1000), (2, 8), generator=g))
-        return _Defaults(model, config, main, argument).complete_tokens(kwargs)
-    return _Defaults(model, config, main, argument).build()
+        return _Defaults(model, config, main, argument, needed).complete_tokens(kwargs)
+    return _Defaults(model, config, main, argument, needed).build()
 
 
 def _main_input(model: torch.nn.Module) -> tuple[str, str]:
@@ -145,7 +147,7 @@ _CHANNEL_KEYS = ("num_channels", "audio_channels", "channels", "in_channels", "i
 class _Defaults:
     """The default batch of one non-text Hugging Face model (see :func:`default_inputs`)."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, main: str, argument: str):
+    def __init__(self, model: torch.nn.Module, config: Any, main: str, argument: str, needed: bool = True):
         self.model, self.config, self.main = model, config, main
         self.device = _device(model)
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -167,6 +169,8 @@ class _Defaults:
         self.argument = argument
         #: the batch and the steps of a sequence whose length the config does not fix
         self.batch, self.steps = BATCH, FRAMES
+        #: whether to run the forward to find the documented tensors it needs (:meth:`_documented_extras`)
+        self.needed = needed
 
     # ------------------------------------------------------------------------------------------------ driver
     def build(self) -> dict[str, Any]:
@@ -214,6 +218,8 @@ class _Defaults:
         BROS's boxes), or the documented tensors its error names (LXMERT's ``visual_feats``) — kept where with
         them it runs. (A forward that fails every way — one that reads values, on the meta device — keeps the
         inputs as they were.)"""
+        if not self.needed:
+            return
         failure = self._failure(self._called(self.kwargs))
         if failure is None:
             return

@@ -57,7 +57,7 @@ def run(args, console: Console) -> int:
     if args.inputs and args.shape:
         raise InputError("give --inputs or --shape (the same as --inputs SHAPE), not both")
     model, origin = load_model(args.target, args.args, args.kwargs, args.layers, args.vocab)
-    inputs = model_inputs(args.inputs or args.shape, model, "scan")
+    inputs = model_inputs(args.inputs or args.shape, model, "scan", "--shape" if args.shape else "--inputs")
     with deadline(args.timeout, "scan"):
         result = scan(model, inputs, dtypes=args.dtypes, progress=not args.json,
                       call_timeout=args.timeout if args.timeout else None)

@@ -448,9 +448,12 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     values of γ and β, which the contract does not depend on. Sites with one key share one inference (a
     22-layer model's 45 norms are inferred once); each is still held to its own real activation. ``module``: the
     site's private copy."""
-    plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
-                         if not k.startswith("_") and isinstance(v, bool | int | float | str | tuple | list | dict
-                                                                 | type(None))))
+    if hasattr(module, "kind_key"):  # an inline norm's replay: its ops, not the trace's value numbers
+        plain = module.kind_key()
+    else:
+        plain = tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                             if not k.startswith("_") and isinstance(v, bool | int | float | str | tuple | list | dict
+                                                                     | type(None))))
     tensors = tuple((n, tuple(t.shape), str(t.dtype), t.item() if t.numel() == 1 and not t.is_meta else None)
                     for n, t in list(module.named_parameters()) + list(module.named_buffers()))
     probed = cand.probe[0] if cand.probe is not None else tuple(cand.x.shape)

@@ -278,6 +278,27 @@ class InlineNorm(torch.nn.Module):
         kwargs = {k: (dtype if v is self.x_dtype else v) for k, v in kwargs.items()}
         return func, args, kwargs
 
+    def kind_key(self) -> tuple:
+        """The replay's structure with the trace's value numbers renumbered from the input: two sites running the
+        same ops on the same shapes (one per layer) have one key, whatever values the trace gave them."""
+        number: dict[int, int] = {self.x: 0}
+
+        def local(v: int) -> int:
+            return number.setdefault(v, len(number))
+
+        def shape(obj, depth: int = 0):
+            if isinstance(obj, Ref):
+                return ("ref", local(obj.value))
+            if depth < 2 and isinstance(obj, list | tuple):
+                return tuple(shape(o, depth + 1) for o in obj)
+            if depth < 2 and isinstance(obj, dict):
+                return tuple(sorted((k, shape(v, depth + 1)) for k, v in obj.items()))
+            return repr(obj)
+
+        steps = tuple((getattr(func, "__qualname__", repr(func)), shape(args), shape(kwargs),
+                       tuple(local(v) for v in outputs)) for func, args, kwargs, outputs in self.steps)
+        return steps, local(self.y), str(self.x_dtype), tuple(self.silent_casts)
+
     def _arg(self, obj, env: dict[int, torch.Tensor], depth: int = 0):
         if isinstance(obj, Ref):
             return env[obj.value] if obj.value in env else getattr(self, self.names[obj.value])

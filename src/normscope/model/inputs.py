@@ -223,13 +223,12 @@ class _Defaults:
         failure = self._failure(self._called(self.kwargs))
         if failure is None:
             return
-        tensors = [k for k in self.params if k not in self.kwargs and k not in self._required()
-                   and (line := re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)) is not None
-                   and "Tensor" in line.group(1)]
-        documented = [k for k in tensors if not _ALTERNATIVE.search(k) and "*optional*" not in
-                      re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M).group(1)]
-        named = [k for k in tensors if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", failure)
-                 and not _ALTERNATIVE.search(k)]  # "either pixel_values or image_embeds": the first
+        lines = {k: line.group(1) for k in self.params if k not in self.kwargs and k not in self._required()
+                 and (line := re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)) is not None}
+        tensors = [k for k, line in lines.items() if "Tensor" in line and not _ALTERNATIVE.search(k)]
+        documented = [k for k in tensors if "*optional*" not in lines[k]]
+        # "either pixel_values or image_embeds": the alternatives were left out above, so the first is given
+        named = [k for k in tensors if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", failure)]
         tries = [t for t in (documented, named, list(dict.fromkeys(documented + named))) if t]
         before = dict(self.kwargs)
         for names in dict.fromkeys(tuple(t) for t in tries):

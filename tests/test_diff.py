@@ -11,6 +11,7 @@ import argparse
 import copy
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -688,8 +689,21 @@ def test_table_at_80_columns_never_cuts_a_site_name():
     render_diff(d, Console(file=buf, width=80), all_sites=True)
     out = buf.getvalue()
     assert max(len(line) for line in out.splitlines()) <= 80
-    cells = "".join(line.split("│")[2] for line in out.splitlines() if line.count("│") > 3)
-    assert "encoder_layer_with_a_long_name.attention_output_layernorm_module" in cells.replace(" ", "")
+    pieces = [line.split("│")[2].strip() for line in out.splitlines() if line.count("│") > 3]
+    assert "encoder_layer_with_a_long_name.attention_output_layernorm_module" in "".join(pieces)
+    assert not re.search(r"\de[-+]\d", out), "one notation for every number: 1.5e−7, never 1.5e-07"
+
+
+def test_one_notation_and_one_folding_rule():
+    from normscope.report.console import fold_dotted, name_width
+    from normscope.report.numbers import fmt, sig
+
+    assert [sig(v) for v in (1.234e-7, -0.01234, 12345.0, 0.0, float("inf"))] == ["1.23e−7", "−0.0123", "1.23e4",
+                                                                                  "0", "∞"]
+    assert fmt(-1.5e-7) == "−1.5e−7" and sig(2.5e-10, 2) == "2.5e−10"
+    assert fold_dotted("model.layers.10.self_attn.q_norm", 16) == "model.layers.10.\nself_attn.\nq_norm"
+    assert fold_dotted("a_single_part_longer_than_the_width", 8) == "a_single_part_longer_than_the_width"
+    assert name_width(80, [["[bold red]diverged ◀ first[/]"], ["0.00335"]]) == 80 - 8 - 7 - 9 - 1
 
 
 def test_default_output_is_the_verdict_first_in_a_screenful(llama):
@@ -707,6 +721,10 @@ def test_default_output_is_the_verdict_first_in_a_screenful(llama):
         assert any(line.startswith("sites under model.") for line in lines) and "of 32 sites shown" in buf.getvalue()
         if verdict == "FAIL":
             assert any("layers.1.post_attention_layernorm" in line and "first" in line for line in lines)
+        # a name too wide for its column is folded only after a dot: every piece is whole parts
+        pieces = [line.split("│")[1].strip() for line in lines if line.count("│") > 3]
+        parts = {p for s in d.sites for p in s.name.split(".")} | {""}
+        assert all(set(p.split(".")) <= parts for p in pieces if p), "\n".join(lines)
 
 
 def test_a_norm_site_contract_is_the_one_infer_reports():

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from ..jsonable import jsonable
+from ..report.numbers import sig
 from ..results.verdict import Verdict, verdict_of
 from ..spec import eps_close  # one ε tolerance for the whole project
 from .model import ContractSite, ModelContract
@@ -186,7 +187,7 @@ def _compare_gamma(sa: ContractSite, sb: ContractSite, add, weights: tuple[bool,
         tol = GAMMA_ATOL * max(1.0, *(abs(v) for v in (*ea.values(), *eb.values())))
         if worst > tol:
             add(sa.name, "gamma", _gamma_text(sa), _gamma_text(sb), "mismatch",
-                f"effective γ (offset + w) differs by up to {worst:.3g}{_gamma_hint(ea, eb)}")
+                f"effective γ (offset + w) differs by up to {sig(worst)}{_gamma_hint(ea, eb)}")
         return 1
     lost = [x for x, s, held in (("A", sa, weights[0]), ("B", sb, weights[1])) if held and s.gamma_stats is None]
     if lost:
@@ -218,7 +219,7 @@ def _compare_beta(sa: ContractSite, sb: ContractSite, add) -> int:
         return 0
     worst = max(abs(ba[k] - bb[k]) for k in ("mean", "min", "max"))
     if worst > GAMMA_ATOL * max(1.0, *(abs(v) for v in (*ba.values(), *bb.values()))):
-        add(sa.name, "beta_values", dict(ba), dict(bb), "mismatch", f"β differs by up to {worst:.3g}")
+        add(sa.name, "beta_values", dict(ba), dict(bb), "mismatch", f"β differs by up to {sig(worst)}")
     return 1
 
 

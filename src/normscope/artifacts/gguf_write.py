@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..extras import require
+from ..report.numbers import sig
 
 #: model_type → llama.cpp architecture
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
@@ -111,8 +112,8 @@ def _refusals(arch: str, kind: str, cfg) -> str | None:
         hf = (getattr(cfg, "query_pre_attn_scalar", None) or _head_dim(cfg)) ** -0.5
         ours = llama_query_scale(arch, cfg)
         if not math.isclose(hf, ours, rel_tol=1e-6):
-            return (f"the model scales its queries by query_pre_attn_scalar^-½ = {hf:.6g}; llama.cpp's {arch} graph "
-                    f"derives {ours:.6g} from the head size (no key states it), so the file would run another "
+            return (f"the model scales its queries by query_pre_attn_scalar^-½ = {sig(hf, 6)}; llama.cpp's {arch} graph "
+                    f"derives {sig(ours, 6)} from the head size (no key states it), so the file would run another "
                     "attention")
         if arch == "gemma2" and not getattr(cfg, "sliding_window", None):
             return "a Gemma 2 without a sliding window: llama.cpp's gemma2 graph expects one"

@@ -10,6 +10,7 @@ import numpy as np
 from .. import reference
 from ..numerics import tolerance
 from ..precision import Precision
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context
 
@@ -46,6 +47,6 @@ def backward(ctx: Context) -> Iterator[Finding]:
             c = tolerance.compare(got, ex, faithful[label], bounds[label])
             yield ctx.finding("reference.backward", f"backward {label} {d}", "pass" if c.ok else "fail",
                               c.worst_error, 0.0, c.worst_bound,
-                              f"{label} at {d}: worst element {c.worst_error:.3g} vs 2 × a faithful {d} module's error "
-                              f"+ the rounding of its terms ({c.worst_bound:.3g}); largest error {c.max_error:.3g}",
+                              f"{label} at {d}: worst element {sig(c.worst_error)} vs 2 × a faithful {d} module's error "
+                              f"+ the rounding of its terms ({sig(c.worst_bound)}); largest error {sig(c.max_error)}",
                               gradient=label, dtype=d)

@@ -30,6 +30,7 @@ from ..layout import Layout
 from ..numerics import constants as C
 from ..numerics import tolerance
 from ..precision import Precision
+from ..report.numbers import sig
 from ..results.check import Finding, Status
 from ..results.params import NormParams
 from ..spec import NormSpec
@@ -181,7 +182,7 @@ class Context:
         faithful = useless_emulation(exact, emul)
         if faithful is not None and dtype != "float64":
             return self.finding(id, name, "skip", None, faithful, None,
-                                f"{why}: a faithful {dtype} implementation itself errs by {faithful:.3g} here", **where)
+                                f"{why}: a faithful {dtype} implementation itself errs by {sig(faithful)} here", **where)
         bound = tolerance.forward_bound(x, spec, dtype, self.params, exact=exact, emulated=emul,
                                         recovery_noise=self.recovery_noise if self.recovered else None)
         c = tolerance.compare(y, exact, emul, bound)
@@ -191,9 +192,9 @@ class Context:
                                 **where)
         # measured and tolerance are the same element's pair (the worst ratio), so they agree with the verdict
         return self.finding(id, name, "pass" if c.ok else "fail", c.worst_error, 0.0, c.worst_bound,
-                            f"{why} ({dtype}; worst element {c.worst_error:.3g} vs its bound {c.worst_bound:.3g}: "
-                            f"2 × a faithful emulation's error there (pairwise sums {c.worst_faithful:.2g}, or "
-                            f"sequential) + the accumulation bound; largest error {c.max_error:.3g})",
+                            f"{why} ({dtype}; worst element {sig(c.worst_error)} vs its bound {sig(c.worst_bound)}: "
+                            f"2 × a faithful emulation's error there (pairwise sums {sig(c.worst_faithful, 2)}, or "
+                            f"sequential) + the accumulation bound; largest error {sig(c.max_error)})",
                             **where)
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..numerics import constants as C
 from ..numerics.tolerance import atol
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context
 
@@ -33,5 +34,5 @@ def dependency(ctx: Context) -> Iterator[Finding]:
         tol = C.CHANGE_RTOL * ref_moved + atol(d, scale) + ctx.noise_floor(scale)
         dev = abs(moved - ref_moved)
         yield ctx.finding(fid, f"{label} changed", "pass" if dev <= tol else "fail", dev, 0.0, tol,
-                          f"changing {label} (axis {axis}) moved the fixed position's group by {moved:.3g}; the "
-                          f"contract moves it by {ref_moved:.3g}", axis=axis, dtype=d)
+                          f"changing {label} (axis {axis}) moved the fixed position's group by {sig(moved)}; the "
+                          f"contract moves it by {sig(ref_moved)}", axis=axis, dtype=d)

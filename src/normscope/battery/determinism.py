@@ -8,6 +8,7 @@ import numpy as np
 
 from ..dtypes import UNIT_ROUNDOFF
 from ..numerics import constants as C
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context
 
@@ -64,5 +65,5 @@ def determinism(ctx: Context) -> Iterator[Finding]:
     else:
         yield ctx.finding("determinism.repeated_calls", "same output on repeated calls", "skip", spread, 0.0, None,
                           f"the target is not deterministic: three calls on one input at {d} differ by up to "
-                          f"{spread:.3g} ({spread / scale / UNIT_ROUNDOFF[d]:.3g} units of {d}'s rounding at the "
+                          f"{sig(spread)} ({sig(spread / scale / UNIT_ROUNDOFF[d])} units of {d}'s rounding at the "
                           "output scale); findings that compare two calls allow twice this", dtype=d)

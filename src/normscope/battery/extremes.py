@@ -14,6 +14,7 @@ from ..errors import TargetError
 from ..numerics import constants as C
 from ..numerics.tolerance import forward_bound
 from ..precision import Precision
+from ..report.numbers import sig
 from ..results.check import Finding
 from ..spec import NormSpec
 from .context import Context
@@ -53,7 +54,7 @@ def extremes(ctx: Context) -> Iterator[Finding]:
         for v in sorted(variances, reverse=True):
             x = math.sqrt(v) * u  # zero mean: the statistics are exact, only ε decides the gain
             f = ctx.compare("extreme.tiny_variance", f"tiny variance {v:.3g}{at}", x, dt,
-                            f"variance {v:.3g}: the gain is capped as ε and its placement say", variance=v)
+                            f"variance {sig(v)}: the gain is capped as ε and its placement say", variance=v)
             with np.errstate(all="ignore"):
                 gain = float(np.std(reference.forward(x, base)) / max(float(np.std(x)), 1e-300))
             f.expected = {"gain": gain, "no-ε gain": 1.0}
@@ -99,15 +100,15 @@ def variance_algorithm(ctx: Context) -> Finding:
     params = {"algorithm": spec.variance_algorithm, "dtype": d}
     if not all(np.all(np.isfinite(a)) for a in (exact, emul_two, y)):
         return ctx.finding(fid, name, "skip", None, None, None,
-                           f"the contract or the target is not finite at offset {offset:.3g} at {d}", **params)
+                           f"the contract or the target is not finite at offset {sig(offset)} at {d}", **params)
     bound = forward_bound(x, two, d, ctx.params, exact=exact, emulated=emul_two,
                           recovery_noise=ctx.recovery_noise if ctx.recovered else None)
     with np.errstate(all="ignore"):
         target = float(np.max(np.abs(y - exact) / bound))
         one_pass = float(np.max(np.nan_to_num(np.abs(emul_one - exact), nan=np.inf) / bound))
     numbers = {"target": target, "one_pass_emulation": one_pass}
-    where = (f"offset {offset:.3g} with spread {spread:.3g} at {d}: error in units of a faithful two-pass "
-             f"bound — the target {target:.3g}, a one-pass emulation {one_pass:.3g}")
+    where = (f"offset {sig(offset)} with spread {sig(spread)} at {d}: error in units of a faithful two-pass "
+             f"bound — the target {sig(target)}, a one-pass emulation {sig(one_pass)}")
     if not one_pass > C.SEPARATION:
         return ctx.finding(fid, name, "skip", numbers, None, C.SEPARATION,
                            f"{where}; the two algorithms do not separate beyond noise here, nothing to tell apart",
@@ -150,5 +151,5 @@ def nonfinite(ctx: Context) -> Iterator[Finding]:
         yield ctx.finding("extreme.nonfinite_confined", f"{bad} confined to its group",
                           "pass" if leaked == 0 else "fail", leaked, 0, 0,
                           f"one {bad} input changed {leaked} outputs outside its normalization group"
-                          + (f" (by more than the call-to-call noise {floor:.3g})" if floor else ""),
+                          + (f" (by more than the call-to-call noise {sig(floor)})" if floor else ""),
                           value=str(bad), dtype=d)

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..numerics import constants as C
 from ..numerics.tolerance import atol
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context
 
@@ -27,8 +28,8 @@ def invariances(ctx: Context) -> Iterator[Finding]:
         tol = ref_change + atol(d, float(np.max(np.abs(y)))) + floor
         dev = abs(change - ref_change)
         yield ctx.finding("invariance.scale", f"scale × {a:g}", "pass" if dev <= tol else "fail", dev, 0.0, tol,
-                          f"multiplying the input by {a:g} moved the output by {change:.3g}; the contract moves it "
-                          f"by {ref_change:.3g} (only ε breaks exact invariance)", factor=a, dtype=d)
+                          f"multiplying the input by {a:g} moved the output by {sig(change)}; the contract moves it "
+                          f"by {sig(ref_change)} (only ε breaks exact invariance)", factor=a, dtype=d)
     shift = 3 * float(np.std(x))
     ys = ctx.target(x + shift, d)
     ref_change = float(np.max(np.abs(ctx.ref(x + shift) - ctx.ref(x))))
@@ -37,11 +38,11 @@ def invariances(ctx: Context) -> Iterator[Finding]:
     if ctx.spec.center:
         tol = atol(d, scale) * C.SHIFT_ATOL_FACTOR + floor
         dev = max(change - ref_change, 0.0)
-        why = f"adding {shift:.3g} to every input moved the output by {change:.3g}; a centred norm must not move"
+        why = f"adding {sig(shift)} to every input moved the output by {sig(change)}; a centred norm must not move"
     else:
         tol = C.CHANGE_RTOL * ref_change + atol(d, scale) + floor
         dev = abs(change - ref_change)
-        why = (f"adding {shift:.3g} to every input moved the output by {change:.3g}; an RMS norm must move by "
-               f"{ref_change:.3g}")
+        why = (f"adding {sig(shift)} to every input moved the output by {sig(change)}; an RMS norm must move by "
+               f"{sig(ref_change)}")
     yield ctx.finding("invariance.shift", "common shift", "pass" if dev <= tol else "fail", dev, 0.0, tol,
-                      why + f" (contract: {ref_change:.3g})", dtype=d)
+                      why + f" (contract: {sig(ref_change)})", dtype=d)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..numerics import constants as C
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context
 
@@ -62,7 +63,7 @@ def _frozen(ctx: Context, x) -> Iterator[Finding]:
     ok = all(v == 0.0 for v in moved.values())
     yield ctx.finding("modes.frozen_unchanged", "running statistics never updated", "pass" if ok else "fail",
                       moved, 0.0, 0.0, "the running statistics stayed as they were after a training step" if ok else
-                      f"a training step moved the running statistics (largest change {max(moved.values()):.3g}); "
+                      f"a training step moved the running statistics (largest change {sig(max(moved.values()))}); "
                       "a frozen contract never updates them")
 
 
@@ -91,9 +92,9 @@ def running_update(ctx: Context, x, before, after) -> Finding:
         off = math.inf
     source = f"the target's momentum {stated:g}" if stated is not None else "one common momentum"
     why = ("running_mean and running_var must move by " + source + ", the variance unbiased (÷(n−1))"
-           f"; measured {m_mean:.4g} (mean), {m_var_u:.4g} (unbiased variance), {m_var_b:.4g} (biased)")
+           f"; measured {sig(m_mean, 4)} (mean), {sig(m_var_u, 4)} (unbiased variance), {sig(m_var_b, 4)} (biased)")
     if not moved:
-        why = f"the running statistics did not move in a training step (momentum {m_mean:.3g}); " + why
+        why = f"the running statistics did not move in a training step (momentum {sig(m_mean)}); " + why
     return ctx.finding("modes.running_update", "running statistics update", "pass" if ok else "fail",
                        {"momentum_from_mean": m_mean, "momentum_from_var_unbiased": m_var_u,
                         "momentum_from_var_biased": m_var_b, "largest_departure": off},

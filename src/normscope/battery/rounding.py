@@ -22,6 +22,7 @@ from ..dtypes import UNIT_ROUNDOFF
 from ..numerics import constants as C
 from ..precision import Precision
 from ..probe import precision_experiment as pe
+from ..report.numbers import sig
 from ..results.check import Finding
 from .context import Context, useless_emulation
 from .parameters import perturbed
@@ -116,8 +117,8 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
         own_words = "" if values or not (ctx.spec.gamma or ctx.spec.beta) else " (the target's own γ/β)"
         if mine_mean <= limit:
             yield ctx.finding("reference.rounding", f"rounding at {d}", "pass", mine_mean, mean, limit,
-                              f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to the nearest "
-                              f"other contract's {nearest_mean:.3g}; the limit is the smaller of that + "
+                              f"mean distance (ulps) to the contract's {d} rounding {sig(mine_mean)}, to the nearest "
+                              f"other contract's {sig(nearest_mean)}; the limit is the smaller of that + "
                               f"{C.ROUNDING_MARGIN_ULPS:g} and {C.ROUNDING_MAX_ULPS:g} ulps" + own_words, dtype=d)
             continue
         repeat = ctx.call_noise / (2 * UNIT_ROUNDOFF[d])  # call-to-call variation, in ulps of d
@@ -126,12 +127,12 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
         if mine_mean <= C.ROUNDING_MAX_ULPS and not sep["beyond_noise"]:
             # nearer another contract, but not beyond the noise of one draw: more draws before any verdict
             e = _escalate(ctx, d, closest, (mine, near), repeat)
-            first = (f"one draw: mean distance (ulps) to the contract's rounding {mine_mean:.3g}, to {closest} "
-                     f"{nearest_mean:.3g}, not separated beyond noise ({pe.not_separated_because(sep)}, over "
+            first = (f"one draw: mean distance (ulps) to the contract's rounding {sig(mine_mean)}, to {closest} "
+                     f"{sig(nearest_mean)}, not separated beyond noise ({pe.not_separated_because(sep)}, over "
                      f"{near.elements.size} elements); escalated to {e['draws']} draws of inputs and γ/β "
-                     f"({e['elements']} elements): mean distance {e['mine']:.3g} vs {e['near']:.3g}, nearer "
+                     f"({e['elements']} elements): mean distance {sig(e['mine'])} vs {sig(e['near'])}, nearer "
                      f"{closest} at {e['closer'][0]} elements and the contract at {e['closer'][1]} (sign test z = "
-                     f"{e['z']:.3g}; decisive at ±{e['strict']:g}, or at ±{C.SEPARATION_Z:g} with the mean distances "
+                     f"{sig(e['z'])}; decisive at ±{e['strict']:g}, or at ±{C.SEPARATION_Z:g} with the mean distances "
                      f"{C.SEPARATION_RATIO:g}× apart)")
             if e["verdict"] == "fail" and ctx.spec.stats_dtype == "input" and not e["apart"]:
                 # statistics in the input dtype may accumulate in it or wider: a target whose own sums round on
@@ -159,8 +160,8 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
             # more than the contract's emulation (accumulated in the input dtype, say), which the contract, silent
             # on how statistics accumulate, neither states nor rules out
             yield ctx.finding("reference.rounding", f"rounding at {d}", "inconclusive", mine_mean, mean, limit,
-                              f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to {closest} "
-                              f"{nearest_mean:.3g}: as far from every contract as from its own "
+                              f"mean distance (ulps) to the contract's {d} rounding {sig(mine_mean)}, to {closest} "
+                              f"{sig(nearest_mean)}: as far from every contract as from its own "
                               f"({pe.not_separated_because(sep)}), on inputs where half the groups sit "
                               f"{pe.GROUP_OFFSET:g}σ off zero — the target's statistics lose more than rounding the "
                               f"exact ones to {d} does (accumulated in {d}?), which the contract does not state; what "
@@ -168,8 +169,8 @@ def rounding_order(ctx: Context) -> Iterator[Finding]:
                               + own_words, dtype=d)
             continue
         yield ctx.finding("reference.rounding", f"rounding at {d}", "fail", mine_mean, mean, limit,
-                          f"mean distance (ulps) to the contract's {d} rounding {mine_mean:.3g}, to {closest} "
-                          f"{nearest_mean:.3g}" + (f" (separated: ratio {sep['ratio']:.3g}, sign test z = "
-                                                    f"{sep['sign_z']:.3g})" if sep["beyond_noise"] else "")
+                          f"mean distance (ulps) to the contract's {d} rounding {sig(mine_mean)}, to {closest} "
+                          f"{sig(nearest_mean)}" + (f" (separated: ratio {sig(sep['ratio'])}, sign test z = "
+                                                    f"{sig(sep['sign_z'])})" if sep["beyond_noise"] else "")
                           + f"; the limit is the smaller of that + {C.ROUNDING_MARGIN_ULPS:g} and "
                           f"{C.ROUNDING_MAX_ULPS:g} ulps" + own_words, dtype=d)

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import NormscopeError
 from ..model import private_copy, stored_params
+from ..report.numbers import sig
 
 _PLAIN = (bool, int, float, str)
 #: a candidate at a lower dtype than the reference: the contract must reproduce the reference module's output
@@ -132,8 +133,8 @@ def judge(contracts: Contracts, ref_module, cand_module, x: torch.Tensor, y: tor
                                             tolerance.forward_bound(x64, spec, ref_dtype, params, exact=ref_exact))
                 if not ref_cmp.ok:
                     return {"error": f"the inferred contract ({spec}) does not describe the reference module "
-                                     f"itself: worst element |Δ| {ref_cmp.worst_error:.3g} > bound "
-                                     f"{ref_cmp.worst_bound:.3g} at {ref_dtype}", "spec": str(spec)}
+                                     f"itself: worst element |Δ| {sig(ref_cmp.worst_error)} > bound "
+                                     f"{sig(ref_cmp.worst_bound)} at {ref_dtype}", "spec": str(spec)}
                 ref_check = {"dtype": ref_dtype, "rule": "the error model at the reference's dtype",
                              "max_ratio": ref_cmp.max_ratio, "worst_error": ref_cmp.worst_error,
                              "worst_bound": ref_cmp.worst_bound}
@@ -148,5 +149,5 @@ def judge(contracts: Contracts, ref_module, cand_module, x: torch.Tensor, y: tor
 
 
 def rule(v: dict[str, Any], dtype: str) -> str:
-    return (f"error model of {v['spec']} at {dtype}: worst element |Δ| {v['worst_error']:.3g} vs bound "
-            f"{v['worst_bound']:.3g} (ratio {v['max_ratio']:.3g}; {v['outside']} of {v['total']} outside)")
+    return (f"error model of {v['spec']} at {dtype}: worst element |Δ| {sig(v['worst_error'])} vs bound "
+            f"{sig(v['worst_bound'])} (ratio {sig(v['max_ratio'])}; {v['outside']} of {v['total']} outside)")

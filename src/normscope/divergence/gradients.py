@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError, NormscopeError
+from ..report.numbers import sig
 from ..sites.classes import known_class
 from . import metrics
 from .execution import (
@@ -277,7 +278,7 @@ def _norm_judge(site_contracts, module, x, dy, dx_c, dparams_c, ref_dx, ref_dpar
                     c = tolerance.compare(ref_got[k].double().numpy().reshape(b.shape), ex[k], None, b)
                     if not c.ok:
                         return {"error": f"the inferred contract ({spec}) does not describe the reference module's "
-                                         f"{k}: worst |Δ| {c.worst_error:.3g} > bound {c.worst_bound:.3g}"}
+                                         f"{k}: worst |Δ| {sig(c.worst_error)} > bound {sig(c.worst_bound)}"}
             if cand_dtype != ref_dtype:
                 p = Precision(cand_dtype)
                 x64, dy64 = p.round(x64).astype(np.float64), p.round(dy64).astype(np.float64)
@@ -442,7 +443,7 @@ class _GradientWalk:
             if "error" not in v:
                 s.elementwise = v
                 s.bound_rule = (f"backward error model of {v['spec']} at {site_dtype}: worst {v['gradient']} "
-                                f"element |Δ| {v['worst_error']:.3g} vs bound {v['worst_bound']:.3g}")
+                                f"element |Δ| {sig(v['worst_error'])} vs bound {sig(v['worst_bound'])}")
                 s.status = "within" if v["ok"] else "diverged"
                 return
             s.note = f"judged by the dtype-derived rule: {v['error']}"
@@ -471,15 +472,15 @@ class _GradientWalk:
 def _divergence(first: SiteDiff) -> dict[str, Any]:
     if first.elementwise is not None:
         v = first.elementwise
-        reason = (f"own {v['gradient']} at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
-                  f"{v['worst_bound']:.3g} ({v['outside']} of {v['total']} outside) [{first.bound_rule}]")
+        reason = (f"own {v['gradient']} at element {tuple(v['worst'])}: |Δ| = {sig(v['worst_error'])} > bound "
+                  f"{sig(v['worst_bound'])} ({v['outside']} of {v['total']} outside) [{first.bound_rule}]")
     elif first.status == "raised":
         reason = first.note
     else:
-        reason = (f"own gradient error ‖Δ‖/‖r‖ = {first.own['normalized']:.3g} > bound {first.bound:.3g} "
+        reason = (f"own gradient error ‖Δ‖/‖r‖ = {sig(first.own['normalized'])} > bound {sig(first.bound)} "
                   f"[{first.bound_rule}]")
         if first.feeds is not None and first.bound is not None and first.feeds > first.bound:
-            reason += f"; its backward hands {first.feeds_to} a gradient that errs by ‖Δ‖/‖r‖ = {first.feeds:.3g}"
+            reason += f"; its backward hands {first.feeds_to} a gradient that errs by ‖Δ‖/‖r‖ = {sig(first.feeds)}"
         if first.children_replayed:
             reason += (f"; the error is in this module's own backward, between its children ({first.children_replayed}"
                        " child call(s) replayed with the reference's outputs and backward)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..report.numbers import sig
 from . import contracts, metrics
 from .result import SiteDiff
 
@@ -56,10 +57,10 @@ def composition(s: SiteDiff, *, err: float, child_error: float, incoming: float 
     if err <= limit:
         return False
     s.status, s.bound = "diverged", limit
-    s.bound_rule = (f"{COMPOSITION:g} × the largest error of its input ({incoming or 0.0:.3g}) and its children's "
-                    f"outputs ({child_error:.3g}), at least {COMPOSITION:g} × {floor_rule}")
-    s.note = (f"its output errs by {err:.3g} while its input and every child's output erred by at most "
-              f"{max(child_error, incoming or 0.0):.3g}: the divergence is in this module's own code between its "
+    s.bound_rule = (f"{COMPOSITION:g} × the largest error of its input ({sig(incoming or 0.0)}) and its children's "
+                    f"outputs ({sig(child_error)}), at least {COMPOSITION:g} × {floor_rule}")
+    s.note = (f"its output errs by {sig(err)} while its input and every child's output erred by at most "
+              f"{sig(max(child_error, incoming or 0.0))}: the divergence is in this module's own code between its "
               "children")
     return True
 
@@ -101,17 +102,17 @@ def graph_output(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str, child_
         s.status, s.bound, s.bound_rule = "within", floor, floor_rule + " (on the model's output)"
     elif err > limit:
         s.status, s.bound = "diverged", limit
-        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({child_error:.3g}), at least "
+        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({sig(child_error)}), at least "
                         f"{COMPOSITION:g} × {floor_rule}")
-        s.note = (f"the model's output errs by {err:.3g} while every site inside it erred by at most "
-                  f"{child_error:.3g}: the error is born in the model's own code outside the compared sites"
+        s.note = (f"the model's output errs by {sig(err)} while every site inside it erred by at most "
+                  f"{sig(child_error)}: the error is born in the model's own code outside the compared sites"
                   + (f", or in one of the {missing}" if missing else ""))
     else:
         s.bound = limit
-        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({child_error:.3g}): carried "
-                        f"from them; {floor_rule} alone is {floor:.3g}")
+        s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({sig(child_error)}): carried "
+                        f"from them; {floor_rule} alone is {sig(floor)}")
         if missing:
-            s.note = (f"the model's output errs by {err:.3g}, beyond {floor:.3g} ({floor_rule}), and is not explained: "
+            s.note = (f"the model's output errs by {sig(err)}, beyond {sig(floor)} ({floor_rule}), and is not explained: "
                       f"{missing}; what would decide it: those sites compared (aligned with the reference's modules)")
         else:
             s.status = "within"

@@ -17,6 +17,7 @@ import torch
 
 from ..dtypes import UNIT_ROUNDOFF
 from ..numba_threads import load
+from ..report.numbers import sig
 
 # A faithful execution at a lower precision may err by up to MARGIN × what the reference's own module makes at
 # that precision on the same input (the "twin"), plus SLACK units of rounding of the candidate's dtype.
@@ -157,10 +158,10 @@ def bound(dtype: str, reference_dtype: str, twin: float | None, n: int) -> tuple
     if twin is None:
         b = FLOOR * u * math.sqrt(max(n, 1))
         if b > CAP:  # bf16 over a long axis: 16·u·√n passes 1, and every output would be "faithful"
-            return CAP, f"{CAP:g} (16·u·√n at {dtype} is {b:.3g}: above what rounding can explain)"
-        return b, f"{FLOOR:g}·u·√n at {dtype} (u={u:.3g}, n={n})"
+            return CAP, f"{CAP:g} (16·u·√n at {dtype} is {sig(b)}: above what rounding can explain)"
+        return b, f"{FLOOR:g}·u·√n at {dtype} (u={sig(u)}, n={n})"
     b = MARGIN * twin + SLACK * u
-    return b, f"{MARGIN:g} × the reference's own module at {dtype} ({twin:.3g}) + {SLACK:g}·u"
+    return b, f"{MARGIN:g} × the reference's own module at {dtype} ({sig(twin)}) + {SLACK:g}·u"
 
 
 def constant_factor(yc: torch.Tensor, y: torch.Tensor, tolerance: float) -> float | None:

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..report.console import fmt
+from ..report.console import fold_dotted, name_width
+from ..report.numbers import sig
 from .result import Diff
 
 _STYLE = {"within": "green", "regrouped": "cyan", "diverged": "bold red", "raised": "bold red", "shape": "bold red",
@@ -21,7 +22,28 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "
 
 
 def _e(v) -> str:
-    return "—" if v is None else fmt(v, 3)
+    return "—" if v is None else sig(v)
+
+
+def _pair(a: float, b: float) -> str:
+    """An error and its bound, as ``a/b``."""
+    return f"{sig(a)}/{sig(b)}"
+
+
+def _table(console: Console, cols: tuple[str, ...], rows: list[tuple[str, ...]], right: set[str],
+           title: str | None = None) -> Table:
+    """A table whose ``site`` column folds each name only after a dot, at the width the other columns leave."""
+    i = cols.index("site")
+    width = name_width(console.width, [[c, *(r[j] for r in rows)] for j, c in enumerate(cols) if j != i])
+    names = [fold_dotted(r[i], width) for r in rows]
+    widest = max((len(line) for n in names for line in n.split("\n")), default=4)
+    t = Table(show_lines=False, header_style="bold", title=title)
+    for col in cols:  # the other columns wrap at spaces, or fold, to leave the names their width
+        t.add_column(col, justify="right" if col in right else "left", overflow="fold",
+                     min_width=min(widest, width) if col == "site" else None)
+    for r, name in zip(rows, names, strict=True):
+        t.add_row(*r[:i], escape(name), *r[i + 1:])
+    return t
 
 
 def _db(m) -> str:
@@ -40,19 +62,18 @@ def render_diff(d: Diff, console: Console, *, all_sites: bool = False) -> None:
 
 
 def _render_grad(d: Diff, console: Console, all_sites: bool) -> None:
-    t = Table(show_lines=False, header_style="bold", title="gradients (backward order)")
-    for col in ("#", "site", "class", "own dx err", "bound", "propagated dy", "status"):
-        t.add_column(col, justify="right" if col in ("#", "own dx err", "bound", "propagated dy") else "left",
-                     overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
+    rows = []
     for s in d.grad_sites:
         if not (all_sites or s.own is not None or s.status != "propagated"):
             continue
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.grad_first_divergence else "")
         bound = _e(s.bound) if s.elementwise is None else \
-            f"{s.elementwise['gradient']} {s.elementwise['worst_error']:.2e}/{s.elementwise['worst_bound']:.2e}"
-        t.add_row(str(s.order), escape(s.name), escape(s.cls), _e(s.judged_error), bound, _e(s.propagated_error),
-                  f"[{style}]{status}[/]" if style else status)
+            f"{s.elementwise['gradient']} {_pair(s.elementwise['worst_error'], s.elementwise['worst_bound'])}"
+        rows.append((str(s.order), s.name, escape(s.cls), _e(s.judged_error), bound, _e(s.propagated_error),
+                     f"[{style}]{status}[/]" if style else status))
+    t = _table(console, ("#", "site", "class", "own dx err", "bound", "propagated dy", "status"), rows,
+               {"#", "own dx err", "bound", "propagated dy"}, title="gradients (backward order)")
     console.print(t)
     if d.grad_first_divergence is None:
         console.print(f"[green]gradients: no divergence ({sum(s.own is not None for s in d.grad_sites)} sites' own "
@@ -76,25 +97,23 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
     shown = _rows(d) if not all_sites else [s for s in d.sites if s.own is not None or s.status != "propagated"
                                              or s.name == d.first_divergence or s.own_missing]
     prefix = "" if all_sites else _common_prefix([s.name for s in shown])
-    t = Table(show_lines=False, header_style="bold")
     # under autocast each site runs at its own dtype: the column says which one it was judged at
     cols = (("#", "site", "class") if all_sites else ("site",)) + (("ran at",) if d.autocast else ()) + (
         "own err", "bound", "propagated") + (("SQNR dB",) if all_sites else ()) + ("status",)
-    for col in cols:
-        t.add_column(col, justify="right" if col in ("#", "own err", "bound", "propagated", "SQNR dB") else "left",
-                     overflow="fold")  # a narrow terminal wraps a site's name inside its cell, never cuts it
+    rows = []
     for s in shown:
         style = _STYLE.get(s.status, "")
         status = s.status + (" ◀ first" if s.name == d.first_divergence else "")
         if s.own_missing:  # a site that would get an own error and could not: the row says why
             status += f" (own n/a — {escape(s.own_missing)})"
         bound = _e(s.bound) if s.elementwise is None else \
-            f"{s.elementwise['worst_error']:.3g}/{s.elementwise['worst_bound']:.3g}"
+            _pair(s.elementwise["worst_error"], s.elementwise["worst_bound"])
         ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
         own = "n/a" if s.own_missing else _e(s.judged_error)
-        head = (str(s.order), escape(s.name), escape(s.cls)) if all_sites else (escape(s.name[len(prefix):]),)
-        t.add_row(*head, *ran, own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
-                  f"[{style}]{status}[/]" if style else status)
+        head = (str(s.order), s.name, escape(s.cls)) if all_sites else (s.name[len(prefix):],)
+        rows.append((*head, *ran, own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
+                     f"[{style}]{status}[/]" if style else status))
+    t = _table(console, cols, rows, {"#", "own err", "bound", "propagated", "SQNR dB"})
     if prefix:
         console.print(f"[dim]sites under {escape(prefix)}[/]")
     console.print(t)

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from ..jsonable import jsonable
+from ..report.numbers import sig
 from ..results.verdict import Verdict, verdict_of
 
 SCHEMA = "normscope.diff/1"
@@ -204,8 +205,8 @@ class Diff(Verdict):
             if self.stats.get("self_candidate"):
                 norms = sum(s.kind == "norm" and s.status == "within" for s in self.sites)
                 added = self.stats.get("error_added") or []
-                most = (f"; the most error is added at {added[0]['site']} ({added[0]['own_roundoffs']:.3g} roundoffs "
-                        f"of {added[0]['dtype']}, ×{added[0]['amplification']:.3g} its input's error)") if added else ""
+                most = (f"; the most error is added at {added[0]['site']} ({sig(added[0]['own_roundoffs'])} roundoffs "
+                        f"of {added[0]['dtype']}, ×{sig(added[0]['amplification'])} its input's error)") if added else ""
                 return (f"no divergence: {norms} norm sites within their contracts at {at}; the other sites are "
                         f"the reference's own operations, faithful by construction ({measured} own errors "
                         f"measured){most}")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NormscopeError
+from ..report.numbers import sig
 from ..targets.mlx_target import is_mlx_module
 from .contracts import infer_module
 from .result import SiteDiff
@@ -70,10 +71,10 @@ def undecided(sites: list[SiteDiff], own_sites: int, errors: list[str], nonfinit
         why.append("the final output was not compared (" + (root.note or root.status if root else "no output") +
                    "); what would decide it: a candidate that returns the reference's output")
     elif onnx and root.status == "propagated" and root.bound is not None:
-        why.append(f"the final output's error ({root.propagated['normalized']:.3g}) is not accounted for: "
+        why.append(f"the final output's error ({sig(root.propagated['normalized'])}) is not accounted for: "
                    f"{root.note}")
     elif replays and root.own is None and root.status != "regrouped":
-        why.append(f"the final output's error ({root.propagated['normalized']:.3g}) is not accounted for: the "
+        why.append(f"the final output's error ({sig(root.propagated['normalized'])}) is not accounted for: the "
                    f"model's own run, its judged children replayed, was not measured ({root.note or root.status}); "
                    "what would decide it: a model whose top-level call can be run again on the same inputs")
     return why
@@ -139,8 +140,8 @@ def parameter_differences(ref, cand, cand_module) -> list[str]:
             i = int(off[np.argmax(np.abs(b - a)[off])])
             factor = b[i] / a[i] if a[i] else math.inf
             out.append(f"the effective {symbol} differs at {off.size} of {a.size} channels (largest at channel {i}: "
-                       f"{b[i]:.4g} in the candidate vs {a[i]:.4g} in the reference, ×{factor:.3g}), beyond the "
-                       f"rounding of its parameters ({tol:.2g} relative)")
+                       f"{sig(b[i], 4)} in the candidate vs {sig(a[i], 4)} in the reference, ×{sig(factor)}), beyond the "
+                       f"rounding of its parameters ({sig(tol, 2)} relative)")
     return out
 
 
@@ -151,23 +152,23 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
         reason = s.note
     elif s.elementwise is not None:
         v = s.elementwise
-        faithful = "" if v.get("worst_faithful") is None else f", a faithful one errs by {v['worst_faithful']:.3g}"
-        reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {v['worst_error']:.3g} > bound "
-                  f"{v['worst_bound']:.3g}{faithful} ({v['outside']} of {v['total']} elements outside; "
-                  f"‖Δ‖/‖r‖ = {s.own['normalized']:.3g}) [{s.bound_rule}]")
+        faithful = "" if v.get("worst_faithful") is None else f", a faithful one errs by {sig(v['worst_faithful'])}"
+        reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {sig(v['worst_error'])} > bound "
+                  f"{sig(v['worst_bound'])}{faithful} ({v['outside']} of {v['total']} elements outside; "
+                  f"‖Δ‖/‖r‖ = {sig(s.own['normalized'])}) [{s.bound_rule}]")
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
         other = {k: v for k, v in s.outputs.items() if v is not None and v > s.bound}
         if which == "own" and other and not m["normalized"] > s.bound and not (s.feeds or 0.0) > s.bound:
             name, err = max(other.items(), key=lambda kv: kv[1])
-            reason = (f"own error of its output {name!r} (not the primary): ‖Δ‖/‖r‖ = {err:.3g} > bound "
-                      f"{s.bound:.3g} [{s.bound_rule}]; the primary output errs by {m['normalized']:.3g}")
+            reason = (f"own error of its output {name!r} (not the primary): ‖Δ‖/‖r‖ = {sig(err)} > bound "
+                      f"{sig(s.bound)} [{s.bound_rule}]; the primary output errs by {sig(m['normalized'])}")
         elif which == "own" and s.feeds is not None and s.feeds > s.bound and not m["normalized"] > s.bound:
-            reason = (f"own error: its code hands {s.feeds_to} an input that errs by ‖Δ‖/‖r‖ = {s.feeds:.3g} "
-                      f"(the reference's input to it, replayed) > bound {s.bound:.3g} [{s.bound_rule}]")
+            reason = (f"own error: its code hands {s.feeds_to} an input that errs by ‖Δ‖/‖r‖ = {sig(s.feeds)} "
+                      f"(the reference's input to it, replayed) > bound {sig(s.bound)} [{s.bound_rule}]")
         else:
-            reason = (f"{which} error ‖Δ‖/‖r‖ = {m['normalized']:.3g} (max abs {m['max_abs']:.3g}, SQNR "
-                      f"{m['sqnr_db']:.1f} dB) > bound {s.bound:.3g} [{s.bound_rule}]"
+            reason = (f"{which} error ‖Δ‖/‖r‖ = {sig(m['normalized'])} (max abs {sig(m['max_abs'])}, SQNR "
+                      f"{m['sqnr_db']:.1f} dB) > bound {sig(s.bound)} [{s.bound_rule}]"
                       + (f"; {s.note}" if which == "propagated" and s.note else ""))
         if which == "own" and s.kind == "module":
             reason += "; " + between_children(s)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..report.numbers import sig
 from ..sites.classes import known_class
 from . import contracts, judge, metrics
 from .candidate import Alignment, Candidate, NotMeasured
@@ -318,9 +319,9 @@ class Walk:
             names = ", ".join(c.name for c, _, _ in judged[:3])
             what = "their inputs in the candidate's forward" if all(w == "input" for _, w, _ in judged) else \
                 "their outputs"
-            s.note = (f"the candidate's output here is ×{s.factor:.6g} the reference's (own error "
-                      f"{s.own['normalized']:.3g}), and what consumes it agrees ({names}: {what} within "
-                      f"{max(e for _, _, e in judged):.3g} of the reference's, this site's bound {s.bound:.3g}): the "
+            s.note = (f"the candidate's output here is ×{sig(s.factor, 6)} the reference's (own error "
+                      f"{sig(s.own['normalized'])}), and what consumes it agrees ({names}: {what} within "
+                      f"{sig(max(e for _, _, e in judged))} of the reference's, this site's bound {sig(s.bound)}): the "
                       "candidate applies that factor outside this module")
             self.first.pop(s.name, None)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..report.numbers import sig
+
 if TYPE_CHECKING:  # the command line registers this parser without loading rich
     from rich.console import Console
 
@@ -130,7 +132,7 @@ _COLUMNS = ("attention", "mlp", "norm", "stream_grad", "input_rms")
 def _rows(layers: list[dict]) -> list[str]:
     """Gradient norms per layer as plain right-aligned columns, the block's name last and never cut: about 60
     columns of numbers, so a row fits 80 unless the block's name is long (then it runs past, whole)."""
-    cells = [[str(r["layer"]), *(f"{r[c]:.3g}" if r[c] is not None else "—" for c in _COLUMNS), r["block"]]
+    cells = [[str(r["layer"]), *(f"{sig(r[c])}" if r[c] is not None else "—" for c in _COLUMNS), r["block"]]
              for r in layers]
     head = ["layer", *_COLUMNS, "block"]
     widths = [max(len(row[i]) for row in [head, *cells]) for i in range(len(head) - 1)]
@@ -196,7 +198,7 @@ def run(args, console: Console) -> int:
     indented(console, f"{origin}; loss: {loss_what}", 0)
     for snap in result.snapshots:
         console.print()
-        console.print(f"[bold]step {snap.step}[/]: loss {snap.loss:.4g}")
+        console.print(f"[bold]step {snap.step}[/]: loss {sig(snap.loss, 4)}")
         for line in _rows(snap.layers):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     rows = [r for snap in result.snapshots for r in snap.layers]

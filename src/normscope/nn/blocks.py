@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
+from ..report.numbers import sig
 from ..spec import NormSpec
 from .modules import Norm
 
@@ -164,7 +165,7 @@ class Block(nn.Module):
                 nn.init.zeros_(lin.bias)
 
     def extra_repr(self) -> str:
-        extra = f", alpha={self.alpha:.4g}, beta={self.beta:.4g}" if self.placement == "deepnorm" else ""
+        extra = f", alpha={sig(self.alpha, 4)}, beta={sig(self.beta, 4)}" if self.placement == "deepnorm" else ""
         return f"placement={self.placement}{extra}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ import numpy as np
 from .. import reference
 from ..groups import Groups
 from ..numerics import constants as C
+from ..report.numbers import sig
 from ..results.params import NormParams
 from ..spec import NormSpec
 from .experiments import ulps
@@ -133,11 +134,11 @@ def not_separated_because(sep: dict[str, Any]) -> str:
     """The conditions of :func:`separates` that failed, in words (only those: a passing one is not listed)."""
     why = []
     if sep["ratio"] < C.SEPARATION_RATIO:
-        why.append(f"ratio {sep['ratio']:.3g} < {C.SEPARATION_RATIO:g}")
+        why.append(f"ratio {sig(sep['ratio'])} < {C.SEPARATION_RATIO:g}")
     if not sep["far"] - sep["near"] > sep["floor"]:
-        why.append(f"difference {sep['far'] - sep['near']:.3g} ≤ the floor {sep['floor']:.3g} ulps")
+        why.append(f"difference {sig(sep['far'] - sep['near'])} ≤ the floor {sig(sep['floor'])} ulps")
     if sep["sign_z"] < C.SEPARATION_Z:
-        why.append(f"sign test z = {sep['sign_z']:.3g} < {C.SEPARATION_Z:g}")
+        why.append(f"sign test z = {sig(sep['sign_z'])} < {C.SEPARATION_Z:g}")
     return " and ".join(why) or "separated"
 
 

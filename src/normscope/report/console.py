@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,23 +9,30 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
+
+from .numbers import fmt
 
 
-def fmt(v: float, digits: int = 4) -> str:
-    """A number the way a person writes it: 4 decimals, −0 shown as 0, tiny or huge in e-notation."""
-    if v != v:  # NaN
-        return "nan"
-    if v in (math.inf, -math.inf):
-        return "∞" if v > 0 else "−∞"
-    if v == 0:
-        return "0"
-    a = abs(v)
-    if a >= 1e5 or a < 1e-3:
-        mantissa, exponent = f"{v:.{digits - 1}e}".split("e")
-        mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{int(exponent)}".replace("-", "−")
-    text = f"{v:.{digits}f}".rstrip("0").rstrip(".")
-    return "0" if text in ("-0", "0") else text.replace("-", "−")
+def fold_dotted(name: str, width: int) -> str:
+    """A dotted name on lines of at most ``width``, broken only after a dot (a part longer than ``width`` keeps its
+    own line): how every table shows a module path, so a narrow terminal never splits a word."""
+    lines: list[str] = []
+    for part in (p + "." for p in name.split(".")):
+        if lines and len(lines[-1]) + len(part) <= width:
+            lines[-1] += part
+        else:
+            lines.append(part)
+    return "\n".join(lines)[:-1]
+
+
+def name_width(console_width: int, other_columns: Iterable[Iterable[str]]) -> int:
+    """The width a table's name column can claim: the console's width less the table's borders and padding and,
+    per other column, its longest word (rich markup counted as printed), the least it takes without cutting a
+    word, since the rest of its text wraps at spaces."""
+    others = [max((max((len(w) for w in Text.from_markup(c).plain.split()), default=0) for c in col), default=0)
+              for col in other_columns]
+    return max(16, console_width - sum(others) - 3 * (len(others) + 1) - 1)
 
 
 def vec(values: Iterable[float]) -> str:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..results.check import Report, Status
+from .numbers import sig
 
 
 def short(v: Any) -> str:
     """A value in a few characters: floats to 4 significant digits, long lists cut after 8."""
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return sig(v, 4)
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k}: {short(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list | tuple):

@@ -23,6 +23,7 @@ from ..model import Progress, arguments, describe, offloaded, on_meta, private_c
 from ..model import progress as progress_of
 from ..precision import dtype_name
 from ..probe.infer import VALIDATION_TOL, infer
+from ..report.numbers import sig
 from ..targets import as_target
 from ..targets.base import check_dtype_list
 from .classes import known_class
@@ -216,7 +217,7 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
         verdict, measured = _scale_invariant(c)
         if not verdict:
             continue
-        progress(f"behaviour: {_label(c)} looks scale-invariant (f(16x) vs f(64x): {measured:.2g})")
+        progress(f"behaviour: {_label(c)} looks scale-invariant (f(16x) vs f(64x): {sig(measured, 2)})")
         out.append(_Candidate("behaviour", _label(c), type(c.module).__name__, c.x, c.y, c.input, c.output, c.index,
                               c.first_op, _maker(c)))
         accepted.add(c.index)
@@ -584,7 +585,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         elif not s.activation.get("ok", True):
             findings.append({"kind": "activation_mismatch", "sites": [s.name],
                              "message": f"{s.name}: the inferred contract reproduces the recorded activation only to "
-                                        f"{s.activation['max_relative_error']:.3g} (tolerance "
+                                        f"{sig(s.activation['max_relative_error'])} (tolerance "
                                         f"{s.activation['tolerance']:g})"})
     for s in sites:
         ev = (s.evidence or {}).get("stats_dtype") or {}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..layout import Layout
+from ..report.numbers import sig
 
 BUDGET = 1 << 16  # elements: an input this small is probed as recorded
 CUT_TO = 8  # entries kept along a cut axis
@@ -63,7 +64,7 @@ def smaller_shape(module: torch.nn.Module, shape: tuple[int, ...], dtype: torch.
         expected = y.narrow(axis, 0, CUT_TO).double()
         diff = float((yc.double() - expected).abs().max()) / (float(expected.abs().max()) or 1.0)
         if not diff <= TOLERANCE[dtype]:
-            cut.append({"axis": axis, "size": shape[axis], "kept": f"the output moves by {diff:.3g} (relative)"})
+            cut.append({"axis": axis, "size": shape[axis], "kept": f"the output moves by {sig(diff)} (relative)"})
             continue
         cut.append({"axis": axis, "size": shape[axis], "cut_to": CUT_TO, "difference": diff})
         sizes[axis] = CUT_TO

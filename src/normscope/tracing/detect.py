@@ -40,6 +40,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..jsonable import jsonable
+from ..report.numbers import sig
 from ..results.verdict import Verdict, verdict_of
 from .store import is_number, read_run
 from .trend import departures, fit, gaussian_tail_quantile, log_values
@@ -388,7 +389,7 @@ class _Trigger:
 
 
 def _fmt(v: float) -> str:
-    return f"{v:.4g}"
+    return sig(v, 4)
 
 
 def _group(key: tuple | None) -> str:
@@ -440,7 +441,7 @@ def _lr_jump_triggers(jumps: list[tuple], groups: int) -> list[_Trigger]:
                        f"the parameters of {len(alike)} of the {groups} traced layers and modules "
                        f"({', '.join(_group(j[1]) for j in alike)})") + f" ({who} shown)"
             out.append(_Trigger(t, "lr_jump", "lr", lr, highest,
-                                f"learning rate {_fmt(lr)} for {who} is ×{lr / highest:.3g} the highest its schedule "
+                                f"learning rate {_fmt(lr)} for {who} is ×{sig(lr / highest)} the highest its schedule "
                                 f"reached before ({_fmt(highest)}); update ratio {_fmt(ratio)}", key))
     return out
 
@@ -594,9 +595,9 @@ class _Detector:
                 continue
             who = (f"samples {', '.join(map(str, ids))} at up to" if len(ids) > 1 else f"sample {ids[0]} at")
             self.notes[step] = (
-                f"step {step}: {who} ×{float(np.max(ratio)):.3g} the batch's median loss ({_fmt(float(np.max(v[idx])))}"
+                f"step {step}: {who} ×{sig(float(np.max(ratio)))} the batch's median loss ({_fmt(float(np.max(v[idx])))}"
                 f" against {_fmt(float(np.median(v)))}) with inputs in range"
-                + (f"; the batch's loss {_fmt(trig.value)} (×{trig.value / trig.baseline:.3g} its trend) is back in "
+                + (f"; the batch's loss {_fmt(trig.value)} (×{sig(trig.value / trig.baseline)} its trend) is back in "
                    f"range without {'them' if len(ids) > 1 else 'it'}" if trig.sample_ids is None else "")
                 + ": a hard or mislabelled example, not an incident")
         return kept
@@ -624,7 +625,7 @@ class _Detector:
                 if _unusual(a, factor):
                     who = f"sample {a.sample_ids[0]}" if len(a.sample_ids or ()) == 1 else f"samples {a.sample_ids}"
                     self.notes[step] = (f"step {step}: {who}: input ({a.site}) {a.metric} up to {_fmt(a.value)}, "
-                                        f"×{a.value / a.baseline:.3g} the recent samples' median {_fmt(a.baseline)}, "
+                                        f"×{sig(a.value / a.baseline)} the recent samples' median {_fmt(a.baseline)}, "
                                         f"{self._downstream(t)}: an unusual or corrupt input, not an incident")
                     break
 
@@ -691,16 +692,16 @@ class _Detector:
                 a, b = row[t - 1], row[t]
                 if stream and self._stream_leaps(row, t):
                     out.append(_Trigger(t, "danger_jump", key[4], float(b), float(a),
-                                        f"{what} ({_where(key)}) {_fmt(b)} from {_fmt(a)} the step before (×{b / a:.3g}"
+                                        f"{what} ({_where(key)}) {_fmt(b)} from {_fmt(a)} the step before (×{sig(b / a)}"
                                         f"), ×{STREAM_JUMP:g} or more the largest of the {self.window} steps before "
                                         f"in one step (its danger level is {_fmt(danger)})", key))
                     break
                 if (math.isfinite(a) and math.isfinite(b) and 0 <= a < danger and b >= danger / DANGER_JUMP
                         and b >= DANGER_JUMP * a):
                     out.append(_Trigger(t, "danger_jump", key[4], float(b), float(a),
-                                        f"{what} ({_where(key)}) {_fmt(b)} from {_fmt(a)} the step before (×{b / a:.3g}), "
+                                        f"{what} ({_where(key)}) {_fmt(b)} from {_fmt(a)} the step before (×{sig(b / a)}), "
                                         + (f"past the danger level {_fmt(danger)} in one step" if b >= danger else
-                                           f"in one step, within ×{danger / b:.2g} of the danger level "
+                                           f"in one step, within ×{sig(danger / b, 2)} of the danger level "
                                            f"{_fmt(danger)}"), key))
                     break
         if "logit" in self.dangers:
@@ -741,7 +742,7 @@ class _Detector:
                         and b * DANGER_JUMP <= a):
                     out.append(_Trigger(t, "danger_jump", "entropy", float(b), float(a),
                                         f"attention entropy ({_where(key)}) {_fmt(b)} nats from {_fmt(a)} the step before "
-                                        f"(÷{a / max(b, 1e-12):.3g}): collapsed onto one or two keys in one step",
+                                        f"(÷{sig(a / max(b, 1e-12))}): collapsed onto one or two keys in one step",
                                         key))
                     break
         return out
@@ -768,7 +769,7 @@ class _Detector:
                 med = float(np.median(v[np.isfinite(v)]))
                 out.append(_Trigger(t, "loss_spike", "loss", float(v[top]), med,
                                     f"per-sample loss {_fmt(v[top])} of sample {sids[keep.index(top)]} is "
-                                    f"×{v[top] / med:.3g} its batch's median {_fmt(med)} (+{z[top]:.1f} robust σ "
+                                    f"×{sig(v[top] / med)} its batch's median {_fmt(med)} (+{z[top]:.1f} robust σ "
                                     f"over the recent steps' spread; thresholds {thr:.1f} and ×{factor:g}); "
                                     f"{len(keep)} of {v.size} samples", ("loss", None, "", None, "loss"),
                                     sample_ids=sids, score=float(z[top])))
@@ -847,7 +848,7 @@ class _Detector:
                         "update_spike": f"update ratio per unit of learning rate, {_group(key)}"}[kind]
                 b = math.exp(base[r])
                 out.append(_Trigger(t, kind, metric, float(series[t]), b,
-                                    f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{series[t] / b:.3g}, "
+                                    f"{what} {_fmt(series[t])} vs its trend {_fmt(b)} (×{sig(series[t] / b)}, "
                                     f"+{z[r]:.1f} robust σ; threshold {thr:.1f}"
                                     + (f" and ×{factor:g})" if factor > 1 else ")")
                                     + (self._step_evidence(key, t) if kind == "update_spike" else ""), key,
@@ -860,7 +861,7 @@ class _Detector:
         largest, count = _largest_before(step)
         if not count[t] or not math.isfinite(step[t]):
             return ""
-        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{step[t] / max(largest[t], 1e-300):.3g}"
+        return (f"; its largest parameter step {_fmt(step[t])} learning rates, ×{sig(step[t] / max(largest[t], 1e-300))}"
                 f" the largest of the {count[t]} steps before")
 
     def _sample_nonfinite(self, t: int) -> set[int]:
@@ -883,7 +884,7 @@ class _Detector:
         if ids is None:
             return None, ""
         sids = _ids(self.records[t], ids)
-        return sids, f"; samples {sids} carry it (up to ×{float(np.max(ratio)):.3g} their batch's median loss)"
+        return sids, f"; samples {sids} carry it (up to ×{sig(float(np.max(ratio)))} their batch's median loss)"
 
     def _sample_losses(self) -> list[np.ndarray | None]:
         """Each column's per-sample losses (None where not recorded), read from the records once per run."""
@@ -936,17 +937,17 @@ class _Detector:
                 if metric in _COUNT:
                     prior = row[:t][np.isfinite(row[:t])]
                     if v > 0 and (prior.size == 0 and t == 0 or prior.size and np.all(prior == 0)):
-                        hit = (math.inf, 0.0, f"{metric} = {v:.4g} after {prior.size} recorded steps at 0")
+                        hit = (math.inf, 0.0, f"{metric} = {sig(v, 4)} after {prior.size} recorded steps at 0")
                 elif not math.isfinite(v):
                     hit = (math.inf, None, f"{metric} is {v}")
                 elif metric in _UP and self.up[r, t] >= thr:
                     b = math.exp(self.base_up[r, t])
                     hit = (float(self.up[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
-                                                    f"(×{v / b:.3g}, +{self.up[r, t]:.1f} robust σ)")
+                                                    f"(×{sig(v / b)}, +{self.up[r, t]:.1f} robust σ)")
                 elif metric in _DOWN and self.down[r, t] >= thr:
                     b = math.exp(self.base_down[r, t])
                     hit = (float(self.down[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
-                                                      f"(×{v / b:.3g}, −{self.down[r, t]:.1f} robust σ)")
+                                                      f"(×{sig(v / b)}, −{self.down[r, t]:.1f} robust σ)")
                 if hit is not None:
                     step = int(s.steps[t])
                     found.append(Anomaly(step, stage, layer, head, metric, float(v), hit[1], hit[2],
@@ -1167,7 +1168,7 @@ class _Detector:
                       + (before + ")" if before else "")
                       + (f"; its softmax entropy {_fmt(spread)} nats (collapsed: ≤ {ENTROPY_COLLAPSE})"
                          if spread is not None else "")
-                      + (f"; ×{math.exp(slope):.3g} per recorded step over the last {w}" if growing else ""))
+                      + (f"; ×{sig(math.exp(slope))} per recorded step over the last {w}" if growing else ""))
                 out.append(Drift(stage, layer, site, head, metric, int(s.steps[-1]), v, slope, danger, 0.0,
                                  "crossed", ev))
                 continue
@@ -1176,7 +1177,7 @@ class _Detector:
             steps = (math.log(danger) - math.log(v)) / slope
             if steps > horizon:
                 continue
-            ev = (f"{what} {_fmt(v)}, ×{math.exp(slope):.3g} per recorded step over the last {w}; "
+            ev = (f"{what} {_fmt(v)}, ×{sig(math.exp(slope))} per recorded step over the last {w}; "
                   f"reaches the danger level {_fmt(danger)} in ~{steps:.0f} recorded steps at this rate"
                   + (f" (its softmax entropy now {_fmt(spread)} nats; collapsed at ≤ {ENTROPY_COLLAPSE})"
                      if spread is not None else ""))

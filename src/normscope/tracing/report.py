@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..report.console import indented
+from ..report.numbers import sig
 from .detect import Diagnosis, rms
 
 MAX_ROWS = 25
@@ -21,7 +22,7 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "—"
     if isinstance(v, float):
-        return f"{v:.4g}" if math.isfinite(v) else str(v)
+        return sig(v, 4) if math.isfinite(v) else str(v)
     return str(v)
 
 
@@ -271,7 +272,7 @@ def render_html(d: Diagnosis) -> str:
         cols = ("series", "metric", "value", "×/step", "danger", "steps to danger", "status", "evidence")
         parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
         for x in d.drifts:
-            row = (x.where(), x.metric, _fmt(x.value), f"{math.exp(x.slope):.3g}", _fmt(x.danger),
+            row = (x.where(), x.metric, _fmt(x.value), f"{sig(math.exp(x.slope))}", _fmt(x.danger),
                    f"{x.steps_to_danger:.0f}", x.status, x.evidence)
             parts.append("<tr>" + "".join(f"<td>{esc(str(v))}</td>" for v in row) + "</tr>")
         parts.append("</table>")

@@ -42,6 +42,7 @@ import torch
 
 from ...errors import InputError, TargetError
 from ...extras import require
+from ...report.numbers import sig
 from ..candidate import Alignment, Candidate, NotMeasured, kept_bytes
 from ..execution import Memo, Record, input_at, model_dtype, primary, stateless
 
@@ -833,7 +834,7 @@ class LlamaCppCandidate(Candidate):
         moved = ""
         if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape:
             d = float(torch.linalg.vector_norm((after - before).double()) / torch.linalg.vector_norm(before.double()))
-            moved = f"; that alone moves the model's output by ‖Δ‖/‖r‖ = {d:.3g}"
+            moved = f"; that alone moves the model's output by ‖Δ‖/‖r‖ = {sig(d)}"
         self.notes.append(f"llama.cpp computes GELU from a float16 table (its tanh approximation at the input rounded "
                           f"to float16, the value rounded to float16): the reference's {len(tanh)} tanh GELU "
                           f"module(s) compute it so throughout this comparison{moved}")

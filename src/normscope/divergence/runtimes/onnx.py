@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...errors import InputError, TargetError
+from ...report.numbers import sig
 from ..candidate import GraphCandidate, NotMeasured
 from ..execution import Memo, Record
 
@@ -468,7 +469,7 @@ def feeds(meta: dict[str, tuple[np.dtype, tuple[int, ...], np.ndarray]], inputs:
             (best, i), second = dist[0], dist[1][0]
             if not (best < 0.05 and second > 10 * best):
                 raise NotExtractable(f"input {name} {list(shape)} matches {len(match)} of the call's tensors by "
-                                     f"shape and none clearly by value (nearest {best:.2g}, next {second:.2g})")
+                                     f"shape and none clearly by value (nearest {sig(best, 2)}, next {sig(second, 2)})")
             match = [match[i]]
         if not match:
             raise NotExtractable(f"input {name} {list(shape)} has no tensor of its shape in the torch call")

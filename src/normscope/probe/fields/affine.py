@@ -19,6 +19,7 @@ from ...dtypes import UNIT_ROUNDOFF
 from ...errors import NotANormalization
 from ...groups import Groups
 from ...layout import Layout
+from ...report.numbers import sig
 from ...results.inference import Confidence, Evidence
 from ...results.params import NormParams
 from ...spec import NormSpec
@@ -74,7 +75,7 @@ def affine(probe: Probe, g: Groups, det: Determinism) -> Affine:
     if noise > max(1e-3, 16 * UNIT_ROUNDOFF[probe.dtype]):
         raise NotANormalization(
             f"two different inputs with identical statistics (±u, u normalized per group) gave γ/β estimates "
-            f"that differ by {noise:.3g} (relative): the output depends on more than the mean and variance "
+            f"that differ by {sig(noise)} (relative): the output depends on more than the mean and variance "
             "(e.g. max-abs scaling)")
     noise = max(noise, det.noise)
     tol = max(1000 * noise, 1e-7) * max(float(np.max(np.abs(gamma_hat))), 1.0)
@@ -180,7 +181,7 @@ def _fit_parameters(probe: Probe, g: Groups, tol: float) -> tuple[dict[str, Fit 
     names = ", ".join(repr(f.name) for f in fitted.values() if f is not None)
     if fitted["beta"] is None and shift > tol:
         return None, (f"the parameters {names} do not explain the output: with random parameters it is shifted by "
-                      f"up to {shift:.3g}, which no parameter equals (e.g. (x̂ + b)·w applies b·w); γ and β are "
+                      f"up to {sig(shift)}, which no parameter equals (e.g. (x̂ + b)·w applies b·w); γ and β are "
                       "recovered from behaviour, not read from parameters")
     if fitted["gamma"] is None and pg_axes:
         return None, (f"the parameters {names} do not explain the output: with random parameters its scale varies "

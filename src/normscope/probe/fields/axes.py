@@ -14,6 +14,7 @@ import numpy as np
 
 from ...errors import NotANormalization
 from ...groups import Groups
+from ...report.numbers import sig
 from ...results.inference import Confidence, Evidence
 from .probe import Probe, channel_affine, natural, rel
 from .target import Determinism
@@ -46,7 +47,7 @@ def dependency(probe: Probe, det: Determinism) -> Dependency:
     if scale_change > 1e-2:
         _refuse_affine_map(probe, x0, scale_change, det.noise)
         raise NotANormalization(
-            f"scaling the input by 4 changed the output by {scale_change:.3g} (relative max); a "
+            f"scaling the input by 4 changed the output by {sig(scale_change)} (relative max); a "
             "normalization is invariant to positive scale (softmax, elementwise maps and plain linear "
             "layers are not)")
     thr = max(1e-6, 100 * det.repeat) * float(np.sqrt(np.mean(y0**2))) + 1e-300
@@ -108,12 +109,12 @@ def _refuse_affine_map(probe: Probe, x0: np.ndarray, scale_change: float, noise:
         affine = channel_affine(probe, axis, x0 + 0.25, noise)  # x0 + ¼ has no zero entry
         if affine is not None and all(np.ptp(v) <= 1e-9 * max(float(np.max(np.abs(v))), 1.0) for v in affine):
             raise NotANormalization(
-                f"scaling the input by 4 changed the output by {scale_change:.3g} (relative max): the "
-                f"output is the same elementwise affine map y = {float(affine[0][0]):.4g}·x + "
-                f"{float(affine[1][0]):.4g} at every position, not a normalization")
+                f"scaling the input by 4 changed the output by {sig(scale_change)} (relative max): the "
+                f"output is the same elementwise affine map y = {sig(float(affine[0][0]), 4)}·x + "
+                f"{sig(float(affine[1][0]), 4)} at every position, not a normalization")
         if affine is not None:
             raise NotANormalization(
-                f"scaling the input by 4 changed the output by {scale_change:.3g} (relative max), and "
+                f"scaling the input by 4 changed the output by {sig(scale_change)} (relative max), and "
                 f"the output is a fixed affine map y = A·x + B of each input on its own, with A and B set by "
                 f"axis {axis} alone: no statistics of the input are used (a frozen BatchNorm whose "
                 "statistics live in buffers normscope does not recognise — it reads running_mean/running_var "

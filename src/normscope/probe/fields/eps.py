@@ -20,6 +20,7 @@ import numpy as np
 from ...dtypes import UNIT_ROUNDOFF
 from ...errors import NotANormalization
 from ...groups import Groups
+from ...report.numbers import sig
 from ...results.inference import Confidence, Evidence
 from .affine import Affine
 from .probe import Probe
@@ -135,7 +136,7 @@ def eps(probe: Probe, g: Groups, aff: Affine) -> Eps:
     note = ""
     if "dtype_dependent" in measured:
         dep = measured["dtype_dependent"]
-        note = (f"ε depends on the input dtype ({dep['float64']:.4g} at float64, {dep['float32']:.4g} at float32, "
+        note = (f"ε depends on the input dtype ({sig(dep['float64'], 4)} at float64, {sig(dep['float32'], 4)} at float32, "
                 "e.g. finfo(dtype).eps); reported at float32")
     evidence = {
         "eps": Evidence("gain r(v) of u·√v: inside ε = v(1/r²−1), outside ε = √v(1/r−1), clamp ε = √v/r",

@@ -20,6 +20,7 @@ import numpy as np
 from ...groups import Groups
 from ...layout import Layout
 from ...precision import Precision
+from ...report.numbers import sig
 from ...results.inference import Confidence, Evidence
 from ...results.params import NormParams
 from ...spec import NormSpec
@@ -136,13 +137,13 @@ def _stats_dtype(low: list[str], per_dtype: dict[str, dict], separation: dict[st
     scores = per_dtype[decider]
     best = min((c for c in pe.CANDIDATES if c[0] == chosen), key=scores.get)
     quality, note = Confidence.DECISIVE, ""
-    both = "; ".join(f"{d}: fp32 statistics {separation[d]['float32']:.3g} vs input-dtype {separation[d]['input']:.3g} "
-                     f"ulps, sign test z={separation[d]['sign_z']:.2g}" for d in low)
+    both = "; ".join(f"{d}: fp32 statistics {sig(separation[d]['float32'])} vs input-dtype {sig(separation[d]['input'])} "
+                     f"ulps, sign test z={sig(separation[d]['sign_z'], 2)}" for d in low)
     if not informative:
         quality = Confidence.AMBIGUOUS
         note = f"the candidates do not separate beyond noise ({both}); the closer one is reported"
         if not separation[decider]["reproduces"]:
-            note += (f"; no candidate reproduces the {decider} output (best {scores[best]:.2g} ulps mean): the "
+            note += (f"; no candidate reproduces the {decider} output (best {sig(scores[best], 2)} ulps mean): the "
                      "target rounds differently from every emulated contract")
     elif disagree:
         quality = Confidence.AMBIGUOUS

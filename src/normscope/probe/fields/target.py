@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from ...dtypes import UNIT_ROUNDOFF
+from ...report.numbers import sig
 from ...results.inference import Confidence, Evidence
 from .probe import Probe, rel
 
@@ -50,8 +51,8 @@ def determinism(probe: Probe) -> Determinism:
     floor = mode_floor(spread)
     note = ""
     if spread > 0:
-        note = (f"non-deterministic: identical calls differ by up to {spread:.3g} (relative); every experiment "
-                f"treats differences below {noise:.3g} as noise, and train/eval below {floor:.3g}")
+        note = (f"non-deterministic: identical calls differ by up to {sig(spread)} (relative); every experiment "
+                f"treats differences below {sig(noise)} as noise, and train/eval below {sig(floor)}")
     evidence = Evidence(f"the same input three times at {probe.dtype}",
                         {"max_relative_difference": spread, "noise_floor": noise}, Confidence.DECISIVE, note)
     return Determinism(spread, noise, evidence)

@@ -10,6 +10,7 @@ from ... import reference
 from ...errors import NotANormalization
 from ...groups import Groups
 from ...precision import Precision
+from ...report.numbers import sig
 from ...results.params import NormParams
 from ...spec import NormSpec
 from .probe import Probe, rel
@@ -42,9 +43,9 @@ def validate(probe: Probe, spec: NormSpec, params: NormParams, g: Groups, dtype:
         worst = max(worst, err)
     out["max_relative_error"] = worst
     if not worst <= tol:
-        errors = ", ".join(f"{k}: {v:.3g}" for k, v in out.items() if k not in ("tolerance", "dtype"))
+        errors = ", ".join(f"{k}: {sig(v)}" for k, v in out.items() if k not in ("tolerance", "dtype"))
         raise NotANormalization(
             f"the closest contract found ({spec.summary()}) reproduces the target only to a relative error of "
-            f"{worst:.3g} on fresh inputs ({errors}); "
+            f"{sig(worst)} on fresh inputs ({errors}); "
             f"a normalization matches to ≤ {tol:g}: no NormSpec explains this target")
     return out

@@ -192,10 +192,11 @@ def test_fewer_experts_are_used_only_where_the_layers_keep_their_pattern():
 
 
 # ----------------------------------------------------------------------------------- full-size default configs
-@pytest.mark.parametrize("arch, layers", [("granitemoe", 32), ("bart", 12)])
+@pytest.mark.parametrize("arch, layers", [("granitemoe", 32), ("bart", 12), ("bigbird_pegasus", 16)])
 def test_a_full_size_default_config_gives_every_layer(tmp_path, arch, layers):
-    """GraniteMoE (an MoE of 3 B parameters: its router's top-k ran no forward on the meta device) and BART (400 M
-    parameters, its forward reads values) as their default configs state them."""
+    """GraniteMoE (an MoE of 3 B parameters: its router's top-k ran no forward on the meta device), BART (400 M
+    parameters, its forward reads values) and BigBird-Pegasus (577 M; a forward switches its layers' attention
+    type, so its layer kinds are read before any forward runs) as their default configs state them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     CONFIG_MAPPING[arch]().save_pretrained(tmp_path)

@@ -166,3 +166,12 @@ def test_arguments_the_forward_documents_as_needed_are_given_where_it_fails_with
     with torch.no_grad():
         model(**inputs)
     assert set(default_inputs(_meta_model("llama"))) == {"input_ids", "use_cache"}  # a forward that runs: as it was
+
+
+def test_on_the_meta_device_a_tensor_the_error_names_is_kept_where_the_forward_then_fails_on_values():
+    """AlignModel asks for pixel_values; given them, its forward on the meta device fails later (an ``.item()``):
+    the inputs keep them, so the meta scan fails on what the values decide, not on a missing image."""
+    model = _meta_model("align")
+    inputs = default_inputs(model)
+    assert {"input_ids", "pixel_values"} <= set(inputs) and inputs["pixel_values"].is_meta
+    assert "pixel_values" not in default_inputs(model, needed=False)  # the caller asked for no forward

@@ -181,13 +181,14 @@ def _read_one(model, config_path: Path, label: str):
     from ..model import default_inputs
     from ..sites import scan
 
+    from . import depth
+
+    # before any forward (default_inputs may run one), which may change a layer's settings (BigBird's attention)
+    full = depth.block_lists(model)
     try:
         inputs = default_inputs(model)
     except InputError as exc:
         raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
-    from . import depth
-
-    full = depth.block_lists(model)  # before a forward, which may change a layer's settings (BigBird's attention)
     try:
         result = scan(model, inputs, dtypes="float32", progress=False)
         untested = result.stats.get("behaviour_candidates_untested", 0)

@@ -216,8 +216,9 @@ class _Defaults:
         """Where the forward fails on the inputs so far, the tensors its docstring documents without
         ``*optional*`` though the signature defaults them to None (Decision Transformer's actions and rewards,
         BROS's boxes), or the documented tensors its error names (LXMERT's ``visual_feats``) — kept where with
-        them it runs. (A forward that fails every way — one that reads values, on the meta device — keeps the
-        inputs as they were.)"""
+        them it runs. A forward that fails every way (one that reads values, on the meta device) keeps the tensors
+        its error named where with them it fails elsewhere, no longer asking for them; else the inputs as they
+        were."""
         if not self.needed:
             return
         failure = self._failure(self._called(self.kwargs))
@@ -230,7 +231,7 @@ class _Defaults:
         # "either pixel_values or image_embeds": the alternatives were left out above, so the first is given
         named = [k for k in tensors if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", failure)]
         tries = [t for t in (documented, named, list(dict.fromkeys(documented + named))) if t]
-        before = dict(self.kwargs)
+        before, further = dict(self.kwargs), None
         for names in dict.fromkeys(tuple(t) for t in tries):
             try:
                 for name in names:
@@ -238,9 +239,15 @@ class _Defaults:
             except _Missing:
                 self.kwargs = dict(before)
                 continue
-            if self._failure(self._called(self.kwargs)) is None:
+            now = self._failure(self._called(self.kwargs))
+            if now is None:
                 return
+            if further is None and named and not any(re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", now)
+                                                     for k in named):
+                further = dict(self.kwargs)  # it asks for them no more and fails later (on values, on meta)
             self.kwargs = dict(before)
+        if further is not None:
+            self.kwargs = further
 
     def _failure(self, kwargs: dict[str, Any]) -> str | None:
         """Why the forward fails on ``kwargs`` (its error's words), or None where it runs."""

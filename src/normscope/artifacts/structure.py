@@ -180,7 +180,6 @@ def _read_one(model, config_path: Path, label: str):
     (:mod:`.depth`)."""
     from ..model import default_inputs
     from ..sites import scan
-
     from . import depth
 
     # before any forward (default_inputs may run one), which may change a layer's settings (BigBird's attention)

@@ -144,6 +144,11 @@ _ALTERNATIVE = re.compile(r"(embeds|labels|hidden_states|mask|masks|position_ids
 _CHANNEL_KEYS = ("num_channels", "audio_channels", "channels", "in_channels", "input_channels")
 
 
+def _names(error: str, argument: str) -> bool:
+    """Whether an error's words name ``argument`` (a whole word, not part of a dotted path)."""
+    return re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", error) is not None
+
+
 class _Defaults:
     """The default batch of one non-text Hugging Face model (see :func:`default_inputs`)."""
 
@@ -229,7 +234,7 @@ class _Defaults:
         tensors = [k for k, line in lines.items() if "Tensor" in line and not _ALTERNATIVE.search(k)]
         documented = [k for k in tensors if "*optional*" not in lines[k]]
         # "either pixel_values or image_embeds": the alternatives were left out above, so the first is given
-        named = [k for k in tensors if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", failure)]
+        named = [k for k in tensors if _names(failure, k)]
         tries = [t for t in (documented, named, list(dict.fromkeys(documented + named))) if t]
         before, further = dict(self.kwargs), None
         for names in dict.fromkeys(tuple(t) for t in tries):
@@ -242,8 +247,7 @@ class _Defaults:
             now = self._failure(self._called(self.kwargs))
             if now is None:
                 return
-            if further is None and named and not any(re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", now)
-                                                     for k in named):
+            if further is None and named and not any(_names(now, k) for k in named):
                 further = dict(self.kwargs)  # it asks for them no more and fails later (on values, on meta)
             self.kwargs = dict(before)
         if further is not None:

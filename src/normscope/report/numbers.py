@@ -24,8 +24,7 @@ def fmt(v: float, digits: int = 4) -> str:
     a = abs(v)
     if a >= 1e5 or a < 1e-3:
         mantissa, exponent = f"{v:.{digits - 1}e}".split("e")
-        mantissa = mantissa.rstrip("0").rstrip(".")
-        return f"{mantissa}e{int(exponent)}".replace("-", "−")
+        return _exponent(f"{mantissa.rstrip('0').rstrip('.')}e{exponent}").replace("-", "−")
     text = f"{v:.{digits}f}".rstrip("0").rstrip(".")
     return "0" if text in ("-0", "0") else text.replace("-", "−")
 

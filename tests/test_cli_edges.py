@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -271,6 +272,33 @@ def test_ctrl_c_is_one_line_and_exit_130(cli, modules):
     modules(ctrlc="def f(x):\n    raise KeyboardInterrupt\n")
     code, _, err = cli("infer", "ctrlc:f", "--framework", "numpy", "--shape", "2,16")
     assert code == 130 and one_line(err).endswith("interrupted")
+
+
+def test_ctrl_c_swallowed_by_native_code_still_exits_130(cli, monkeypatch):
+    """Native callbacks (llvmlite's, OpenVINO's) print "Exception ignored" and return: the interrupt still counts."""
+    import signal
+
+    from normscope.cli import presets
+
+    calls = []
+
+    def swallows_the_interrupt(args, console):
+        calls.append(args)
+        if len(calls) == 1:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here
+            except KeyboardInterrupt:
+                pass
+        return 0
+
+    monkeypatch.setattr(presets, "run", swallows_the_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    code, _, err = cli("presets")
+    assert code == 130 and one_line(err).endswith("interrupted")
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
+    code, _, _ = cli("presets", "--json")  # a later run is not marked by the earlier interrupt
+    assert code == 0
 
 
 # ------------------------------------------------------------------------------------------------ time

@@ -81,19 +81,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console = _Console(highlight=False)
     name = f"normscope {args.command}"
+    interrupt = _InterruptRecorder()
     try:
-        with warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes
+        with interrupt, warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes
             warnings.simplefilter("ignore")
-            return args.run(args, console)
+            code = args.run(args, console)
+        if interrupt.seen:  # Ctrl-C raised inside a C callback that swallowed it: still an interrupt
+            raise KeyboardInterrupt
+        return code
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BaseException as exc:
+        if interrupt.seen:  # whatever the swallowed interrupt left behind, the user's Ctrl-C comes first
+            print(f"\n{name}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return _exit_code_for(exc, name)
+
+
+def _exit_code_for(exc: BaseException, name: str) -> int:
+    try:
+        raise exc
     except TargetTimeout as exc:
         print(f"{name}: the target hung: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     except NormscopeError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"\n{name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
@@ -104,6 +118,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: internal error — a bug in normscope, not a verdict on what was checked; please report it "
               "with the traceback above", file=sys.stderr)
         return EXIT_CRASH
+
+
+class _InterruptRecorder:
+    """Record Ctrl-C while a command runs, then raise KeyboardInterrupt as Python's own handler would.
+
+    Native code that calls back into Python (numba's and llvmlite's callbacks, OpenVINO's) can swallow the
+    exception ("Exception ignored in …") and return normally; the record lets ``main`` still exit 130.
+    Installed only on the main thread (the only one that receives signals) and restored on exit.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _InterruptRecorder:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is signal.default_int_handler:  # leave a caller's own handler (or SIG_IGN) alone
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _silence_stdout() -> None:

@@ -10,6 +10,7 @@ model's device, and where the forward runs on shapes alone the scan finds the mo
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,6 @@ STATED = {"time_series_transformer": {"prediction_length": 24}}
 REFUSED = {
     "bark": "no forward of its own",
     "edgetam_video": "EdgeTamVideoInferenceSession, not a tensor",
-    "canine": "states no vocab_size",
 }
 
 
@@ -113,6 +113,18 @@ def test_inputs_the_config_cannot_give_are_refused_naming_what_is_missing(model_
     assert "--inputs (scan, diff, gradflow; contract with --live)" in str(info.value)  # and how to give them
 
 
+def test_token_ids_without_a_stated_vocabulary_are_refused():
+    class Tokens(torch.nn.Module):
+        config = types.SimpleNamespace(model_type="tokens")
+
+        def forward(self, input_ids):
+            return input_ids
+
+    model = Tokens()
+    with pytest.raises(InputError, match="states no vocab_size"):
+        default_inputs(model)
+
+
 def test_a_model_without_a_config_gets_no_defaults():
     with pytest.raises(InputError, match="needs inputs: .*only Hugging Face models"):
         default_inputs(torch.nn.Linear(4, 4))
@@ -154,6 +166,15 @@ def test_a_vision_tower_taking_patch_sequences_gets_them_with_their_grid():
     # "either pixel_values or image_embeds": the first, at the text's batch
     (lambda t: t.ViltConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                             intermediate_size=64, image_size=64, patch_size=16), {"pixel_values"}),
+    # the error asks for an alternative by name; its width is the encoder's, not the Q-Former's
+    (lambda t: t.Blip2QFormerConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                    encoder_hidden_size=48), {"encoder_hidden_states"}),
+    # the error asks for a default language, not for lang_ids: an optional tensor tried on its own
+    (lambda t: t.XmodConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64), {"lang_ids"}),
+    # no vocab_size: code points hashed into buckets, any id is valid
+    (lambda t: t.CanineConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                              local_transformer_stride=4, downsampling_rate=4), {"input_ids"}),
 ])
 def test_arguments_the_forward_documents_as_needed_are_given_where_it_fails_without_them(config, extras):
     """BROS's boxes and Decision Transformer's actions, rewards and returns default to None in the signature, yet

@@ -74,7 +74,8 @@ def default_inputs(model: torch.nn.Module, needed: bool = True) -> dict[str, Any
                          "default")
     main, argument = _main_input(model)
     if main == "input_ids":
-        vocab = vocabulary_size(model, embeddings=False)
+        # a model that hashes its ids into buckets (CANINE's code points) takes any id: the first 1000 are valid
+        vocab = vocabulary_size(model, embeddings=False) or _int(config, "num_hash_buckets")
         if vocab is None:
             raise InputError(f"{type(model).__name__} needs inputs: its forward takes token ids and its config "
                              f"states no vocab_size; {_HOW}")
@@ -145,8 +146,8 @@ _CHANNEL_KEYS = ("num_channels", "audio_channels", "channels", "in_channels", "i
 
 
 def _names(error: str, argument: str) -> bool:
-    """Whether an error's words name ``argument`` (a whole word, not part of a dotted path)."""
-    return re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", error) is not None
+    """Whether an error's words name ``argument`` (a whole word, not part of a dotted path; "Bbox" names bbox)."""
+    return re.search(rf"(?<![\w.]){re.escape(argument)}(?!\w)", error, re.I) is not None
 
 
 class _Defaults:
@@ -233,9 +234,14 @@ class _Defaults:
                  and (line := re.search(rf"^\s*{re.escape(k)} \((.*)$", self.doc, re.M)) is not None}
         tensors = [k for k, line in lines.items() if "Tensor" in line and not _ALTERNATIVE.search(k)]
         documented = [k for k in tensors if "*optional*" not in lines[k]]
-        # "either pixel_values or image_embeds": the alternatives were left out above, so the first is given
-        named = [k for k in tensors if _names(failure, k)]
-        tries = [t for t in (documented, named, list(dict.fromkeys(documented + named))) if t]
+        # "either pixel_values or image_embeds": the alternatives were left out above, so the first is given; an
+        # alternative the error asks for by name is given (a Q-Former's encoder_hidden_states, UDOP's "Bbox")
+        named = ([k for k in tensors if _names(failure, k)]
+                 or [k for k, line in lines.items() if "Tensor" in line and _names(failure, k)])
+        # last, each optional tensor on its own: one the forward reads without saying so (X-MOD's lang_ids, whose
+        # error asks for a default language instead), kept only where with it the forward runs
+        optional = [[k] for k in tensors if k not in documented and k not in named]
+        tries = [t for t in (documented, named, list(dict.fromkeys(documented + named)), *optional) if t]
         before, further = dict(self.kwargs), None
         for names in dict.fromkeys(tuple(t) for t in tries):
             try:
@@ -247,7 +253,7 @@ class _Defaults:
             now = self._failure(self._called(self.kwargs))
             if now is None:
                 return
-            if further is None and named and not any(_names(now, k) for k in named):
+            if further is None and named and set(names) & set(named) and not any(_names(now, k) for k in named):
                 further = dict(self.kwargs)  # it asks for them no more and fails later (on values, on meta)
             self.kwargs = dict(before)
         if further is not None:
@@ -716,11 +722,14 @@ class _Defaults:
         if shape is None:
             raise _Missing(f"it documents no shape for {name}")
         dims = []
-        for dim in (d.strip() for d in shape.strip("()").split(",")):
+        # "({0}, 4)": a docstring template's placeholder for the input's own (batch_size, sequence_length)
+        for dim in (d.strip() for d in shape.strip("()").replace("{0}", "batch_size, sequence_length").split(",")):
             if dim in ("batch_size", "bs", "batch"):
                 dims.append(self.batch)
             elif dim.isdigit():
                 dims.append(int(dim))
+            elif name.startswith("encoder_") and (v := _int(self.config, f"encoder_{dim}")):
+                dims.append(v)  # an encoder's output of its own width (a Q-Former's encoder_hidden_size)
             elif (v := _int(self.config, dim)) or (dim == "channels" and (v := self._channel_count())):
                 dims.append(v)
             elif dim in _SEQUENCE_DIMS or dim.endswith(("_length", "_len")) or dim.startswith("num_"):

@@ -141,10 +141,10 @@ def test_gemma_cast_order_under_llama_contract_fails():
 
 
 def test_rounding_rule_escalates_where_one_draw_does_not_separate():
-    # BatchNorm3d at (4, 3, 2, 2, 2): 32 elements per channel; at float16 one draw puts the contract's rounding
-    # (input-dtype batch statistics) and fp32 statistics 0.86 vs 0.63 ulps away, not beyond noise; more draws of
+    # BatchNorm3d at (4, 3, 2, 2, 2): 32 elements per channel; at float16 (seed 2) one draw puts the contract's
+    # rounding (input-dtype batch statistics) and fp32 statistics about as far away, not beyond noise; more draws of
     # inputs decide it (the contract nearer, beyond noise), so the finding passes with the numbers of both steps
-    r = check(torch.nn.BatchNorm3d(3), expect="torch_batchnorm", shape=(4, 3, 2, 2, 2), quick=True, seed=0,
+    r = check(torch.nn.BatchNorm3d(3), expect="torch_batchnorm", shape=(4, 3, 2, 2, 2), quick=True, seed=2,
               explain_failures=False)
     (f,) = r.find("reference.rounding", dtype="float16")
     assert f.status == "pass" and "escalated to 17 draws" in f.why and "rounds as its contract" in f.why, f
@@ -158,7 +158,7 @@ def test_an_undecided_deciding_finding_is_inconclusive_never_a_pass(monkeypatch,
     from normscope.results.check import Report
 
     monkeypatch.setattr(rounding, "ESCALATION", 0)
-    r = check(torch.nn.BatchNorm3d(3), expect="torch_batchnorm", shape=(4, 3, 2, 2, 2), quick=True, seed=0,
+    r = check(torch.nn.BatchNorm3d(3), expect="torch_batchnorm", shape=(4, 3, 2, 2, 2), quick=True, seed=2,
               explain_failures=False)
     (f,) = r.find("reference.rounding", dtype="float16")
     assert f.status == "inconclusive" and "what would decide it" in f.why, f
@@ -171,7 +171,7 @@ def test_an_undecided_deciding_finding_is_inconclusive_never_a_pass(monkeypatch,
     from normscope.cli import main
 
     code = main(["check", "torch.nn:BatchNorm3d", "--args", "[3]", "--shape", "4,3,2,2,2", "--expect",
-                 "torch_batchnorm", "--quick"])
+                 "torch_batchnorm", "--quick", "--seed", "2"])
     assert code == 6
 
 

@@ -778,3 +778,28 @@ def test_a_scale_only_a_norm_consumes_is_not_called_a_regrouping():
     d = diff(ref, cand, torch.randn(4, 16), progress=False)
     assert d.first_divergence == "proj", d.summary()
     assert d.site("proj").factor == pytest.approx(2.0)
+
+
+def test_a_lower_precision_candidate_that_keeps_its_input_unrounded_is_within_its_contract():
+    """A bfloat16 candidate may read its input at float32 and compute exactly (OpenVINO runs a norm so at bfloat16
+    inference precision): its output is within the contract on the unrounded input, though not within the bound
+    around the output on the input rounded to bfloat16. Such a candidate passes on every draw; one that lost its ε
+    fails on every draw."""
+    from normscope.divergence.contracts import Contracts, judge
+
+    ln = torch.nn.LayerNorm(8).eval()
+    with torch.no_grad():
+        ln.weight.normal_(1.0, 0.2)
+        ln.bias.normal_(0.0, 0.2)
+    contracts = Contracts()
+    held = set()
+    for seed in range(12):
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(seed)) * 0.05
+        with torch.no_grad():
+            y = ln(x)
+            lost_eps = torch.nn.functional.layer_norm(x, (8,), ln.weight, ln.bias, eps=1e-2)
+        ok = judge(contracts, ln, None, x, y, y.clone(), "float32", "bfloat16")
+        bad = judge(contracts, ln, None, x, y, lost_eps, "float32", "bfloat16")
+        assert ok["ok"] and not bad["ok"], (seed, ok, bad)
+        held.add(ok["input"])
+    assert "its input unrounded (at float32)" in held  # the rounded input alone would have failed some draws

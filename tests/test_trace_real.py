@@ -952,3 +952,33 @@ def test_trainer_callback(tmp_path):
     assert {e["stage"] for e in rec["entries"]} >= {"layer_input", "norm_output", "attention_logits", "grad", "update"}
     lrs = [next(e["max_lr"] for e in r["entries"] if e["stage"] == "update") for r in d.records]
     assert lrs[0] < lrs[3] and max(lrs) <= 1e-3 * (1 + 1e-6)  # the Trainer's warm-up, as recorded
+
+
+def test_a_reused_folder_says_how_many_runs_it_holds_judges_the_latest_and_lets_the_user_pick(tmp_path, capsys):
+    """A second training run traced into the folder of a first (its steps starting over) is a run of its own: the
+    first's incident neither hides behind the second nor leaks into it. A resumed run (steps going on after a cut)
+    stays one run (the damaged-file tests)."""
+    case = R.CASES["sublayer: an MLP returns garbage for one step"]
+    R.run(case.arch, tmp_path, 0, case.fault, **case.run_kw)  # the fault enters at step R.AT
+    R.run(case.arch, tmp_path, 1, steps=24)
+    latest = diagnose(tmp_path)
+    assert [r["run"] for r in latest.runs] == [1, 2] and latest.run == 2
+    assert [(r["first_step"], r["last_step"], r["steps_recorded"], r["closed"]) for r in latest.runs] == [
+        (0, R.STEPS - 1, R.STEPS, True), (0, 23, 24, True)]
+    assert latest.incidents == [] and latest.steps == list(range(24))
+    first = diagnose(tmp_path, run=1)
+    assert first.run == 1 and first.incidents and (first.first.step, first.first.stage) == (R.AT, case.stage)
+    assert first.to_dict()["runs"] == latest.to_dict()["runs"]
+    code, out, _ = run_command(command, ["diagnose", str(tmp_path)], capsys)
+    flat = " ".join(out.split())
+    assert code == 0 and "this folder holds 2 training runs" in flat and "judged the latest" in flat
+    assert "pick one with --run N" in flat
+    code, out, _ = run_command(command, ["diagnose", str(tmp_path), "--run", "1"], capsys)
+    assert code == 0 and "judged run 1 of 2" in " ".join(out.split()) and "incident" in out
+    code, _, err = run_command(command, ["diagnose", str(tmp_path), "--run", "3"], capsys)
+    assert code == 2 and "holds 2 runs; pick 1 to 2" in err
+    single = tmp_path / "one"
+    R.run(case.arch, single, 0, steps=12)
+    d = diagnose(single)
+    assert len(d.runs) == 1 and "training runs" not in " ".join(run_command(command, ["diagnose", str(single)],
+                                                                              capsys)[1].split())

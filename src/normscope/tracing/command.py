@@ -32,6 +32,10 @@ def add_parser(subparsers) -> Any:
                     "or input error, 6 no incident but part of the run not judged (with --strict).",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run_dir given to normscope.trace (or its trace.jsonl)")
+    p.add_argument("--run", type=int, default=None, metavar="N", dest="run_number",
+                   help="which training run of a folder that holds several (a tracer opened on it again with its "
+                        "steps starting over): 1 the oldest, -1 the latest (default: the latest; the output says how "
+                        "many there are)")
     p.add_argument("--json", action="store_true", help="print JSON (schema normscope.diagnosis/2)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with plots (default: none)")
     p.add_argument("--strict", action="store_true",
@@ -52,7 +56,8 @@ def run(args, console: Console) -> int:
     from .detect import diagnose
     from .report import render_diagnosis, render_html
 
-    d = diagnose(args.run_dir, window=args.window, min_history=args.min_history, z=args.z, lookback=args.lookback)
+    d = diagnose(args.run_dir, window=args.window, min_history=args.min_history, z=args.z, lookback=args.lookback,
+                 run=args.run_number)
     if args.html:
         out = Path(args.html)
         if out.parent and not out.parent.exists():

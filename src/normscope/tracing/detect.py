@@ -154,6 +154,10 @@ class Diagnosis(Verdict):
     undecided: list[str] = dataclasses.field(default_factory=list)
     # what was seen and judged not to be an incident, each with why (a hard or mislabelled sample)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # every training run the folder holds (a folder reused by a later run holds several), oldest first, and the
+    # one judged (1-based)
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    run: int = 1
 
     @property
     def verdict(self) -> str:
@@ -201,6 +205,7 @@ class Diagnosis(Verdict):
                          "world_size": self.header.get("world_size"), "disabled": self.disabled,
                          "errors": self.errors, "damaged": self.damaged, "settings": self.settings,
                          "verdict": self.verdict, "undecided": self.undecided, "notes": self.notes,
+                         "run": self.run, "runs": self.runs,
                          "first": self.first.to_dict() if self.first else None,
                          "incidents": [i.to_dict() for i in self.incidents],
                          "drifts": [d.to_dict() for d in self.drifts]})
@@ -1190,8 +1195,11 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
              lookback: int = 3, floor: float = 0.05, false_alarms: float = 0.01, lr_jump: float = 2.0,
              grad_factor: float = 100.0, update_factor: float = 5.0, sample_factor: float = 10.0,
              logit_danger: float = 30.0,
-             scale_danger: float = 10.0, stream_danger: float = 1000.0) -> Diagnosis:
+             scale_danger: float = 10.0, stream_danger: float = 1000.0, run: int | None = None) -> Diagnosis:
     """Read ``run_dir`` (also while it is being written): its incidents, the first link behind each, and drifts.
+
+    ``run``: which training run of a folder that holds several (a tracer opened on it again with its steps
+    starting over): 1 the oldest, None or -1 the latest (the default); :attr:`Diagnosis.runs` lists them all.
 
     ``window``: recorded values a trend is fitted to; ``min_history``: values a series needs before it is judged
     (at most ``window``); ``z``: the least robust σ of an incident or a departure, raised for the number of series
@@ -1209,7 +1217,8 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                 "update_factor": update_factor, "sample_factor": sample_factor, "logit_danger": logit_danger,
                 "scale_danger": scale_danger, "stream_danger": stream_danger}
     _check_settings(settings)
-    run = read_run(run_dir)
+    chosen = run
+    run = read_run(run_dir, chosen)
     det = _Detector(run.records, window=window, min_history=min_history, z=z, lookback=lookback, floor=floor,
                     false_alarms=false_alarms, lr_jump=lr_jump, grad_factor=grad_factor,
                     update_factor=update_factor, sample_factor=sample_factor,
@@ -1236,7 +1245,7 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
     undecided = _undecided(run, errors, min_history)
     return Diagnosis(str(run.path.parent), incidents, drifts, [r["step"] for r in run.records], run.headers[-1],
                      disabled, errors, settings, complete, run.damaged, run.records, undecided,
-                     [det.notes[k] for k in sorted(det.notes)])
+                     [det.notes[k] for k in sorted(det.notes)], run.runs, run.number)
 
 
 def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]:

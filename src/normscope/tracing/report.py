@@ -34,6 +34,23 @@ def summary_line(d: Diagnosis) -> str:
     return line
 
 
+def runs_line(d: Diagnosis) -> str | None:
+    """Which run of a reused folder was judged, and the others (None for a folder that holds one run)."""
+    if len(d.runs) < 2:
+        return None
+
+    def span(r: dict[str, Any]) -> str:
+        if r["first_step"] is None:
+            return f"run {r['run']}: no recorded step"
+        return f"run {r['run']}: steps {r['first_step']}–{r['last_step']} ({r['steps_recorded']} recorded)"
+
+    which = "the latest" if d.run == len(d.runs) else f"run {d.run} of {len(d.runs)}"
+    return (f"this folder holds {len(d.runs)} training runs (a tracer opened on it again with its steps starting "
+            f"over): judged {which}, {span(d.runs[d.run - 1])}; the others: "
+            f"{'; '.join(span(r) for r in d.runs if r['run'] != d.run)}; pick one with --run N "
+            "(diagnose(..., run=N))")
+
+
 def _settings_line(d: Diagnosis) -> str:
     st = d.settings
     return (f"incident threshold ≥ {st['z']} robust σ (raised for the number of series judged), a trend over the last "
@@ -43,6 +60,8 @@ def _settings_line(d: Diagnosis) -> str:
 
 def render_diagnosis(d: Diagnosis, console: Console) -> None:
     console.print(f"[dim]{summary_line(d)}[/]")
+    if (runs := runs_line(d)) is not None:
+        console.print(f"[yellow]{runs}[/]")
     for e in d.errors:
         console.print(f"[yellow]probe {e['probe']} was disabled at step {e['step']}: {e['error']}[/]")
     if d.damaged:
@@ -235,6 +254,8 @@ def render_html(d: Diagnosis) -> str:
                      + (f"samples: {esc(', '.join(map(str, a.sample_ids)))}<br>" if a.sample_ids else "")
                      + f"next: {esc(a.next_check)}</div>")
     parts.append(f"<p>{esc(summary_line(d))}</p>")
+    if (runs := runs_line(d)) is not None:
+        parts.append(f"<div class='warn'>{esc(runs)}</div>")
     for e in d.errors:
         parts.append(f"<p>probe <b>{esc(e['probe'])}</b> was disabled at step {e['step']}: {esc(e['error'])}</p>")
     if d.damaged:

@@ -51,13 +51,18 @@ def trace_path(run_dir: str | os.PathLike) -> Path:
 
 @dataclasses.dataclass
 class Run:
-    """What a trace file holds: its headers, its step records (ordered by step; a step recorded twice, as by a
-    resumed run, keeps its last record), its end lines, and one line per damaged record that was skipped."""
+    """One training run of a trace file: its headers, its step records (ordered by step; a step recorded twice, as
+    by a resumed run, keeps its last record), its end lines, and one line per damaged record that was skipped.
+
+    A folder reused by a later run holds several (:attr:`runs`, one summary each, oldest first); the one read is
+    :attr:`number` (1-based; the latest unless asked for another)."""
     path: Path
     headers: list[dict[str, Any]]
     records: list[dict[str, Any]]
     ends: list[dict[str, Any]]
     damaged: list[str]
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    number: int = 1
 
     def __iter__(self):  # ``headers, records, ends = read_run(...)``
         return iter((self.headers, self.records, self.ends))
@@ -133,11 +138,40 @@ def _objects(text: str) -> tuple[list[dict[str, Any]], bool]:
     return found, False
 
 
-def read_run(run_dir: str | os.PathLike) -> Run:
-    """Read a run's trace file, also while it is being written; damaged lines are skipped and named."""
+@dataclasses.dataclass
+class _Segment:
+    """What one opening of a tracer wrote: its header (None before the first readable one), steps and end lines."""
+    header: dict[str, Any] | None
+    line: int
+    steps: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    ends: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _runs(segments: list[_Segment]) -> list[list[_Segment]]:
+    """The segments grouped into training runs. A tracer opened again on the same folder resumes the run when its
+    first recorded step comes after the run's first (training resumed from a checkpoint re-records from there);
+    at or before it (training started again from the start), a new run begins. A segment without steps (a tracer
+    opened and closed before recording) belongs to the run it was opened in."""
+    runs: list[list[_Segment]] = []
+    first: int | None = None  # the current run's first recorded step
+    for seg in segments:
+        start = min((int(r["step"]) for r in seg.steps), default=None)
+        if not runs or (start is not None and first is not None and start <= first):
+            runs.append([seg])
+            first = start
+        else:
+            runs[-1].append(seg)
+            first = start if first is None else first
+    return runs
+
+
+def read_run(run_dir: str | os.PathLike, run: int | None = None) -> Run:
+    """Read a run's trace file, also while it is being written; damaged lines are skipped and named.
+
+    ``run``: which training run of a folder that holds several (1 the oldest; -1 or None the latest)."""
     path = trace_path(run_dir)
-    headers, ends, damaged = [], [], []
-    steps: dict[int, dict[str, Any]] = {}
+    segments: list[_Segment] = [_Segment(None, 0)]
+    damaged: list[str] = []
     n_damaged = 0
 
     def damage(lineno: int, why: str) -> None:
@@ -184,7 +218,7 @@ def read_run(run_dir: str | os.PathLike) -> Run:
                 if rec.get("schema") != SCHEMA:
                     raise InputError(f"{path}:{i + 1}: schema {rec.get('schema')!r}, expected {SCHEMA!r}; this file "
                                      "was not written by this version of normscope.trace")
-                headers.append(rec)
+                segments.append(_Segment(rec, i + 1))
             elif kind == "step":
                 rec = _num(rec)
                 fatal, dropped = _step_problem(rec)
@@ -193,21 +227,40 @@ def read_run(run_dir: str | os.PathLike) -> Run:
                     continue
                 if dropped is not None:
                     damage(i + 1, f"step {int(rec['step'])}: {dropped}")
-                steps[int(rec["step"])] = rec
+                segments[-1].steps.append(rec)
             elif kind == "end":
-                ends.append(rec)
+                segments[-1].ends.append(rec)
             else:
                 damage(i + 1, f"a JSON object of unknown kind {kind!r}")
     if n_damaged > MAX_DAMAGED:
         damaged.append(f"… {n_damaged - MAX_DAMAGED} more damaged lines")
-    if not headers:
-        if steps:  # the header was lost (damaged): the records still say what happened
-            headers.append({"schema": SCHEMA, "kind": "header", "model": None, "lost": True})
-            damaged.append("no readable header line: the model's name and settings are unknown")
-        else:
-            raise InputError(f"{path} has no normscope.trace header line and no readable step record; it was not "
-                             "written by normscope.trace, or it is damaged beyond reading")
-    return Run(path, headers, [steps[k] for k in sorted(steps)], ends, damaged)
+    if segments[0].steps or segments[0].ends:  # records before any readable header: the header was lost
+        segments[0].header = {"schema": SCHEMA, "kind": "header", "model": None, "lost": True}
+        damaged.append("no readable header line before the first records: the model's name and settings are unknown")
+    segments = [s for s in segments if s.header is not None]
+    if not segments:
+        raise InputError(f"{path} has no normscope.trace header line and no readable step record; it was not "
+                         "written by normscope.trace, or it is damaged beyond reading")
+    runs = _runs(segments)
+    number = len(runs) if run in (None, -1) else run
+    if not isinstance(number, int) or isinstance(number, bool) or not 1 <= number <= len(runs):
+        raise InputError(f"run {run!r}: {path} holds {len(runs)} run{'s' * (len(runs) != 1)}; pick 1 to {len(runs)} "
+                         "(or -1, the latest)")
+    summaries = [_summary(k + 1, r) for k, r in enumerate(runs)]
+    chosen = runs[number - 1]
+    steps: dict[int, dict[str, Any]] = {}
+    for seg in chosen:
+        for rec in seg.steps:
+            steps[int(rec["step"])] = rec
+    return Run(path, [s.header for s in chosen], [steps[k] for k in sorted(steps)],
+               [e for s in chosen for e in s.ends], damaged, summaries, number)
+
+
+def _summary(number: int, run: list[_Segment]) -> dict[str, Any]:
+    steps = sorted({int(r["step"]) for s in run for r in s.steps})
+    return {"run": number, "line": run[0].line, "time": run[0].header.get("time"), "openings": len(run),
+            "steps_recorded": len(steps), "first_step": steps[0] if steps else None,
+            "last_step": steps[-1] if steps else None, "closed": sum(len(s.ends) for s in run) >= len(run)}
 
 
 def finite(v: Any) -> bool:

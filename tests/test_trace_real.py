@@ -982,3 +982,28 @@ def test_a_reused_folder_says_how_many_runs_it_holds_judges_the_latest_and_lets_
     d = diagnose(single)
     assert len(d.runs) == 1 and "training runs" not in " ".join(run_command(command, ["diagnose", str(single)],
                                                                               capsys)[1].split())
+
+
+def test_the_html_plots_the_loss_on_a_log_axis_and_whole_steps(tmp_path, monkeypatch):
+    """A loss spike on a linear axis flattens the rest of the run: the loss is plotted on a log axis, and the step
+    axis of every plot has whole-number ticks (a short run otherwise gets ticks at 0.5-step spacing)."""
+    import matplotlib.figure
+
+    from normscope.tracing.report import render_html
+
+    case = R.CASES["sublayer: an MLP returns garbage for one step"]
+    R.run(case.arch, tmp_path, 0, case.fault, **case.run_kw)
+    d = diagnose(tmp_path)
+    d.records = d.records[R.AT - 4:R.AT + 4]  # 8 steps: a range where matplotlib would tick at halves
+    seen = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        seen[ax.get_title()] = (ax.get_yscale(), [t for t in ax.get_xticks() if t != int(t)])
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    render_html(d)
+    assert seen["loss"][0] == "log", seen
+    assert all(not fractional for _, fractional in seen.values()), seen

@@ -147,14 +147,22 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
     inc = d.incidents[0] if d.incidents else None
     figs = []
 
+    from matplotlib.ticker import MaxNLocator
+
     def finish(fig, ax, title, log=True):
+        """``log``: True for a log axis where the values span decades, "positive" wherever they are all positive
+        (the loss: one spike on a linear axis flattens the rest of the run)."""
+        values = [float(y) for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
         if inc is not None:
             ax.axvline(inc.step, color="red", lw=1.2, ls="--", label=f"incident ({inc.kind}, step {inc.step})")
             if a is not None and a.step != inc.step:
                 ax.axvline(a.step, color="darkorange", lw=1.0, ls=":", label=f"first cause (step {a.step})")
         lo, hi = ax.get_ylim()
-        if log and lo > 0 and hi / lo > 20:  # a log axis only where the values span decades
+        if log == "positive" and values and min(values) > 0:
             ax.set_yscale("log")
+        elif log is True and lo > 0 and hi / lo > 20:  # a log axis only where the values span decades
+            ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="best")
@@ -182,7 +190,7 @@ def _figures(d: Diagnosis) -> list[tuple[str, str]]:
                 py.append(max(fin))
     if px:
         ax.plot(px, py, color="tab:orange", lw=0.8, label="max per-sample loss")
-    finish(fig, ax, "loss", log=False)
+    finish(fig, ax, "loss", log="positive")
     # residual RMS by layer
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     for layer, (xs, ys) in sorted(_by_layer(d, "layer_input", _rms).items(), key=lambda t: (t[0] is None, t[0] or 0)):

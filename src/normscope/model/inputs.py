@@ -128,6 +128,10 @@ def token_inputs(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ non-text defaults
+#: the largest optional tensor tried on its own where a forward fails (:meth:`_Defaults._documented_extras`)
+MAX_TRIED = 1 << 20
+
+
 class _Missing(Exception):
     """An argument the config does not give: ``what`` says which field (or which kind of value) is missing."""
 
@@ -239,8 +243,10 @@ class _Defaults:
         named = ([k for k in tensors if _names(failure, k)]
                  or [k for k, line in lines.items() if "Tensor" in line and _names(failure, k)])
         # last, each optional tensor on its own: one the forward reads without saying so (X-MOD's lang_ids, whose
-        # error asks for a default language instead), kept only where with it the forward runs
-        optional = [[k] for k in tensors if k not in documented and k not in named]
+        # error asks for a default language instead), kept only where with it the forward runs — with values: on
+        # the meta device a forward that reads them fails whatever it is given
+        optional = [[k] for k in tensors if k not in documented and k not in named and self._plain(k)
+                    and self.device.type != "meta"]
         tries = [t for t in (documented, named, list(dict.fromkeys(documented + named)), *optional) if t]
         before, further = dict(self.kwargs), None
         for names in dict.fromkeys(tuple(t) for t in tries):
@@ -325,6 +331,18 @@ class _Defaults:
             self._by_first_layer(name)
         else:
             self.kwargs[name] = self._documented_tensor(name)
+
+    def _plain(self, name: str) -> bool:
+        """Whether ``name`` is a tensor :meth:`_fill` makes from its documented shape alone (not an image, audio,
+        ids or a mask, whose layouts are tried by running the forward), of at most :data:`MAX_TRIED` elements."""
+        if (name in ("pixel_values_videos", "input_values", "input_features", "audio_mel", "past_values", "task_inputs")
+                or name.endswith(("pixel_values", "input_ids", "mask", "masks", "padding"))
+                or self._kind(name) is not None):
+            return False
+        try:
+            return math.prod(self._documented_dims(name)) <= MAX_TRIED
+        except _Missing:
+            return False
 
     def _companions(self) -> None:
         """Optional arguments the forward still needs: an encoder–decoder's decoder ids, a text-conditioned vision
@@ -717,6 +735,14 @@ class _Defaults:
     def _documented_tensor(self, name: str) -> torch.Tensor:
         """A tensor of the shape the forward's docstring gives ``name``, each dimension named by a config field
         (``hidden_size``, ``state_dim``, …), the batch or a sequence length."""
+        dims = self._documented_dims(name)
+        name = self.argument if name == self.main else name
+        if re.search(rf"^\s*{re.escape(name)} \(`'?torch\.(Long|Int|Bool)Tensor", self.doc, re.M):
+            return torch.zeros(dims, dtype=torch.long, device=self.device)  # indices (time steps): the first
+        return self._randn(*dims)
+
+    def _documented_dims(self, name: str) -> list[int]:
+        """The sizes of the shape the docstring gives ``name`` (see :meth:`_documented_tensor`)."""
         shape = self._documented(name)
         name = self.argument if name == self.main else name
         if shape is None:
@@ -736,9 +762,7 @@ class _Defaults:
                 dims.append(self.steps)  # a length, or a count of items the config does not fix (LXMERT's boxes)
             else:
                 raise _Missing(f"the config states no {dim} for {name}'s shape {shape}")
-        if re.search(rf"^\s*{re.escape(name)} \(`'?torch\.(Long|Int|Bool)Tensor", self.doc, re.M):
-            return torch.zeros(dims, dtype=torch.long, device=self.device)  # indices (time steps): the first
-        return self._randn(*dims)
+        return dims
 
     def _channel_count(self) -> int | None:
         return next((v for k in _CHANNEL_KEYS if (v := _int(self.config, k))), None)

@@ -332,6 +332,27 @@ def _nan_gradient(st: Step):
     return h.remove
 
 
+def _zero_gamma(st: Step):
+    """A post-LN norm's γ written to 0 and kept (an initialisation by name that matched it): the stream collapses."""
+    with torch.no_grad():
+        st.model.layers[0].norm2.weight.zero_()
+
+
+def _shrink_stream(st: Step):
+    """Every decoder layer's output ÷30 from here on (a residual scale applied twice): the stream shrinks."""
+    for layer in st.model.model.layers:
+        layer.register_forward_hook(lambda m, a, out: (out[0] / 30, *out[1:]) if isinstance(out, tuple) else out / 30)
+
+
+def _vanishing_gradient(st: Step):
+    """The gradient reaching layer 0's MLP output ×1e-6 from here on (a gradient hook left in): its weights stop
+    learning, and nothing in the forward or the loss moves."""
+    def hook(module, args, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: g * 1e-6)
+    st.model.model.layers[0].mlp.register_forward_hook(hook)
+
+
 class WritingAdamW(torch.optim.AdamW):
     """An optimizer subclass whose step() calls super().step() and then writes a parameter itself at step AT."""
     target: torch.Tensor | None = None
@@ -383,6 +404,20 @@ CASES = {
         "gpt2", at(_unscaled_micro_batch), "grad", kind="grad_spike", any_layer=True, run_kw={"accumulate": 2}),
     "backward: a NaN gradient inside an MLP": Case("llama", at(_nan_gradient), "grad", layer=1, site="mlp",
                                                    metric="nonfinite", kind="nonfinite"),
+    # changes the loss absorbs: the weights written, named at the place they act
+    "weights: an MLP's weights ×30 between steps (a bad merge), the pre-norm stream and the loss absorbing it": Case(
+        "llama", at(_scale_param(lambda m: m.model.layers[1].mlp.down_proj.weight, 30.0, undo=False)),
+        "sublayer_output", layer=1, site="mlp", kind="weights_written"),
+    "weights: one embedding row ×50 between steps": Case(
+        "llama", at(_scale_param(lambda m: m.model.embed_tokens.weight[ord("e")], 50.0, undo=False)), "data",
+        site="embedding", kind="weights_written"),
+    # failures downward
+    "collapse: a post-LN norm's γ written to 0": Case("postln", at(_zero_gamma), "norm_output", layer=0, site="norm2",
+                                                      metric="scale_rms"),
+    "collapse: the stream shrinking ÷30 from one step on": Case("llama", at(_shrink_stream), "layer_input", layer=1,
+                                                                metric="rms", kind="collapse"),
+    "collapse: a layer's gradients vanishing (×1e-6) from one step on": Case(
+        "llama", at(_vanishing_gradient), "grad", layer=0, site="mlp", metric="rms", kind="collapse"),
 }
 
 

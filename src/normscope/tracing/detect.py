@@ -49,7 +49,15 @@ DIAGNOSIS_SCHEMA = "normscope.diagnosis/2"
 STAGES = ("data", "layer_input", "norm_input", "norm_output", "attention_logits", "sublayer_output", "residual_sum",
           "loss", "grad", "update")
 _ACT = ("layer_input", "norm_input", "norm_output", "sublayer_output", "residual_sum")
-INCIDENT_KINDS = ("nonfinite", "masked_rows", "danger_jump", "loss_spike", "grad_spike", "update_spike", "lr_jump")
+# at one step, the first kind in this order is the incident and the others its symptoms: a write of the weights is the
+# incident only where nothing it caused is (a change the forward and the loss absorbed)
+INCIDENT_KINDS = ("nonfinite", "masked_rows", "danger_jump", "collapse", "loss_spike", "grad_spike", "update_spike",
+                  "lr_jump", "weights_written")
+# parameters written outside the optimizer step: the least relative change of their size that no recorded update
+# explains (5 %: updates move a group's size by a fraction of its update ratio, ~1e-3 a step), and the least factor
+# over the largest such change of the steps before (code that edits weights every step sets its own level); a clean
+# run's unexplained change is rounding, ~1e-7
+WRITE_FLOOR, WRITE_FACTOR = 0.05, 10.0
 DANGER_JUMP = 5.0  # the least one-step factor of a jump into (or towards) the danger zone; drifts move a few % a step
 # a head's mean softmax entropy (nats) at or below which its attention has collapsed onto one or two keys: large
 # logits are the collapse regime only with it (an additive positional bias such as ALiBi's makes logits of tens
@@ -251,8 +259,22 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-_UP = {"rms", "max", "max_logit", "loss", "ratio", "scale_rms"}
-_DOWN = {"entropy"}
+#: the directions in which a series' move is a failure, by metric: a stream or a sublayer's output growing or
+#: collapsing, γ growing or written towards 0, gradients exploding or vanishing, a head's entropy collapsing onto
+#: one key or rising to uniform; logits, maxima, the loss and the updates upward
+DIRECTIONS = {"rms": ("up", "down"), "scale_rms": ("up", "down"), "entropy": ("down", "up"), "max": ("up",),
+              "max_logit": ("up",), "loss": ("up",), "ratio": ("up",)}
+#: collapses, an incident however little the loss moved: (stage, metric, direction, what collapses); a series that
+#: leaves its range this way and stays out for ``COLLAPSE_HOLD`` recorded steps
+COLLAPSES = (("layer_input", "rms", "down", "the residual stream's RMS"),
+             ("residual_sum", "rms", "down", "the residual stream's RMS"),
+             ("norm_output", "scale_rms", "down", "a norm's scale γ"),
+             ("grad", "rms", "down", "a layer's gradients"),
+             ("attention_logits", "entropy", "up", "an attention head's focus (its entropy rising to uniform)"))
+COLLAPSE_HOLD = 3
+# and beyond its own volatility: a collapse moves a series at least this many times the largest one-step move of the
+# window before it (a clean run's gradients move ÷1.6 in one step during warm-up), and at least ×2 either way
+COLLAPSE_OVER_VOLATILITY, COLLAPSE_LEAST = 3.0, math.log(2.0)
 _COUNT = {"nonfinite", "masked_rows", "masked_samples"}
 _CONTEXT = {"min_row_rms", "lr", "step_lr"}  # recorded, not judged on their own
 # within one entry, the metric that explains the others first: a norm's γ before its output's RMS
@@ -294,6 +316,10 @@ def _next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
                     "op; under float16 AMP check the loss scaler")
         return (f"the gradient of {L} ({site}) while the forward and the loss were in range: the backward itself "
                 "(gradient accumulation and its scaling, zero_grad, a hook that edits gradients)")
+    if stage == "update" and metric == "written":
+        return (f"the code that writes the parameters of {L} ({site}) outside optimizer.step(): a checkpoint or "
+                "adapter merged into the live model, an initialisation by name run again, an EMA or weight-averaging "
+                "swap, a manual edit; compare its weights before and after this step")
     if stage == "update":
         what = (f"the optimizer's param group for {L} ({site}): its learning rate at this step (scheduler, warmup, a "
                 "per-layer multiplier), Adam ε and second-moment state, and any code that writes the parameters")
@@ -528,6 +554,8 @@ class _Detector:
                                             f"{n} {what} at layer {k[1]} after {fin.size} recorded steps with none", k))
                         break
         out.extend(self._danger_jumps())
+        out.extend(self._outside_writes())
+        out.extend(self._collapses())
         # trend departures of the loss, the gradient norm and the updates (each against its lr)
         judged: list[tuple[str, str, np.ndarray, tuple | None]] = []
         loss = self.rows(lambda k: k[0] == "loss" and k[4] == "loss")
@@ -557,6 +585,101 @@ class _Detector:
             out.extend(self._spikes(judged, self.threshold(len(judged) * T), gates))
         out.extend(self._sample_spikes())
         return self._without_hard_samples(out)
+
+    def _outside_writes(self) -> list[_Trigger]:
+        """Parameter groups whose size changed between two consecutive recorded steps by more than that step's
+        update can explain: ‖w_t‖ − ‖w_{t−1}‖ ≤ ‖Δ_update‖ + ‖e‖ for a write e made outside the optimizer step (a
+        checkpoint merged into the live model, an initialisation by name run again, a manual edit). The
+        forward that follows may absorb it (a pre-norm stream, a loss that does not move): it is an incident on its
+        own, the group its place. Recorded steps that are not consecutive (``every`` > 1) are not judged."""
+        out = []
+        steps = self.s.steps
+        for key, rows in self._update_rows().items():
+            sizes, moves = rows
+            largest = 0.0
+            for t in range(1, self.T):
+                if int(steps[t]) != int(steps[t - 1]) + 1:
+                    continue
+                before, after, move = sizes[t - 1], sizes[t], moves[t]
+                if not (math.isfinite(before) and math.isfinite(after) and math.isfinite(move) and before > 0):
+                    continue
+                excess = (abs(after - before) - move) / before
+                if excess >= max(WRITE_FLOOR, WRITE_FACTOR * largest):
+                    factor = after / before
+                    change = f"×{sig(factor)}" if factor >= 1 else f"÷{sig(1 / factor) if factor > 0 else '∞'}"
+                    out.append(_Trigger(t, "weights_written", "written", float(after), float(before),
+                                        f"the parameters of {_group(key)} changed {change} in size (‖w‖ "
+                                        f"{_fmt(before)} → {_fmt(after)}) while the optimizer's update at this step "
+                                        f"moved them by {_fmt(move)}: written outside the optimizer step by at "
+                                        f"least {sig(excess)} of their size (a checkpoint merge, an initialisation "
+                                        "by name, a manual edit)", key, score=math.inf))
+                    break
+                largest = max(largest, excess)
+        return out
+
+    def _positive_level(self, r: int, t: int) -> float | None:
+        """The median of row ``r``'s positive values over the ``window`` columns before ``t`` (at least
+        ``min_history`` of them), or None: the level a series that fell to 0 fell from."""
+        past = self.s.values[r, max(0, t - self.window):t]
+        past = past[np.isfinite(past) & (past > 0)]
+        return float(np.median(past)) if past.size >= self.min_history else None
+
+    def _collapses(self) -> list[_Trigger]:
+        """Series of :data:`COLLAPSES` that leave their range in their failure direction and stay out for
+        ``COLLAPSE_HOLD`` recorded steps, each judged against its own trend before the change (its own spread sets
+        the threshold, raised for the number of series and steps judged): the stream shrinking, γ written to 0,
+        gradients vanishing, a head going uniform. The loss may not move (a layer that stops contributing)."""
+        rules = {(stage, metric): (direction, what) for stage, metric, direction, what in COLLAPSES}
+        rows = [r for r, k in enumerate(self.s.keys) if (k[0], k[4]) in rules]
+        if not rows or self.T <= self.min_history + COLLAPSE_HOLD:
+            return []
+        thr = self.threshold(len(rows) * self.T)
+        y = log_values(self.s.values[rows])
+        zero = np.isfinite(self.s.values[rows]) & (self.s.values[rows] <= 0)
+        out = []
+        for i, r in enumerate(rows):
+            key = self.s.keys[r]
+            direction, what = rules[(key[0], key[4])]
+            for t in range(self.min_history, self.T - COLLAPSE_HOLD + 1):
+                f = fit(y[i:i + 1, max(0, t - self.window):t], self.min_history, self.floor)
+                if not f.ok[0]:
+                    continue
+                held = y[i, t:t + COLLAPSE_HOLD]
+                z, base = f.down(held) if direction == "down" else f.up(held)
+                gone = zero[i, t:t + COLLAPSE_HOLD] if direction == "down" else np.zeros(COLLAPSE_HOLD, bool)
+                past = y[i, max(0, t - self.window):t]
+                steps = np.abs(np.diff(past[np.isfinite(past)]))
+                least = max(COLLAPSE_LEAST, COLLAPSE_OVER_VOLATILITY * (float(steps.max()) if steps.size else 0.0))
+                with np.errstate(invalid="ignore"):
+                    moved = np.abs(held - base) >= least
+                if not np.all(gone | (np.isfinite(z) & (z >= thr) & moved)):
+                    continue
+                b, v = math.exp(float(base[0])), float(self.s.values[r, t])
+                change = (f"×{sig(v / b)}" if direction == "up" else f"÷{sig(b / v)}" if v > 0 else "to 0")
+                out.append(_Trigger(t, "collapse", key[4], v, b,
+                                    f"{what} ({_where(key)}): {key[4]} {_fmt(v)} from its trend {_fmt(b)} ({change}) "
+                                    f"and out of its range for the {COLLAPSE_HOLD} recorded steps from here (threshold "
+                                    f"{thr:.1f} robust σ of its own spread, and ×{sig(math.exp(least))} either way: "
+                                    f"{COLLAPSE_OVER_VOLATILITY:g} × its largest one-step move before)", key,
+                                    score=math.inf if gone[0] else float(z[0])))
+                break
+        return out
+
+    def _update_rows(self) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
+        """Per update group (its ``ratio`` row's key): its parameters' norm after each recorded step and the norm
+        of that step's update (NaN where not recorded)."""
+        if not hasattr(self, "_updates"):
+            index = {(k[1], k[2]): k for k in self.s.keys if k[0] == "update" and k[4] == "ratio"}
+            out: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+            for t, rec in enumerate(self.records):
+                for e in rec["entries"]:
+                    key = index.get((e["layer"], e["site"])) if e["stage"] == "update" else None
+                    if key is None or not (is_number(e.get("param_sumsq")) and is_number(e.get("sumsq"))):
+                        continue
+                    sizes, moves = out.setdefault(key, (np.full(self.T, np.nan), np.full(self.T, np.nan)))
+                    sizes[t], moves[t] = math.sqrt(e["param_sumsq"]), math.sqrt(e["sumsq"])
+            self._updates = out
+        return self._updates
 
     def _without_hard_samples(self, triggers: list[_Trigger]) -> list[_Trigger]:
         """Loss spikes carried by a few samples whose inputs are in range are notes, not incidents.
@@ -921,7 +1044,7 @@ class _Detector:
         logv = log_values(s.values)
         self.up, self.down, self.base_up, self.base_down = departures(logv, self.window, self.min_history,
                                                                       self.floor)
-        judged = sum(1 for k in s.keys if k[4] in _UP or k[4] in _DOWN)
+        judged = sum(len(DIRECTIONS.get(k[4], ())) for k in s.keys)
         self.loc_threshold = self.threshold(max(judged, 1) * (self.lookback + 1))
 
     def departures_in(self, t0: int, t1: int) -> list[Anomaly]:
@@ -945,14 +1068,16 @@ class _Detector:
                         hit = (math.inf, 0.0, f"{metric} = {sig(v, 4)} after {prior.size} recorded steps at 0")
                 elif not math.isfinite(v):
                     hit = (math.inf, None, f"{metric} is {v}")
-                elif metric in _UP and self.up[r, t] >= thr:
+                elif "up" in DIRECTIONS.get(metric, ()) and self.up[r, t] >= thr:
                     b = math.exp(self.base_up[r, t])
                     hit = (float(self.up[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
                                                     f"(×{sig(v / b)}, +{self.up[r, t]:.1f} robust σ)")
-                elif metric in _DOWN and self.down[r, t] >= thr:
+                elif "down" in DIRECTIONS.get(metric, ()) and self.down[r, t] >= thr:
                     b = math.exp(self.base_down[r, t])
                     hit = (float(self.down[r, t]), b, f"{metric} {_fmt(v)} vs its trend {_fmt(b)} "
-                                                      f"(×{sig(v / b)}, −{self.down[r, t]:.1f} robust σ)")
+                                                      f"(÷{sig(b / v)}, −{self.down[r, t]:.1f} robust σ)")
+                elif "down" in DIRECTIONS.get(metric, ()) and v <= 0 and (b := self._positive_level(r, t)):
+                    hit = (math.inf, b, f"{metric} {_fmt(v)} from {_fmt(b)} (the median of the steps before)")
                 if hit is not None:
                     step = int(s.steps[t])
                     found.append(Anomaly(step, stage, layer, head, metric, float(v), hit[1], hit[2],
@@ -1095,7 +1220,7 @@ class _Detector:
         v, was = self.s.values[r, t], a.value
         if not (math.isfinite(v) and math.isfinite(was)):
             return True
-        if a.metric in _DOWN:
+        if _downward(a):
             return v >= was / 2
         return abs(v) <= 2 * abs(was)
 
@@ -1110,9 +1235,9 @@ class _Detector:
             return bool(v > 0)
         if not math.isfinite(v):
             return not math.isnan(v)
-        if a.metric in _UP:
-            return bool(self.up[r, t] >= self.loc_threshold)
-        return bool(a.metric in _DOWN and self.down[r, t] >= self.loc_threshold)
+        if _downward(a):
+            return bool(v <= 0 or self.down[r, t] >= self.loc_threshold)
+        return bool(a.metric in DIRECTIONS and self.up[r, t] >= self.loc_threshold)
 
     def _own_anomaly(self, trig: _Trigger) -> Anomaly | None:
         """The incident's own series as an anomaly (the cause when nothing earlier in the chain left its range)."""
@@ -1127,7 +1252,8 @@ class _Detector:
         stage, layer, site, head, metric = trig.key
         r = self.row_of.get(trig.key)
         order = (step, *self.s.order[r]) if r is not None else (step, math.inf, 9, -1)
-        return Anomaly(step, stage, layer, head, "lr" if trig.kind == "lr_jump" else metric, trig.value,
+        metric = {"lr_jump": "lr", "weights_written": "written"}.get(trig.kind, metric)
+        return Anomaly(step, stage, layer, head, metric, trig.value,
                        trig.baseline, trig.evidence, _next_check(stage, metric, layer, site, head, trig.sample_ids),
                        site=site, sample_ids=trig.sample_ids, score=trig.score, order=order)
 
@@ -1278,6 +1404,11 @@ def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]
         out.append(f"{len(run.damaged)} line(s) of the trace file could not be read, so their steps were not judged: "
                    f"the file was cut or overwritten; trace again into a fresh run_dir")
     return out
+
+
+def _downward(a: Anomaly) -> bool:
+    """Did ``a``'s series leave its range downward (below its baseline)?"""
+    return a.baseline is not None and math.isfinite(a.baseline) and math.isfinite(a.value) and a.value < a.baseline
 
 
 def _one_head(cause: Anomaly, deps: list[Anomaly]) -> Anomaly:

@@ -285,6 +285,31 @@ def test_class_named_like_a_norm_that_is_none_is_a_finding():
     assert f["kind"] == "not_a_normalization" and f["sites"] == ["1"] and "FakeLayerNorm" in f["message"]
 
 
+def test_modules_of_one_kind_that_are_no_normalization_are_tested_once(monkeypatch):
+    """Four FakeLayerNorms of one class, attributes and input shape: the first is inferred and refused; the others
+    share that refusal (a 62-layer model's per-layer norm-shaped modules were each probed in full), each named."""
+    from normscope.sites import core
+
+    class FakeLayerNorm(MaxAbs):
+        pass
+
+    calls = []
+    real = core._infer_site
+
+    def counted(cand, *args, **kwargs):
+        calls.append((cand.name, kwargs.get("shared") is not None))
+        return real(cand, *args, **kwargs)
+
+    monkeypatch.setattr(core, "_infer_site", counted)
+    model = torch.nn.Sequential(torch.nn.Linear(16, D), *(torch.nn.Sequential(FakeLayerNorm(), torch.nn.Linear(D, D))
+                                                         for _ in range(4)))
+    r = scan(model, torch.randn(2, 5, 16), dtypes="float32", progress=False)
+    assert [x["name"] for x in r.rejected] == ["1.0", "2.0", "3.0", "4.0"]
+    assert "found at 1.0" in r.rejected[3]["reason"] and "mean and variance" in r.rejected[3]["reason"]
+    assert [name for name, shared in calls if not shared] == ["1.0"]
+    assert {f["kind"] for f in r.findings} == {"not_a_normalization"} and len(r.findings) == 4
+
+
 def test_batchnorm_and_groupnorm_in_a_resnet():
     r = scan(ResNet(), torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0)), dtypes="float32",
              progress=False)

@@ -447,8 +447,8 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     """What decides a site's contract: its module's class, plain attributes (ε, shapes, flags), parameter and
     buffer shapes and the values of its scalar ones (a learned ε), and the input's shape and dtype — not the
     values of γ and β, which the contract does not depend on. Sites with one key share one inference (a
-    22-layer model's 45 norms are inferred once); each is still held to its own real activation. ``module``: the
-    site's private copy."""
+    22-layer model's 45 norms are inferred once; and one refusal, for a kind that behaves like no normalization);
+    each is still held to its own real activation. ``module``: the site's private copy."""
     if hasattr(module, "kind_key"):  # an inline norm's replay: its ops, not the trace's value numbers
         plain = module.kind_key()
     else:
@@ -458,7 +458,11 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     tensors = tuple((n, tuple(t.shape), str(t.dtype), t.item() if t.numel() == 1 and not t.is_meta else None)
                     for n, t in list(module.named_parameters()) + list(module.named_buffers()))
     probed = cand.probe[0] if cand.probe is not None else tuple(cand.x.shape)
-    return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, probed, str(cand.x.dtype))
+    # the classes of its submodules: one class with an activation or an Identity inside (BiT's norm-then-ReLU, and
+    # the same class without it) is two kinds
+    children = tuple((n, type(m).__module__, type(m).__qualname__) for n, m in module.named_modules() if n)
+    return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, children, probed,
+            str(cand.x.dtype))
 
 
 def _uncalled_norms(model: torch.nn.Module, trace: Trace) -> list[str]:
@@ -534,6 +538,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         roles: list[tuple[Role, int, int]] = []
         calls = 0
         inferred: dict[tuple, Inference] = {}  # one inference per kind of module
+        refused: dict[tuple, dict[str, Any]] = {}  # and one refusal: a kind that behaves like no normalization
         not_norms: dict[int, dict[str, Any]] = {}  # class sites that are no normalization, by call
         for i, cand in enumerate(candidates):
             if cand.inside is not None and cand.inside not in not_norms:
@@ -547,7 +552,12 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                 cand.probe = smaller_shape(module, tuple(cand.x.shape), cand.x.dtype)
             key = _kind_key(cand, module) if module is not None else None
             site, rej = None, None
-            if key is not None and key in inferred:
+            if key is not None and key in refused:
+                rej = {**refused[key], "name": cand.name, "class": cand.cls, "kind": cand.kind,
+                       "reason": f"{refused[key]['reason']} (found at {refused[key]['name']}, a module of the same "
+                                 "class, attributes and parameter shapes on an input of the same shape)"}
+                rej.pop("sites_inside", None)
+            elif key is not None and key in inferred:
                 site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key], module=module)
                 if site is not None and not site.activation.get("ok", True):
                     site = None  # its own activation disagrees: infer this site by itself
@@ -555,6 +565,8 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                 site, rej, inference = _infer_site(cand, dtypes, say, call_timeout, module=module)
                 if key is not None and inference is not None and key not in inferred:
                     inferred[key] = inference
+                if key is not None and rej is not None and key not in refused:
+                    refused[key] = dict(rej)
             if rej is not None:
                 rejected.append(rej)
                 if cand.kind == "module" and cand.call is not None:

@@ -36,6 +36,7 @@ def test_clean_real_run_has_no_incident(tmp_path, arch, seed):
     assert d.steps == list(range(R.STEPS)) and d.complete and not d.damaged
     assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
     assert d.first is None and d.ok
+    assert not [n for n in d.notes if "forward itself" in n], d.notes  # no sustained rise on a clean run
     for drift in d.drifts:  # a drift is context: it says where it is heading, and it is never `first`
         assert drift.slope > 0 and drift.status in ("crossed", "on course") and drift.danger > 0
 
@@ -1007,3 +1008,13 @@ def test_the_html_plots_the_loss_on_a_log_axis_and_whole_steps(tmp_path, monkeyp
     render_html(d)
     assert seen["loss"][0] == "log", seen
     assert all(not fractional for _, fractional in seen.values()), seen
+
+
+def test_a_sustained_rise_the_loss_absorbs_is_a_note_at_its_place(tmp_path):
+    """An MLP's output ×5 from step 40 on, by a hook (no weight write, no input change): the pre-norm stream and
+    the loss absorb it, so no incident; but a series that stepped up ×5 and stayed there is said, at its place."""
+    R.run("llama", tmp_path, 0, R.at(R._mlp_times_from_now(5.0)))
+    d = diagnose(tmp_path)
+    assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
+    (note,) = [n for n in d.notes if "forward itself" in n]
+    assert note.startswith(f"step {R.AT}: the sublayer output RMS (layer 1 · mlp)"), note

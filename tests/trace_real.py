@@ -353,6 +353,14 @@ def _vanishing_gradient(st: Step):
     st.model.model.layers[0].mlp.register_forward_hook(hook)
 
 
+def _mlp_times_from_now(factor: float, layer: int = 1):
+    """A Hugging Face decoder's MLP output × ``factor`` from one step on (a forward hook left in, not a weight
+    write): a pre-norm stream and the loss absorb it."""
+    def change(st: Step):
+        st.model.model.layers[layer].mlp.register_forward_hook(lambda m, a, out: out * factor)
+    return change
+
+
 class WritingAdamW(torch.optim.AdamW):
     """An optimizer subclass whose step() calls super().step() and then writes a parameter itself at step AT."""
     target: torch.Tensor | None = None

@@ -272,6 +272,11 @@ COLLAPSES = (("layer_input", "rms", "down", "the residual stream's RMS"),
              ("grad", "rms", "down", "a layer's gradients"),
              ("attention_logits", "entropy", "up", "an attention head's focus (its entropy rising to uniform)"))
 COLLAPSE_HOLD = 3
+#: sustained rises of the activations, held and measured like a collapse: a note with its place where no incident,
+#: weight write or unusual input explains it (a sublayer's output ×5 from one step on, that a pre-norm stream and
+#: the loss absorb)
+RISES = tuple((stage, "rms", "up", f"the {stage.replace('_', ' ')} RMS") for stage in
+              ("layer_input", "norm_input", "sublayer_output", "residual_sum"))
 # and beyond its own volatility: a collapse moves a series at least this many times the largest one-step move of the
 # window before it (a clean run's gradients move ÷1.6 in one step during warm-up), and at least ×2 either way
 COLLAPSE_OVER_VOLATILITY, COLLAPSE_LEAST = 3.0, math.log(2.0)
@@ -629,7 +634,23 @@ class _Detector:
         ``COLLAPSE_HOLD`` recorded steps, each judged against its own trend before the change (its own spread sets
         the threshold, raised for the number of series and steps judged): the stream shrinking, γ written to 0,
         gradients vanishing, a head going uniform. The loss may not move (a layer that stops contributing)."""
-        rules = {(stage, metric): (direction, what) for stage, metric, direction, what in COLLAPSES}
+        return self._held_changes(COLLAPSES, "collapse")
+
+    def sustained_rises(self, explained: set[int]) -> None:
+        """Notes for :data:`RISES` at columns no incident explains (``explained``) and without an unusual input:
+        a series that stepped up and stayed there, which nothing recorded accounts for."""
+        for trig in self._held_changes(RISES, "rise"):
+            step = int(self.s.steps[trig.t])
+            if any(abs(trig.t - c) <= self.lookback for c in explained) or step in self.notes:
+                continue
+            if self._unusual_input_at(trig.t):
+                continue
+            self.notes[step] = (f"step {step}: {trig.evidence}; no weight write, update spike or unusual input "
+                                "explains it and the loss absorbed it: a change in the forward itself (a module's code "
+                                "or a hook), not an incident")
+
+    def _held_changes(self, table, kind: str) -> list[_Trigger]:
+        rules = {(stage, metric): (direction, what) for stage, metric, direction, what in table}
         rows = [r for r, k in enumerate(self.s.keys) if (k[0], k[4]) in rules]
         if not rows or self.T <= self.min_history + COLLAPSE_HOLD:
             return []
@@ -656,7 +677,7 @@ class _Detector:
                     continue
                 b, v = math.exp(float(base[0])), float(self.s.values[r, t])
                 change = (f"×{sig(v / b)}" if direction == "up" else f"÷{sig(b / v)}" if v > 0 else "to 0")
-                out.append(_Trigger(t, "collapse", key[4], v, b,
+                out.append(_Trigger(t, kind, key[4], v, b,
                                     f"{what} ({_where(key)}): {key[4]} {_fmt(v)} from its trend {_fmt(b)} ({change}) "
                                     f"and out of its range for the {COLLAPSE_HOLD} recorded steps from here (threshold "
                                     f"{thr:.1f} robust σ of its own spread, and ×{sig(math.exp(least))} either way: "
@@ -1360,9 +1381,10 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
                 last.symptoms.append(f"step {int(det.s.steps[trig.t])}: {trig.kind}: {trig.evidence}")
                 continue
             incidents.append(det.localize(trig))
-        det.unusual_inputs({_col(det, i.step) for i in incidents}
-                           | {_col(det, a.step) for i in incidents for a in i.departures},
+        explained = {_col(det, i.step) for i in incidents} | {_col(det, a.step) for i in incidents for a in i.departures}
+        det.unusual_inputs(explained,
                            {_col(det, i.step) for i in incidents if i.cause is not None and i.cause.stage == "update"})
+        det.sustained_rises(explained)
     drifts = det.drifts() if run.records else []
     disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})

@@ -436,3 +436,24 @@ def test_openvino_candidates_send_no_usage_telemetry(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["pass", "None"], out.stdout
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def test_openvino_conversion_of_a_hugging_face_model_leaves_stderr_quiet():
+    """The converter's trace reads every attribute of the model, and a Hugging Face model's loss property logs
+    "`loss_type=None` was set in the config but it is unrecognized" on the way: normscope silences what it triggers
+    (and gives the user's logging settings back)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("openvino")
+    script = ("import torch, transformers\nfrom normscope.divergence import diff\n"
+              "cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, "
+              "num_attention_heads=4, num_key_value_heads=2, vocab_size=64)\n"
+              "torch.manual_seed(0)\nm = transformers.LlamaForCausalLM(cfg).eval()\n"
+              "v = transformers.logging.get_verbosity()\n"
+              "print(diff(m, 'openvino', {'input_ids': torch.randint(0, 64, (2, 8))}, progress=False).verdict)\n"
+              "assert transformers.logging.get_verbosity() == v\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["pass"], out.stdout
+    assert "[transformers]" not in out.stderr and "loss_type" not in out.stderr, out.stderr

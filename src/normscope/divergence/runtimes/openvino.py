@@ -170,11 +170,14 @@ def prepare(module: torch.nn.Module, args, kwargs) -> tuple[torch.nn.Module, tup
 
 def convert(wrapped: torch.nn.Module, example: tuple[torch.Tensor, ...]):
     r"""A :func:`prepare`\ d module as OpenVINO's PyTorch frontend converts it, traced on ``example``."""
+    from ...sources import quiet_libraries
+
     ov = _openvino()
     try:
         import warnings
 
-        with warnings.catch_warnings(), torch.no_grad():
+        # the converter's trace reads every attribute of a Hugging Face model, whose loss property logs a warning
+        with warnings.catch_warnings(), torch.no_grad(), quiet_libraries():
             warnings.simplefilter("ignore")
             model = ov.convert_model(wrapped, example_input=example)
     except Exception as exc:

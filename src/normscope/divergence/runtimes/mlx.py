@@ -74,13 +74,16 @@ def port(reference: torch.nn.Module):
     require("mlx_lm", "mlx")
     from mlx_lm.utils import load_model
 
+    from ...sources import quiet_libraries
+
     config = getattr(reference, "config", None)
     if config is None or not hasattr(reference, "save_pretrained"):
         raise InputError(f"the candidate 'mlx' ports a Hugging Face model with mlx-lm; a {type(reference).__name__} "
                          "has no Hugging Face config: give an mlx.nn.Module as the candidate")
     with tempfile.TemporaryDirectory(prefix="normscope-mlx-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference.save_pretrained(tmp, safe_serialization=True)
+        with quiet_libraries():  # transformers' "Writing model shards" bar: normscope's doing, not the user's
+            reference.save_pretrained(tmp, safe_serialization=True)
         try:
             model, _ = load_model(Path(tmp))
         except ValueError as exc:  # mlx-lm names an architecture it has no port of with a ValueError

@@ -83,31 +83,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = f"normscope {args.command}"
     interrupt = _InterruptRecorder()
     try:
-        with interrupt, warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes
-            warnings.simplefilter("ignore")
-            code = args.run(args, console)
-        if interrupt.seen:  # Ctrl-C raised inside a C callback that swallowed it: still an interrupt
-            raise KeyboardInterrupt
-        return code
-    except KeyboardInterrupt:
-        print(f"\n{name}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BaseException as exc:
-        if interrupt.seen:  # whatever the swallowed interrupt left behind, the user's Ctrl-C comes first
-            print(f"\n{name}: interrupted", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        return _exit_code_for(exc, name)
-
-
-def _exit_code_for(exc: BaseException, name: str) -> int:
-    try:
-        raise exc
+        try:
+            with interrupt, warnings.catch_warnings():  # NumPy/torch warnings from deliberate degenerate probes
+                warnings.simplefilter("ignore")
+                return args.run(args, console)
+        finally:
+            if interrupt.seen:  # Ctrl-C that native code swallowed: still an interrupt, whatever followed it
+                raise KeyboardInterrupt
     except TargetTimeout as exc:
         print(f"{name}: the target hung: {exc}", file=sys.stderr)
         return EXIT_TIMEOUT
     except NormscopeError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE

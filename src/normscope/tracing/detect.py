@@ -599,8 +599,7 @@ class _Detector:
         own, the group its place. Recorded steps that are not consecutive (``every`` > 1) are not judged."""
         out = []
         steps = self.s.steps
-        for key, rows in self._update_rows().items():
-            sizes, moves = rows
+        for key, (sizes, moves) in self._update_rows().items():
             largest = 0.0
             for t in range(1, self.T):
                 if int(steps[t]) != int(steps[t - 1]) + 1:
@@ -650,57 +649,65 @@ class _Detector:
                                 "or a hook), not an incident")
 
     def _held_changes(self, table, kind: str) -> list[_Trigger]:
+        """The first change of each series of ``table`` ((stage, metric, direction, what) rows) that leaves its
+        range in its direction and stays out for ``COLLAPSE_HOLD`` columns, each against the trend of the window
+        before it (all series fitted at once per column; the volatility test only where the trend test holds)."""
         rules = {(stage, metric): (direction, what) for stage, metric, direction, what in table}
         rows = [r for r, k in enumerate(self.s.keys) if (k[0], k[4]) in rules]
         if not rows or self.T <= self.min_history + COLLAPSE_HOLD:
             return []
         thr = self.threshold(len(rows) * self.T)
-        y = log_values(self.s.values[rows])
-        zero = np.isfinite(self.s.values[rows]) & (self.s.values[rows] <= 0)
-        out = []
-        for i, r in enumerate(rows):
-            key = self.s.keys[r]
-            direction, what = rules[(key[0], key[4])]
-            for t in range(self.min_history, self.T - COLLAPSE_HOLD + 1):
-                f = fit(y[i:i + 1, max(0, t - self.window):t], self.min_history, self.floor)
-                if not f.ok[0]:
-                    continue
-                held = y[i, t:t + COLLAPSE_HOLD]
-                z, base = f.down(held) if direction == "down" else f.up(held)
-                gone = zero[i, t:t + COLLAPSE_HOLD] if direction == "down" else np.zeros(COLLAPSE_HOLD, bool)
+        values = self.s.values[rows]
+        y = log_values(values)
+        zero = np.isfinite(values) & (values <= 0)
+        down = np.array([rules[(self.s.keys[r][0], self.s.keys[r][4])][0] == "down" for r in rows])
+        found: dict[int, _Trigger] = {}
+        for t in range(self.min_history, self.T - COLLAPSE_HOLD + 1):
+            open_rows = np.array([i not in found for i in range(len(rows))])
+            if not open_rows.any():
+                break
+            f = fit(y[:, max(0, t - self.window):t], self.min_history, self.floor)
+            held = y[:, t:t + COLLAPSE_HOLD]
+            z_down, base_down = f.down(held.T)
+            z_up, base_up = f.up(held.T)
+            z, base = np.where(down, z_down, z_up).T, np.where(down, base_down, base_up)  # base: one per series
+            gone = zero[:, t:t + COLLAPSE_HOLD] & down[:, None]
+            with np.errstate(invalid="ignore"):
+                beyond = gone | (np.isfinite(z) & (z >= thr))
+            for i in np.flatnonzero(open_rows & f.ok & beyond.all(axis=1)):
                 past = y[i, max(0, t - self.window):t]
                 steps = np.abs(np.diff(past[np.isfinite(past)]))
                 least = max(COLLAPSE_LEAST, COLLAPSE_OVER_VOLATILITY * (float(steps.max()) if steps.size else 0.0))
                 with np.errstate(invalid="ignore"):
-                    moved = np.abs(held - base) >= least
-                if not np.all(gone | (np.isfinite(z) & (z >= thr) & moved)):
+                    moved = np.abs(held[i] - base[i]) >= least
+                if not np.all(gone[i] | (np.isfinite(z[i]) & (z[i] >= thr) & moved)):
                     continue
-                b, v = math.exp(float(base[0])), float(self.s.values[r, t])
+                r = rows[i]
+                key = self.s.keys[r]
+                direction, what = rules[(key[0], key[4])]
+                b, v = math.exp(float(base[i])), float(self.s.values[r, t])
                 change = (f"×{sig(v / b)}" if direction == "up" else f"÷{sig(b / v)}" if v > 0 else "to 0")
-                out.append(_Trigger(t, kind, key[4], v, b,
+                found[i] = _Trigger(t, kind, key[4], v, b,
                                     f"{what} ({_where(key)}): {key[4]} {_fmt(v)} from its trend {_fmt(b)} ({change}) "
                                     f"and out of its range for the {COLLAPSE_HOLD} recorded steps from here (threshold "
                                     f"{thr:.1f} robust σ of its own spread, and ×{sig(math.exp(least))} either way: "
                                     f"{COLLAPSE_OVER_VOLATILITY:g} × its largest one-step move before)", key,
-                                    score=math.inf if gone[0] else float(z[0])))
-                break
-        return out
+                                    score=math.inf if gone[i, 0] else float(z[i, 0]))
+        return [found[i] for i in sorted(found)]
 
     def _update_rows(self) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:
         """Per update group (its ``ratio`` row's key): its parameters' norm after each recorded step and the norm
         of that step's update (NaN where not recorded)."""
-        if not hasattr(self, "_updates"):
-            index = {(k[1], k[2]): k for k in self.s.keys if k[0] == "update" and k[4] == "ratio"}
-            out: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-            for t, rec in enumerate(self.records):
-                for e in rec["entries"]:
-                    key = index.get((e["layer"], e["site"])) if e["stage"] == "update" else None
-                    if key is None or not (is_number(e.get("param_sumsq")) and is_number(e.get("sumsq"))):
-                        continue
-                    sizes, moves = out.setdefault(key, (np.full(self.T, np.nan), np.full(self.T, np.nan)))
-                    sizes[t], moves[t] = math.sqrt(e["param_sumsq"]), math.sqrt(e["sumsq"])
-            self._updates = out
-        return self._updates
+        index = {(k[1], k[2]): k for k in self.s.keys if k[0] == "update" and k[4] == "ratio"}
+        out: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        for t, rec in enumerate(self.records):
+            for e in rec["entries"]:
+                key = index.get((e["layer"], e["site"])) if e["stage"] == "update" else None
+                if key is None or not (is_number(e.get("param_sumsq")) and is_number(e.get("sumsq"))):
+                    continue
+                sizes, moves = out.setdefault(key, (np.full(self.T, np.nan), np.full(self.T, np.nan)))
+                sizes[t], moves[t] = math.sqrt(e["param_sumsq"]), math.sqrt(e["sumsq"])
+        return out
 
     def _without_hard_samples(self, triggers: list[_Trigger]) -> list[_Trigger]:
         """Loss spikes carried by a few samples whose inputs are in range are notes, not incidents.

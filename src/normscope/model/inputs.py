@@ -311,33 +311,55 @@ class _Defaults:
     def _fill(self, name: str) -> None:
         if name in self.kwargs:
             return
-        if name == self.main and any(k in self._required() for k in ("grid_thw", "image_grid_thw")):
+        how = self._how(name)
+        if how == "patch_grid":
             self._patch_grid(name)  # images as one sequence of patches, whatever the argument is called
-        elif name in ("pixel_values_videos", "pixel_values") or name.endswith("pixel_values"):
+        elif how == "images":
             self._images(name)
-        elif name in ("input_values", "input_features", "audio_mel"):
+        elif how == "audio":
             self._audio(name)
-        elif name == "past_values":
+        elif how == "series":
             self._series()
-        elif name.endswith("input_ids") or name == "task_inputs":
+        elif how == "ids":
             self.kwargs[name] = self._ids(name)
-        elif name.endswith(("mask", "masks", "padding")):
+        elif how == "mask":
             self.kwargs[name] = self._mask(name)
-        elif name in ("grid_thw", "image_grid_thw", "spatial_shapes", "merge_sizes"):
+        elif how == "grid":
             raise _Missing(f"{name} goes with images given as patch sequences, which {self.main} is not")
-        elif (kind := self._kind(name)) is not None:
-            raise _Missing(f"{name} is a {kind}, not a tensor sized by the config")
-        elif name == self.main and self._documented(name) is None:
+        elif how == "object":
+            raise _Missing(f"{name} is a {self._kind(name)}, not a tensor sized by the config")
+        elif how == "first_layer":
             self._by_first_layer(name)
         else:
             self.kwargs[name] = self._documented_tensor(name)
 
+    def _how(self, name: str) -> str:
+        """How :meth:`_fill` makes ``name``: "documented" for a tensor of its documented shape alone; the other
+        kinds (images, audio, ids, masks, …) have layouts of their own, some tried by running the forward."""
+        if name == self.main and any(k in self._required() for k in ("grid_thw", "image_grid_thw")):
+            return "patch_grid"
+        if name in ("pixel_values_videos", "pixel_values") or name.endswith("pixel_values"):
+            return "images"
+        if name in ("input_values", "input_features", "audio_mel"):
+            return "audio"
+        if name == "past_values":
+            return "series"
+        if name.endswith("input_ids") or name == "task_inputs":
+            return "ids"
+        if name.endswith(("mask", "masks", "padding")):
+            return "mask"
+        if name in ("grid_thw", "image_grid_thw", "spatial_shapes", "merge_sizes"):
+            return "grid"
+        if self._kind(name) is not None:
+            return "object"
+        if name == self.main and self._documented(name) is None:
+            return "first_layer"
+        return "documented"
+
     def _plain(self, name: str) -> bool:
         """Whether ``name`` is a tensor :meth:`_fill` makes from its documented shape alone (not an image, audio,
         ids or a mask, whose layouts are tried by running the forward), of at most :data:`MAX_TRIED` elements."""
-        if (name in ("pixel_values_videos", "input_values", "input_features", "audio_mel", "past_values", "task_inputs")
-                or name.endswith(("pixel_values", "input_ids", "mask", "masks", "padding"))
-                or self._kind(name) is not None):
+        if self._how(name) != "documented":
             return False
         try:
             return math.prod(self._documented_dims(name)) <= MAX_TRIED

@@ -1115,7 +1115,7 @@ def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_it
 def test_attention_nonfinite_is_per_head_where_recorded():
     """An attention entry's non-finite logits are judged per head when the record counts them per head; a run
     written before (one count for the layer) or a damaged per-head list falls back to the layer's count."""
-    from normscope.tracing.detect import entry_metrics
+    from normscope.tracing.diagnosis import entry_metrics
 
     e = {"stage": "attention_logits", "layer": 1, "site": "", "max_logit": [1.0, 2.0], "masked_rows": [0, 0],
          "entropy_sum": [1.0, 1.0], "entropy_rows": [1, 1], "nonfinite": 5}

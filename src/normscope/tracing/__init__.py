@@ -15,10 +15,10 @@ from ..lazy import lazy_exports
 _LAZY = {
     "trace": ".recorder",
     "Tracer": ".recorder",
-    "diagnose": ".detect",
-    "Diagnosis": ".detect",
-    "Anomaly": ".detect",
-    "STAGES": ".detect",
+    "diagnose": ".diagnosis",
+    "Diagnosis": ".diagnosis",
+    "Anomaly": ".diagnosis",
+    "STAGES": ".diagnosis",
     "SCHEMA": ".store",
     "read_run": ".store",
     "TensorBoardSink": ".sinks",
@@ -33,7 +33,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .callback import TraceCallback
-    from .detect import STAGES, Anomaly, Diagnosis, diagnose
+    from .diagnosis import STAGES, Anomaly, Diagnosis, diagnose
     from .recorder import Tracer, trace
     from .sinks import TensorBoardSink
     from .store import SCHEMA, read_run

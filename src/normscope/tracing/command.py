@@ -53,7 +53,7 @@ def add_parser(subparsers) -> Any:
 
 
 def run(args, console: Console) -> int:
-    from .detect import diagnose
+    from .diagnosis import diagnose
     from .report import render_diagnosis, render_html
 
     d = diagnose(args.run_dir, window=args.window, min_history=args.min_history, z=args.z, lookback=args.lookback,

@@ -1,4 +1,4 @@
-"""The console table and the self-contained HTML page of a :class:`~.detect.Diagnosis`."""
+"""The console table and the self-contained HTML page of a :class:`~.diagnosis.Diagnosis`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..report.console import indented
 from ..report.numbers import sig
-from .detect import Diagnosis, rms
+from .diagnosis import Diagnosis, rms
 
 MAX_ROWS = 25
 

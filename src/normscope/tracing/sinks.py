@@ -5,7 +5,7 @@ record it writes to ``run_dir/trace.jsonl`` (``header``, ``step``, ``end``), and
 while the JSONL store goes on. The JSONL stays the source of truth (``normscope.diagnose`` reads only it).
 
 :class:`TensorBoardSink` writes each step record's series as TensorBoard scalars, with the values that
-``normscope.diagnose`` judges (derived from the entries by :mod:`normscope.tracing.detect`), under tags grouped by
+``normscope.diagnose`` judges (derived from the entries by :mod:`normscope.tracing.diagnosis`), under tags grouped by
 metric so that each TensorBoard section is one kind of number:
 
 ==============================================  ===============================================================
@@ -51,7 +51,7 @@ from typing import Any
 
 from ..errors import InputError, MissingExtraError
 from ..extras import require
-from .detect import entry_metrics, rms
+from .diagnosis import entry_metrics, rms
 
 __all__ = ["TensorBoardSink", "record_samples", "record_scalars", "tag"]
 
@@ -64,7 +64,7 @@ _SECTION = {"grad": "grad_{metric}", "update": "update_{metric}", "attention_log
 
 @functools.lru_cache(maxsize=8192)  # the same few hundred tags every step
 def tag(stage: str, metric: str, layer: int | None = None, site: str = "", head: int | None = None) -> str:
-    """The TensorBoard tag of one series (the key :func:`normscope.tracing.detect.diagnose` judges it under)."""
+    """The TensorBoard tag of one series (the key :func:`normscope.tracing.diagnosis.diagnose` judges it under)."""
     section = f"nonfinite/{stage}" if metric == "nonfinite" else \
         _SECTION.get(stage, "{metric}/{stage}").format(metric=metric, stage=stage)
     parts = [section, "" if layer is None else f"layer{layer}", site or "", "" if head is None else f"head{head}"]

@@ -118,6 +118,18 @@ def test_every_and_accumulation(tmp_path):
     assert len(rec["samples"]["embedding"]["max"]) == 2 * B  # both micro-batches
     li = next(e for e in rec["entries"] if e["stage"] == "layer_input" and e["layer"] == 0)
     assert li["n"] == 2 * B * T * 32
+    # what every=3 leaves unjudged is said whatever the verdict, and only then
+    assert len(d.limits) == 1 and "weights_written" in d.limits[0] and "every=3" in d.limits[0]
+    assert d.to_dict()["limits"] == d.limits
+
+
+def test_a_run_recorded_at_every_step_has_no_limit(tmp_path, capsys):
+    train(tmp_path, steps=4)
+    assert diagnose(tmp_path).limits == []
+    train(tmp_path / "sparse", steps=20, every=2)
+    code, out, _ = _cli(["diagnose", str(tmp_path / "sparse")], capsys)
+    out = " ".join(out.split())
+    assert code == 0 and "no incident" in out and "not judged: parameters written outside the optimizer" in out
 
 
 def test_no_grad_eval_and_autocast(tmp_path):

@@ -87,6 +87,22 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert page.index("<h2>Drifts</h2>") > page.index("incident(s)</h2>")
 
 
+def test_a_collapse_too_near_the_end_to_have_held_is_undecided_not_a_pass(tmp_path):
+    """A layer's gradients vanishing (×1e-6) two recorded steps before the run ends: too few steps to tell a held
+    collapse from a passing dip, so the verdict is inconclusive and names it with what decides it."""
+    R.run("llama", tmp_path, 0, R.CASES["collapse: a layer's gradients vanishing (×1e-6) from one step on"].fault,
+          steps=R.AT + 2)
+    d = diagnose(tmp_path)
+    assert not d.incidents and d.verdict == "inconclusive", (d.incidents, d.undecided)
+    pending = [u for u in d.undecided if "a collapse needs it out of its range" in u]
+    assert any("a layer's gradients (layer 0 · mlp)" in u for u in pending), d.undecided
+    assert all(f"at step {R.AT}" in u and "record more steps" in u for u in pending), pending
+    R.run("llama", tmp_path / "held", 0, R.CASES["collapse: a layer's gradients vanishing (×1e-6) from one step on"]
+          .fault, steps=R.AT + 3)
+    d = diagnose(tmp_path / "held")  # one step more and it has held: the incident, nothing left undecided
+    assert [i.kind for i in d.incidents] == ["collapse"] and not d.undecided
+
+
 def test_alibi_logits_of_tens_with_a_spread_softmax_are_not_a_drift(tmp_path, monkeypatch):
     """BLOOM at 128 tokens: ALiBi adds 0.5 × key position to its first head's logits, so that head's max logit is
     past the danger level 30 from step 0 while its softmax spreads over several keys (entropy > 0.5 nats). A

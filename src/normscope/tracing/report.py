@@ -100,6 +100,8 @@ def render_diagnosis(d: Diagnosis, console: Console) -> None:
             console.print("[dim]also left their range before the first incident (farthest first):[/]")
             for x in deps:
                 indented(console, f"step {x.step} · {x.where()} · {x.evidence}", 2, 4)
+    for why in d.limits:
+        indented(console, f"not judged: {why}", 2, 4)
     if d.notes:
         console.print(f"[dim]{len(d.notes)} note(s): seen, and judged not to be incidents[/]")
         for x in d.notes[:MAX_ROWS]:
@@ -262,6 +264,8 @@ def render_html(d: Diagnosis) -> str:
                      + (f"samples: {esc(', '.join(map(str, a.sample_ids)))}<br>" if a.sample_ids else "")
                      + f"next: {esc(a.next_check)}</div>")
     parts.append(f"<p>{esc(summary_line(d))}</p>")
+    for why in d.limits:
+        parts.append(f"<p>not judged: {esc(why)}</p>")
     if (runs := runs_line(d)) is not None:
         parts.append(f"<div class='warn'>{esc(runs)}</div>")
     for e in d.errors:

@@ -29,7 +29,7 @@ import numpy as np
 from ...errors import InputError
 from ..store import read_run
 from .drifts import DRIFT_RULES, drifts
-from .incidents import INCIDENT_KINDS, INCIDENT_RULES, triggers
+from .incidents import COLLAPSE_HOLD, INCIDENT_KINDS, INCIDENT_RULES, triggers
 from .localize import LOCALIZATION_RULES, localize
 from .metrics import entry_metrics, rms
 from .notes import NOTE_RULES, hard_samples, sustained_rises, unusual_inputs
@@ -94,14 +94,30 @@ def diagnose(run_dir: str | os.PathLike, *, window: int = 20, min_history: int =
         rewritten = {_col(view, i.step) for i in incidents if i.cause is not None and i.cause.stage == "update"}
         unusual_inputs(view, explained, rewritten)
         sustained_rises(view, explained)
+    else:
+        explained = set()
     disabled = sorted({p for e in run.ends for p in e.get("disabled", []) if isinstance(p, str)}
                       | {p for r in run.records for p in (r.get("disabled") or []) if isinstance(p, str)})
     errors = [x for e in run.ends for x in (e.get("errors") or []) if isinstance(x, dict)]
     complete = bool(run.ends) and len(run.ends) >= len(run.headers)
     undecided = _undecided(run, errors, min_history)
+    undecided += [f"{trig.evidence}: a collapse needs it out of its range for {COLLAPSE_HOLD} recorded steps; record "
+                  "more steps (or diagnose again as the run goes on) to decide"
+                  for trig in view.pending_collapses if not any(abs(trig.t - c) <= lookback for c in explained)]
     return Diagnosis(str(run.path.parent), incidents, found_drifts, [r["step"] for r in run.records], run.headers[-1],
                      disabled, errors, settings, complete, run.damaged, run.records, undecided,
-                     [view.notes[k] for k in sorted(view.notes)], run.runs, run.number)
+                     [view.notes[k] for k in sorted(view.notes)], run.runs, run.number, _limits(run))
+
+
+def _limits(run) -> list[str]:
+    """What the way ``run`` was recorded leaves unjudged, whatever its verdict."""
+    every = run.headers[-1].get("every") if run.headers else None
+    if isinstance(every, int) and every > 1:
+        return [f"parameters written outside the optimizer between recorded steps: with every={every} the updates of "
+                f"the {every - 1} steps between two records are not known, so a change of the weights' size cannot be "
+                "told from them (`weights_written` is judged between consecutive recorded steps only; its effect on "
+                "the forward is still judged); trace with every=1 to judge it"]
+    return []
 
 
 def _undecided(run, errors: list[dict[str, Any]], min_history: int) -> list[str]:

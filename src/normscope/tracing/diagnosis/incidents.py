@@ -215,26 +215,31 @@ def find_collapses(view: RunView) -> list[Trigger]:
     """Series of :data:`COLLAPSES` that leave their range in their failure direction and stay out for
     ``COLLAPSE_HOLD`` recorded steps, each judged against its own trend before the change (its own spread sets
     the threshold, raised for the number of series and steps judged): the stream shrinking, γ written to 0,
-    gradients vanishing, a head going uniform. The loss may not move (a layer that stops contributing)."""
-    return held_changes(view, COLLAPSES, "collapse")
+    gradients vanishing, a head going uniform. The loss may not move (a layer that stops contributing). One that
+    begins too near the run's end to have held yet is kept on the view (``pending_collapses``): undecided."""
+    found, view.pending_collapses = held_changes(view, COLLAPSES, "collapse")
+    return found
 
 
-def held_changes(view: RunView, table, kind: str) -> list[Trigger]:
+def held_changes(view: RunView, table, kind: str) -> tuple[list[Trigger], list[Trigger]]:
     """The first change of each series of ``table`` ((stage, metric, direction, what) rows) that leaves its
     range in its direction and stays out for ``COLLAPSE_HOLD`` columns, each against the trend of the window
-    before it (all series fitted at once per column; the volatility test only where the trend test holds)."""
+    before it (all series fitted at once per column; the volatility test only where the trend test holds); and,
+    apart, the changes that begin in the run's last ``COLLAPSE_HOLD`` − 1 columns and stay out to its end: too
+    few steps recorded after them to tell a held change from a passing one."""
     rules = {(stage, metric): (direction, what) for stage, metric, direction, what in table}
     rows = [r for r, k in enumerate(view.s.keys) if (k[0], k[4]) in rules]
     if not rows or view.T <= view.min_history + COLLAPSE_HOLD:
-        return []
+        return [], []
     thr = view.threshold(len(rows) * view.T)
     values = view.s.values[rows]
     y = log_values(values)
     zero = np.isfinite(values) & (values <= 0)
     down = np.array([rules[(view.s.keys[r][0], view.s.keys[r][4])][0] == "down" for r in rows])
     found: dict[int, Trigger] = {}
-    for t in range(view.min_history, view.T - COLLAPSE_HOLD + 1):
-        open_rows = np.array([i not in found for i in range(len(rows))])
+    pending: dict[int, Trigger] = {}
+    for t in range(view.min_history, view.T):
+        open_rows = np.array([i not in found and i not in pending for i in range(len(rows))])
         if not open_rows.any():
             break
         f = fit(y[:, max(0, t - view.window):t], view.min_history, view.floor)
@@ -258,13 +263,19 @@ def held_changes(view: RunView, table, kind: str) -> list[Trigger]:
             direction, what = rules[(key[0], key[4])]
             b, v = math.exp(float(base[i])), float(view.s.values[r, t])
             change = (f"×{sig(v / b)}" if direction == "up" else f"÷{sig(b / v)}" if v > 0 else "to 0")
+            if held.shape[1] < COLLAPSE_HOLD:
+                pending[i] = Trigger(t, kind, key[4], v, b,
+                                     f"{what} ({where_of(key)}): {key[4]} {fmt(v)} from its trend {fmt(b)} ({change})"
+                                     f" at step {int(view.s.steps[t])}, out of its range in the {held.shape[1]} "
+                                     f"recorded step(s) the run has from there", key)
+                continue
             found[i] = Trigger(t, kind, key[4], v, b,
                                 f"{what} ({where_of(key)}): {key[4]} {fmt(v)} from its trend {fmt(b)} ({change}) "
                                 f"and out of its range for the {COLLAPSE_HOLD} recorded steps from here (threshold "
                                 f"{thr:.1f} robust σ of its own spread, and ×{sig(math.exp(least))} either way: "
                                 f"{COLLAPSE_OVER_VOLATILITY:g} × its largest one-step move before)", key,
                                 score=math.inf if gone[i, 0] else float(z[i, 0]))
-    return [found[i] for i in sorted(found)]
+    return [found[i] for i in sorted(found)], [pending[i] for i in sorted(pending)]
 
 
 def _update_rows(view: RunView) -> dict[tuple, tuple[np.ndarray, np.ndarray]]:

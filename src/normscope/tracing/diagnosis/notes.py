@@ -113,7 +113,7 @@ def _downstream(view: RunView, t: int) -> str:
 def sustained_rises(view: RunView, explained: set[int]) -> None:
     """Notes for :data:`RISES` at columns no incident explains (``explained``) and without an unusual input:
     a series that stepped up and stayed there, which nothing recorded accounts for."""
-    for trig in held_changes(view, RISES, "rise"):
+    for trig in held_changes(view, RISES, "rise")[0]:
         step = int(view.s.steps[trig.t])
         if any(abs(trig.t - c) <= view.lookback for c in explained) or step in view.notes:
             continue

@@ -112,6 +112,9 @@ class Diagnosis(Verdict):
     # one judged (1-based)
     runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     run: int = 1
+    # what the way the run was recorded leaves unjudged at every step, whatever the verdict (with ``every`` > 1,
+    # parameters written between recorded steps), each with what would judge it
+    limits: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -159,6 +162,7 @@ class Diagnosis(Verdict):
                          "world_size": self.header.get("world_size"), "disabled": self.disabled,
                          "errors": self.errors, "damaged": self.damaged, "settings": self.settings,
                          "verdict": self.verdict, "undecided": self.undecided, "notes": self.notes,
+                         "limits": self.limits,
                          "run": self.run, "runs": self.runs,
                          "first": self.first.to_dict() if self.first else None,
                          "incidents": [i.to_dict() for i in self.incidents],

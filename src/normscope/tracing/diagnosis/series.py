@@ -141,6 +141,7 @@ class RunView:
         self._losses: list[np.ndarray | None] | None = None  # per-sample losses per column, read on first use
         self._rel: list[np.ndarray | None] | None = None  # per-sample relative log-losses, made on first use
         self.notes: dict[int, str] = {}  # step → what was seen there and judged not an incident
+        self.pending_collapses: list = []  # collapses that began too near the end to have held yet
 
     def threshold(self, tests: int) -> float:
         """z raised so that ``tests`` Gaussian tests leave ``false_alarms`` expected false alarms."""

@@ -920,13 +920,22 @@ def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers
     assert len({c.group for c in bound[:3]}) == 1 and bound[3].group != bound[0].group
     one, other = attention.Group(), attention.Group()
     got = [one.stats(c) for c in bound[:3]] + [other.stats(c) for c in bound[3:]]
+    uniform = {"focus_sum", "focus_rows"}
     for i, c in enumerate(calls):
         alone = _sdpa_stats(*c)
-        assert got[i].keys() == alone.keys()
+        assert got[i].keys() - uniform == alone.keys() - uniform
         for name, v in alone.items():  # the entropy in float64 here, float32 on torch's path
             assert got[i][name] == pytest.approx(v, rel=1e-5 if name == "entropy_sum" else 1e-6), name
     assert got[0]["masked_rows"] == [0] * h and got[0]["max_logit"] != got[1]["max_logit"]
     assert got[2]["max_logit"][2] == math.inf or got[2]["nonfinite"] > 0
+    # uniform attention's entropy on every query row (12 rows < ENTROPY_ROWS: all sampled), both samples: 9 live keys
+    # a row under the bias's -inf, i + 1 keys at row i under the causal mask
+    def uniform(x):
+        return [f + e for f, e in zip(x["focus_sum"], x["entropy_sum"], strict=True)]
+
+    for x in got[:3]:
+        assert x["focus_rows"] == [b * t] * h and uniform(x) == pytest.approx([b * t * math.log(9)] * h)
+    assert uniform(got[3]) == pytest.approx([b * math.lgamma(t + 1)] * h)
 
 
 def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_path(monkeypatch):

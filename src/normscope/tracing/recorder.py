@@ -38,30 +38,17 @@ from torch.overrides import TorchFunctionMode
 from ..errors import InputError
 from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX, TRANSPARENT
 from . import attention
-from .activations import ActivationBatch
+from .activations import ActivationBatch, writes_in_place
 from .buffers import Buffers
 from .discovery import discover
 from .gradients import GradientCollector
-from .lineage import Lineage
+from .residual import Stream
 from .statistics import StepEntries, per_sample
 from .store import SCHEMA
 from .updates import UpdateCollector
 from .writer import RecordWriter
 
 log = logging.getLogger("normscope.trace")
-
-_IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-             "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__"}
-
-
-def _writes_in_place(name: str, args, kwargs) -> bool:
-    """Whether a call may write into a tensor it is given (``add_``, ``x += y``, ``x[i] = v``, ``out=``,
-    ``inplace=True``): the pending statistics are taken before it runs. A positional ``True`` counts too (the
-    ``inplace`` flag of ``F.relu(x, True)``); a false alarm only takes them early."""
-    return ((name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE
-            or kwargs.get("out") is not None or kwargs.get("inplace") is True
-            or any(a is True for a in args[1:]))
-
 
 def _same_ids(a, ids: torch.Tensor) -> bool:
     """Whether ``a`` is the forward's token ids or a view of all of them (``input_ids.view(-1, T)``)."""
@@ -95,10 +82,11 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tr
+        stream = tr.stream
         if tr._busy:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        if tr.activations.items and _writes_in_place(name, args, kwargs):
+        if tr.activations.items and writes_in_place(name, args, kwargs):
             tr._flush()
         if func is F.scaled_dot_product_attention and "attention" not in tr.disabled:
             tr._guard("attention", tr._attention_sdpa, args, kwargs)
@@ -110,19 +98,19 @@ class _Mode(TorchFunctionMode):
         elif name in EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
             out = func(*args, **kwargs)
             tr._guard("data", tr._embedding, out)
-        elif name in ADDS and tr._streams and "residual" not in tr.disabled:
-            add = tr._guard("residual", tr._residual_before, name, args)
+        elif name in ADDS and stream.scopes and "residual" not in tr.disabled:
+            add = tr._guard("residual", stream.before_add, name, args)
             out = func(*args, **kwargs)
             if add is not None:
-                tr._guard("residual", tr._residual_after, add, out)
+                tr._guard("residual", stream.after_add, add, out)
         else:
             out = func(*args, **kwargs)
-            if name in TRANSPARENT and tr._streams and args and isinstance(out, torch.Tensor):
-                tr._follow(args[0], out)
-            elif name in ("conv1d", "pad") and tr._streams:
-                tr._mixing(name, args, kwargs)
-        if tr._streams and tr._streams[-1]["lineage"] is not None:
-            tr._derive(args, out)
+            if name in TRANSPARENT and stream.scopes and args and isinstance(out, torch.Tensor):
+                stream.follow(args[0], out)
+            elif name in ("conv1d", "pad") and stream.scopes:
+                stream.mixing(name, args, kwargs)
+        if stream.scopes and stream.scopes[-1]["lineage"] is not None:
+            stream.derive(args, out)
         return out
 
 
@@ -153,8 +141,6 @@ class Tracer:
         self._open = False
         self._cost = 0.0  # seconds spent in the tracer's probes during the current step (``tracer_ms``)
         self._written = 0.0  # seconds the last record took to write
-        self._streams: list[dict[str, Any]] = []  # one per active block call
-        self._plain: set[int] = set()  # blocks seen adding their own input (no projection shortcut to look for)
         self._mode: _Mode | None = None
         self._last_step = -1
         self.recording = True  # step 0 is recorded
@@ -178,6 +164,7 @@ class Tracer:
         self.activations = ActivationBatch(self.entries, self._guard, self.disabled, self._left_out)
         self.gradients = GradientCollector(self.layout, self._guard, self._recording, self.disabled)
         self.updates = UpdateCollector(self.layout, self._guard, self._recording, self.buffers)
+        self.stream = Stream(self.layout, self.activations, self._guard, self._fail, self.disabled)
         self.writer = RecordWriter(self.run_dir, self.sinks, self._fail, self.disabled)
         self._reset()
 
@@ -267,7 +254,8 @@ class Tracer:
     def _reset(self) -> None:
         self.entries.clear()
         self._samples: dict[str, dict[str, list]] = {}
-        self._counters: dict[tuple, int] = {}
+        self._counters: dict[tuple, int] = {}  # (attention, layer, scope) → its calls this forward
+        self.stream.reset()
         self._attention_groups: dict[tuple, attention.Group] = {}  # this forward's SDPA masks, by call shape
         self.activations.reset()
         self.gradients.reset()
@@ -296,6 +284,7 @@ class Tracer:
         if not self._active() or self._mode is not None:
             return None
         self._counters = {}
+        self.stream.reset()
         self._ids = None
         x, more = _model_inputs(args, kwargs)
         if "data" not in self.disabled and isinstance(x, torch.Tensor):
@@ -318,7 +307,7 @@ class Tracer:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             self._flush()
-            self._streams.clear()
+            self.stream.reset()
             self._ids = None
             try:
                 mode.__exit__(None, None, None)
@@ -346,45 +335,15 @@ class Tracer:
     def _block_pre(self, module, args, kwargs):
         if self._mode is None or "blocks" in self.disabled:
             return None
-        self._guard("blocks", self._enter_block, module, args, kwargs)
+        self._guard("blocks", self.stream.enter, module, args, kwargs)
         return None
 
-    def _enter_block(self, module, args, kwargs) -> None:
-        """A block's call, or a nested element's (a stage's residual block), opens a scope for the stream: the adds
-        of its own input inside it are its residual adds, recorded under the block's layer (a nested element's
-        with its name inside the block as their sites' prefix)."""
-        nested = self.layout.nested.get(id(module))
-        layer, prefix = (self.blocks[id(module)], "") if nested is None else (nested[0], nested[1] + ".")
-        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        self._streams.append({"layer": layer, "stream": x, "alt": None, "attn": False, "module": module,
-                              "joined": [], "views": [], "prefix": prefix, "added": False, "mixer": False,
-                              "lineage": Lineage(x) if isinstance(x, torch.Tensor) and id(module) not in self._plain
-                              and "residual" not in self.disabled else None,
-                              "tentative": None, "input": x, "projected": False})
-        if nested is None and isinstance(x, torch.Tensor) and x.is_floating_point():
-            self._defer("layer_input", layer, "", x)
-
     def _block_post(self, module, args, output):
-        if self._streams and self._streams[-1]["module"] is module:
-            s = self._streams[-1]
-            out = output[0] if isinstance(output, tuple | list) and output else output
-            if s["tentative"] is not None:
-                self._guard("residual", self._settle, s, out)
-            elif s["added"] and not s["projected"]:
-                self._plain.add(id(module))  # adds its own input: no projection add to look for in it again
-            self._streams.pop()
-            if self._streams and self._streams[-1]["lineage"] is not None:  # what the nested scope computed
-                inner = s["lineage"].depth(out) if s["lineage"] is not None else None
-                self._guard("residual", self._streams[-1]["lineage"].inherit, s["input"], out, inner or 1)
-            if self._streams and s["prefix"] and not s["added"]:
-                # not a residual block of its own (an attention head of a list of heads, an expert): what ran in
-                # it belongs to the scope around it
-                self._streams[-1]["attn"] |= s["attn"]
-                self._streams[-1]["mixer"] |= s["mixer"]
+        self.stream.exit(module, output)
         return None
 
     def _layer(self) -> int | None:
-        return self._streams[-1]["layer"] if self._streams else None
+        return self.stream.layer()
 
     def _norm_pre(self, module, args):
         if self._mode is None:
@@ -416,9 +375,8 @@ class Tracer:
             # the norm applies, c + w where it has an offset c (Gemma: 1 + w)
             c = self.layout.scale_offsets.get(id(module))
             self._defer("norm_output", layer, site, w.detach() + c if c else w.detach().clone(), "scale")
-        s = self._streams[-1] if self._streams else None
-        if s is not None and args and args[0] is s["stream"]:
-            s["alt"] = y  # post-norm: the normalized sum may be the stream the next add reads
+        if args:
+            self.stream.normalized(args[0], y)
 
     def _functional_norm(self, func, args, kwargs, out) -> None:
         fname = NORM_FUNCTIONS[func][0]
@@ -431,9 +389,7 @@ class Tracer:
             self._norm_in((layer, site), x)
         if isinstance(out, torch.Tensor) and out.is_floating_point():
             self._defer("norm_output", layer, site, out)
-            s = self._streams[-1] if self._streams else None
-            if s is not None and x is s["stream"]:
-                s["alt"] = out
+            self.stream.normalized(x, out)
 
     # ------------------------------------------------------------------ attention and residual adds
     def _attention_sdpa(self, args, kwargs) -> None:
@@ -459,182 +415,12 @@ class Tracer:
         and its order there (``#1`` for the second: cross-attention, a second window pass)."""
         layer = self._layer()
         prefix = ""
-        if self._streams:
-            self._streams[-1]["attn"] = True
-            prefix = self._streams[-1]["prefix"].rstrip(".")
+        if self.stream.scopes:
+            self.stream.scopes[-1]["attn"] = True
+            prefix = self.stream.scopes[-1]["prefix"].rstrip(".")
         k = self._counters.get(("attn", layer, prefix), 0)
         self._counters[("attn", layer, prefix)] = k + 1
         return "attention_logits", layer, prefix if k == 0 else f"{prefix}#{k}"
-
-    def _follow(self, x, out: torch.Tensor) -> None:
-        """``out`` is ``x`` seen through a reshape, a cast or a dropout: a stand-in for the stream, or a joined
-        branch, when ``x`` is one (OPT flattens the stream to (B·T, H) before its MLP's add; Falcon drops out the
-        joined attention + MLP branch before adding it)."""
-        if "residual" in self.disabled:
-            return
-        try:  # not under the guard: a few identity checks on every such op of the forward, kept cheap
-            s = self._streams[-1]
-            if self._is_stream(s, x):
-                s["views"].append(out)
-            elif any(x is j for j in s["joined"]):
-                s["joined"].append(out)
-            elif s["tentative"] is not None and self._is_stream(s["tentative"]["after"], x):
-                s["tentative"]["after"]["views"].append(out)
-        except Exception as exc:  # never break training
-            self._fail("residual", exc)
-
-    def _mixing(self, name: str, args, kwargs) -> None:
-        """A depthwise convolution along the sequence (one group per channel), or a shift of a (batch, sequence,
-        channel) tensor along its sequence (``pad`` by (0, 0, k, -k): RWKV's token shift): a state-space, recurrent
-        or convolutional token mixer, whose residual branch is then a ``mixer``, not an MLP."""
-        if "residual" in self.disabled:
-            return
-        try:  # not under the guard, as _follow: a few checks on every such op, kept cheap
-            x = args[0] if args else kwargs.get("input")
-            if not isinstance(x, torch.Tensor):
-                return
-            if name == "conv1d":
-                groups = kwargs.get("groups", args[6] if len(args) > 6 else 1)
-                mixes = x.dim() >= 2 and isinstance(groups, int) and 1 < groups == x.shape[-2]
-            else:
-                pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
-                mixes = (x.dim() == 3 and isinstance(pad, tuple | list) and len(pad) == 4 and pad[0] == pad[1] == 0
-                         and pad[2] != 0 and pad[2] + pad[3] == 0)
-            if mixes:
-                self._streams[-1]["mixer"] = True
-        except Exception as exc:  # never break training
-            self._fail("residual", exc)
-
-    def _is_stream(self, s: dict, x) -> bool:
-        return x is s["stream"] or x is s["alt"] or any(x is v for v in s["views"])
-
-    def _residual_before(self, name: str, args) -> tuple | None:
-        """Before an add: whether it is a residual add of the current stream (then the branch's statistics are
-        deferred, and taken at once where the add writes into the branch: ResNet's ``out += shortcut``), or two
-        branches joined before they meet the stream. What :meth:`_residual_after` completes, or None."""
-        s = self._streams[-1]
-        if len(args) < 2:
-            return None
-        a, b = args[0], args[1]
-        tentative = False
-        pending = s["tentative"]
-        if pending is not None:
-            if self._is_stream(s, a) or self._is_stream(s, b):
-                self._refute(s)  # an add of the scope's own input after all: the earlier add was not its residual add
-            elif s["lineage"] is not None and any(self._is_stream(pending["after"], x) and s["lineage"].marked(y)
-                                                  for x, y in ((a, b), (b, a))):
-                self._confirm(s)  # the sum and a branch computed from it: it is the stream, its add the residual add
-        if self._is_stream(s, a):
-            stream, branch = a, b
-        elif self._is_stream(s, b):
-            stream, branch = b, a
-        else:
-            # two stream-shaped branches summed after attention, before either meets the stream: a parallel block
-            # (GPT-J, GPT-NeoX, Phi: x + attn(ln x) + mlp(ln x)), whose residual branch then holds both sublayers
-            attn = s["attn"] or (pending is not None and pending["attn"])
-            if (attn and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                    and isinstance(s["stream"], torch.Tensor) and a.shape == b.shape == s["stream"].shape):
-                return s, None
-            depths = self._projection_add(s, a, b)
-            if depths is None:
-                return None
-            branch, stream = (a, b) if depths[0] > depths[1] else (b, a)
-            tentative = True
-        if (not isinstance(branch, torch.Tensor) or not isinstance(stream, torch.Tensor)
-                or branch.shape != stream.shape or not branch.is_floating_point()):
-            return None
-        joined = any(branch is j for j in s["joined"])
-        part = s["prefix"] + (("attn+mlp" if joined else "attn") if s["attn"] else "mixer" if s["mixer"] else "mlp")
-        k = self._counters.get((s["layer"], part), 0)
-        self._counters[(s["layer"], part)] = k + 1
-        site = part if k == 0 else f"{part}#{k}"
-        self._defer("sublayer_output", s["layer"], site, branch)
-        if branch is a and _writes_in_place(name, args, {}):
-            self.activations.flush()  # the add overwrites the branch
-        if tentative:  # the flags start again for the next branch; the stream stays, until the add is settled
-            s["tentative"] = {"site": site, "counter": (s["layer"], part), "attn": s["attn"], "mixer": s["mixer"],
-                              "after": {"stream": None, "alt": None, "views": []}}
-            s["attn"] = s["mixer"] = False
-        return s, site
-
-    def _residual_after(self, add: tuple, out) -> None:
-        s, site = add
-        if not isinstance(out, torch.Tensor):
-            return
-        if site is None:
-            if out.shape == s["stream"].shape:
-                s["joined"].append(out)
-            return
-        self._defer("residual_sum", s["layer"], site, out)
-        pending = s["tentative"]
-        if pending is not None and pending["site"] == site:  # a projection add: the stream it may have made
-            pending["after"]["stream"] = out
-            if s["lineage"] is not None:  # what derives from the sum tells at the scope's end if it was its output
-                s["lineage"].mark(out)
-            return
-        s["stream"], s["alt"], s["attn"], s["joined"], s["views"] = out, None, False, [], []
-        s["added"], s["mixer"], s["lineage"] = True, False, None
-
-    # ------------------------------------------------------------------ residual blocks with a projection shortcut
-    def _derive(self, args, out) -> None:
-        """While a scope has no residual add of its own input (and its block was not seen adding it before), its
-        :class:`.Lineage` follows ``out``."""
-        s = self._streams[-1]
-        lineage = s["lineage"]
-        try:  # not under the guard, as _follow: a few lookups on every op of the scope, kept cheap
-            lineage.derive(args, out)
-            if lineage.full:
-                s["lineage"] = None
-        except Exception as exc:  # never break training
-            self._fail("residual", exc)
-
-    def _projection_add(self, s: dict, a, b) -> tuple[int, int] | None:
-        """(depths of a and b) when ``a + b`` may be the residual add of a block whose shortcut is a projection
-        (ResNet's ``conv(x) + shortcut_conv(x)``; Hiera's ``proj(norm(x)) + attn(norm(x))``): the scope has had no
-        residual add yet, both operands derive from its input, the same shape, at different depths (the branch is the
-        deeper one), along separate paths (the shallower is not on the deeper's). It stays tentative until the sum is
-        added to again or is the scope's output."""
-        lineage = s["lineage"]
-        if lineage is None or s["added"] or s["tentative"] is not None:
-            return None
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.is_floating_point() and b.is_floating_point()):
-            return None
-        da, db = lineage.depth(a), lineage.depth(b)
-        if da is None or db is None or da == db:
-            return None
-        deep, shallow = (a, b) if da > db else (b, a)
-        if lineage.derives(deep, shallow):
-            return None  # one path, not two: an add inside a branch (GELU's x + 0.044715·x³)
-        return da, db
-
-    def _settle(self, s: dict, out) -> None:
-        """At the end of a scope with a pending projection add: its residual add if the scope's output (``out``, its
-        first when a tuple) is its sum or derives from it (ResNet's ReLU after the add), else not a residual add at all
-        (its entries dropped)."""
-        if s["lineage"] is not None and s["lineage"].marked(out):
-            self._confirm(s)
-        else:
-            self._refute(s)
-
-    def _confirm(self, s: dict) -> None:
-        """A pending projection add was the scope's residual add: its sum is the stream from now on."""
-        pending, s["tentative"] = s["tentative"], None
-        s["stream"], s["alt"], s["views"], s["joined"] = pending["after"]["stream"], None, pending["after"]["views"], []
-        s["added"], s["lineage"], s["projected"] = True, None, True
-
-    def _refute(self, s: dict) -> None:
-        """A pending projection add that was not the scope's residual add: its entries dropped, its site's number
-        given back, and the flags of the branch it closed restored."""
-        pending, s["tentative"] = s["tentative"], None
-        layer, site = s["layer"], pending["site"]
-        self.activations.drop([("sublayer_output", layer, site), ("residual_sum", layer, site)])
-        counter = pending["counter"]
-        self._counters[counter] = self._counters.get(counter, 1) - 1
-        s["attn"] |= pending["attn"]
-        s["mixer"] |= pending["mixer"]
-        if s["lineage"] is not None:
-            s["lineage"].unmark()
 
     # ------------------------------------------------------------------ the step
     def step(self, step: int, loss=None, sample_ids=None, losses=None) -> None:

@@ -154,6 +154,19 @@ def test_a_video_clip_is_cut_to_one_temporal_patch_where_the_forward_runs_on_it(
     assert x.shape[1] == frames
 
 
+def test_a_main_input_gets_the_width_the_forwards_error_names():
+    """Perceiver without a preprocessor takes inputs of ``d_model`` features, which no field named like an input width
+    states; its error does ("doesn't correspond to config.d_model: 48")."""
+    config = transformers.PerceiverConfig(num_latents=4, d_latents=32, d_model=48, num_blocks=1,
+                                          num_self_attends_per_block=1, num_self_attention_heads=2,
+                                          num_cross_attention_heads=1)
+    model = transformers.PerceiverModel(config)
+    inputs = default_inputs(model)
+    assert inputs["inputs"].shape[-1] == 48
+    with torch.no_grad():
+        model(**inputs)
+
+
 def test_a_vision_tower_taking_patch_sequences_gets_them_with_their_grid():
     """Qwen2-VL-like towers take images as one sequence of flattened patches and their (t, h, w) grid; the class
     names no input of its own (the default input_ids), the forward names it hidden_states. Built small on the CPU

@@ -195,6 +195,7 @@ class _Defaults:
                     break
             else:  # no layout reached the first layer as it takes it: the first, as documented
                 self._complete(options[0])
+            self._width_the_error_names()
             self._documented_extras()
             self._fewer_frames()
         except _Missing as exc:
@@ -450,6 +451,22 @@ class _Defaults:
                 if v:
                     return v
         return None
+
+    def _width_the_error_names(self) -> None:
+        """Where the forward refuses a float main input of (batch, steps, features) by the width it needs — a norm's
+        ``normalized_shape=[768]`` (SpeechT5 without its pre-net takes hidden states), "doesn't correspond to
+        config.d_model: 768" (Perceiver) — that many features, kept where the forward then no longer asks for it."""
+        x = self.kwargs.get(self.main)
+        if not (self.needed and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 3):
+            return
+        failure = self._failure(self._called(self.kwargs))
+        width = _named_width(failure) if failure else None
+        if width is None or width == x.shape[-1]:
+            return
+        trial = {**self.kwargs, self.main: self._randn(*x.shape[:-1], width)}
+        now = self._failure(self._called(trial))
+        if now is None or _named_width(now) != width:
+            self.kwargs = trial
 
     def _fewer_frames(self) -> None:
         """A video clip cut to one temporal patch (``tubelet_size`` frames, else one) where the forward runs on it:
@@ -898,3 +915,15 @@ def _first_int(v) -> int | None:
     if isinstance(v, list | tuple) and v:
         v = v[0]
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+_WIDTH_IN_ERROR = (re.compile(r"normalized_shape=\[(\d+)\], expected input with shape \[\*, \1\]"),
+                   re.compile(r"(?:correspond|match)\w* to config\.\w+:? (\d+)"))
+
+
+def _named_width(message: str) -> int | None:
+    """The number of features a forward's error says its input needs, or None."""
+    for pattern in _WIDTH_IN_ERROR:
+        if (m := pattern.search(message)) is not None:
+            return int(m.group(1))
+    return None

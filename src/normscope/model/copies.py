@@ -208,8 +208,10 @@ def redrawn(module: torch.nn.Module) -> torch.nn.Module | None:
     return m if redraw_vectors(m) else None
 
 
-def stored_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """γ/β as the module stores them, where inference named the parameter; else the recovered values."""
+def stored_params(module: torch.nn.Module, result, sized: bool = False) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """γ/β as the module stores them, where inference named the parameter; else the recovered values. ``sized``:
+    ``result`` was inferred on a module of another size, so its recovered values do not apply here: the module's
+    own parameter (of the recovered values' rank), else a ``ValueError``."""
     params = result.params.to_dict()
     named = dict(module.named_parameters())
     sources = {}
@@ -219,9 +221,15 @@ def stored_params(module: torch.nn.Module, result) -> tuple[dict[str, np.ndarray
         if field not in params:
             continue
         sources[field] = "recovered by probing"
+        shape = np.asarray(params[field]).shape
         if isinstance(name, str) and name in named:
             w = named[name].detach().double().cpu().numpy()
             if w.size == np.asarray(params[field]).size:
-                params[field] = w.reshape(np.asarray(params[field]).shape)
+                params[field] = w.reshape(shape)
                 sources[field] = f"the module's parameter {name!r}"
+            elif sized and (w.ndim == len(shape) or len(shape) == 1):
+                params[field] = w if w.ndim == len(shape) else w.reshape(-1)
+                sources[field] = f"the module's parameter {name!r}"
+        if sized and sources[field] == "recovered by probing":
+            raise ValueError(f"{field} was recovered by probing a module of another size")
     return params, sources

@@ -10,6 +10,7 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -382,10 +383,11 @@ Inference = tuple[Any, str]  # (infer's result, the site it ran at)
 
 
 def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: float | None = None,
-                shared: Inference | None = None, module: torch.nn.Module | None = None
+                shared: Inference | None = None, module: torch.nn.Module | None = None, sized: bool = False
                 ) -> tuple[Site | None, dict[str, Any] | None, Inference | None]:
     """The site's contract, inferred on its module (or taken from ``shared``: an inference at a site of the same
-    kind) and held to the site's own real activation with its own parameters. ``module``: the site's private copy
+    kind, or with ``sized`` of the same kind but for its sizes) and held to the site's own real activation with its
+    own parameters. ``module``: the site's private copy
     when the caller made it already (``cand.make()`` otherwise). Trained weights that hide the structure (γ ≈ 0 on
     some channels moves no output there) are ``infer``'s to handle: it probes its copy with re-drawn parameters
     (evidence ``parameters_probed``), and the contract is held to the real ones on the real activation below."""
@@ -428,15 +430,26 @@ def _infer_site(cand: _Candidate, dtypes, progress: Progress, call_timeout: floa
             "experiment": "one inference per kind of module", "measured": {"inferred_at": shared[1]},
             "confidence": "decisive",
             "note": f"the contract was inferred at {shared[1]}, a module of the same class, attributes and parameter "
-                    "shapes on an input of the same shape and dtype; this site's own activation is checked below"}
+                    "shapes on an input of the same shape and dtype; this site's own activation is checked below"
+                    if not sized else
+                    f"the contract was inferred at {shared[1]}, a module of the same class and attributes but for its "
+                    "sizes (channels, groups, widths), on an input of the same rank and dtype; it holds here only "
+                    "because this site's own activation agrees with it (checked below; else it is inferred here)"}
     if cand.x.is_meta:  # shapes without values: nothing recorded to check, and γ/β were drawn
+        if sized:  # the copy on an input drawn at the site's (probe) shape instead
+            evidence["shared_inference"]["measured"]["check"] = _drawn_check(result, module, cand)
         return Site(**base, spec=result.spec, activation={"not_measured": META_NOTE}, evidence=evidence,
                     calls=calls, seconds=time.perf_counter() - started), None, inference
-    params, sources = stored_params(module, result)
-    if _finite(cand.x):
-        activation = _activation_check(result.spec, params, cand.x, cand.y)
-    else:  # nothing a contract says holds on NaN or ∞: the site is not judged (the scan is inconclusive)
-        activation = {"not_measured": NONFINITE_NOTE, "input_finite": False, **_nonfinite_count(cand.x)}
+    try:
+        params, sources = stored_params(module, result, sized=sized)
+        # on NaN or ∞ nothing a contract says holds: the site is not judged (the scan is inconclusive)
+        activation = (_activation_check(result.spec, params, cand.x, cand.y) if _finite(cand.x) else
+                      {"not_measured": NONFINITE_NOTE, "input_finite": False, **_nonfinite_count(cand.x)})
+    except (ValueError, InputError) as exc:
+        if not sized:
+            raise
+        return Site(**base, spec=result.spec, activation={"ok": False, "error": str(exc)}, evidence=evidence,
+                    calls=calls, seconds=time.perf_counter() - started), None, inference  # inferred here instead
     activation["parameters"] = sources
     evidence["validation"] = result.validation
     return Site(**base, spec=result.spec, gamma=_gamma_stats(result.spec, params), activation=activation,
@@ -463,6 +476,54 @@ def _kind_key(cand: _Candidate, module: torch.nn.Module) -> tuple:
     children = tuple((n, type(m).__module__, type(m).__qualname__) for n, m in module.named_modules() if n)
     return (type(module).__module__, type(module).__qualname__, cand.kind, plain, tensors, children, probed,
             str(cand.x.dtype))
+
+
+def _drawn_check(result, module: torch.nn.Module, cand: _Candidate) -> dict[str, Any]:
+    """The contract against the site's private copy on a standard normal input of its probe shape (what a shared
+    inference is held to on the meta device, where nothing was recorded)."""
+    shape = cand.probe[0] if cand.probe is not None else tuple(cand.x.shape)
+    dtype = cand.x.dtype if cand.x.dtype.is_floating_point else torch.float32
+    try:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.no_grad():
+            y = module(x)
+        params, _ = stored_params(module, result, sized=True)
+        return _activation_check(result.spec, params, x, y if isinstance(y, torch.Tensor) else y[0])
+    except Exception as exc:  # the copy cannot run on a drawn input: no agreement
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _holds(site: Site) -> bool:
+    """Whether a contract shared from a site of another size holds at ``site``: its recorded activation agrees, or
+    on the meta device its copy on a drawn input does."""
+    if site.activation.get("ok") is True:
+        return True
+    check = (site.evidence or {}).get("shared_inference", {}).get("measured", {}).get("check") or {}
+    return check.get("ok") is True
+
+
+_INT = re.compile(r"-?\d+")
+_INTS = re.compile(r"\((?:-?\d+, )*-?\d+,?\)|\[(?:-?\d+, )*-?\d+\]")
+
+
+def _sizeless(key):
+    """A kind key (:func:`_kind_key`) without its sizes: an integer (channels, groups, a width; written as a number
+    or its repr) is "#", a shape its rank. Floats (ε), flags, names, classes and dtypes stay."""
+    if isinstance(key, bool) or key is None or isinstance(key, float):
+        return key
+    if isinstance(key, int):
+        return "#"
+    if isinstance(key, str):
+        if _INT.fullmatch(key):
+            return "#"
+        if _INTS.fullmatch(key):
+            return f"rank {key.count(',') + (0 if key.rstrip(')]').endswith(',') else 1)}"
+        return key
+    if isinstance(key, tuple | list):
+        if key and all(isinstance(v, int) and not isinstance(v, bool) for v in key):
+            return f"rank {len(key)}"
+        return tuple(_sizeless(v) for v in key)
+    return key
 
 
 def _uncalled_norms(model: torch.nn.Module, trace: Trace) -> list[str]:
@@ -538,6 +599,9 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
         roles: list[tuple[Role, int, int]] = []
         calls = 0
         inferred: dict[tuple, Inference] = {}  # one inference per kind of module
+        # and per kind but for its sizes: a stage's norms of other widths (BiT's 16 GroupNorm widths, its 50 weight
+        # standardizations of as many kernel shapes), each held to its own activation (values only, not on meta)
+        by_size: dict[tuple, Inference] = {}
         refused: dict[tuple, dict[str, Any]] = {}  # and one refusal: a kind that behaves like no normalization
         not_norms: dict[int, dict[str, Any]] = {}  # class sites that are no normalization, by call
         for i, cand in enumerate(candidates):
@@ -561,10 +625,16 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                 site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=inferred[key], module=module)
                 if site is not None and not site.activation.get("ok", True):
                     site = None  # its own activation disagrees: infer this site by itself
+            elif key is not None and _sizeless(key) in by_size and (meta or _finite(cand.x)):
+                site, rej, _ = _infer_site(cand, dtypes, say, call_timeout, shared=by_size[_sizeless(key)],
+                                           module=module, sized=True)
+                if site is not None and not _holds(site):
+                    site, rej = None, None  # held only by its own numbers: without agreement, inferred here
             if site is None and rej is None:
                 site, rej, inference = _infer_site(cand, dtypes, say, call_timeout, module=module)
                 if key is not None and inference is not None and key not in inferred:
                     inferred[key] = inference
+                    by_size.setdefault(_sizeless(key), inference)
                 if key is not None and rej is not None and key not in refused:
                     refused[key] = dict(rej)
             if rej is not None:

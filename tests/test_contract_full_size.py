@@ -45,6 +45,10 @@ PATTERNS = {
     "qwen3_vl_vision": lambda t: t.Qwen3VLVisionConfig(
         depth=6, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=48,
         deepstack_visual_indexes=[1, 3, 5], num_position_embeddings=64),
+    # its layers counted by ``num_self_attends_per_block``
+    "perceiver": lambda t: t.PerceiverConfig(
+        num_latents=4, d_latents=32, d_model=24, num_blocks=1, num_self_attends_per_block=5,
+        num_self_attention_heads=2, num_cross_attention_heads=1),
     "bart": lambda t: t.BartConfig(
         vocab_size=64, d_model=32, encoder_layers=5, decoder_layers=3, encoder_attention_heads=2,
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32),

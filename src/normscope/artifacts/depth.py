@@ -112,7 +112,7 @@ def _cut(config, want: dict[int, int], move_indices: bool = False) -> bool:
     for value in list(fields.values()):
         if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
             cut |= _cut(value, want, move_indices)
-    counts = {key: value for key, value in fields.items() if ("layer" in key or key == "depth")
+    counts = {key: value for key, value in fields.items() if _is_depth(key)
               and isinstance(value, int) and not isinstance(value, bool) and value in want}
     for key, n in counts.items():
         k = want[n]
@@ -124,6 +124,13 @@ def _cut(config, want: dict[int, int], move_indices: bool = False) -> bool:
         setattr(config, key, k)
         cut = True
     return cut
+
+
+def _is_depth(key: str) -> bool:
+    """Whether a config field names a number of layers: ``num_hidden_layers``, ``depth``, Perceiver's
+    ``num_self_attends_per_block`` (the built model's lists then show whether the cut held). Not every ``*_blocks``:
+    many count something else (sparse attention's top-k blocks, a decoder's residual blocks per level)."""
+    return "layer" in key or "attends" in key or key == "depth"
 
 
 def _move_indices(fields: dict[str, Any], config, n: int, k: int) -> int:

@@ -241,6 +241,28 @@ def test_a_composite_whose_forward_runs_reads_the_parts_it_did_not_reach(tmp_pat
     assert any("vision_tower" in n for n in c.notes), c.notes
 
 
+@pytest.mark.parametrize("model_type", ["glm4v", "glm_image"])
+def test_a_forward_failing_an_operators_shape_check_on_meta_is_not_built_with_values(tmp_path, monkeypatch,
+                                                                                      model_type):
+    """The GLM-4V family's text model splits its rotary dimensions by the config's sections, which do not sum to half
+    its head size: the meta forward fails in ``split_with_sizes``, as the forward with values would. The whole model
+    and its text part are refused without a build on the CPU (a full-size GLM-Image spent 15 s of its 20 s drawing
+    weights to fail there); the vision part is read."""
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=64, pad_token_id=0, eos_token_id=1, vision_vocab_size=64)
+    vision = dict(hidden_size=32, depth=2, num_heads=4, intermediate_size=64, out_hidden_size=32)
+    transformers.AutoConfig.for_model(model_type, text_config=text, vision_config=vision).save_pretrained(tmp_path)
+    built = []
+    real_build = structure._built
+    monkeypatch.setattr(structure, "_built", lambda cls, config, device, *a: (built.append((cls.__name__, device)),
+                                                                              real_build(cls, config, device, *a))[1])
+    c = contract(tmp_path / "config.json")
+    assert {s.source.split(".", 1)[0] for s in c.sites} == {"visual"}
+    assert [cls for cls, device in built if device == "cpu"] == [type_ for type_, _ in built if "Vision" in type_][-1:]
+    text_note = next(n for n in c.notes if n.startswith("not read: language_model"))
+    assert "split_with_sizes" in text_note and "not built with random weights" in text_note, text_note
+
+
 @pytest.mark.parametrize("model_type, config", [
     ("align_text_model", lambda t: t.AlignTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                      num_attention_heads=4, vocab_size=64)),

@@ -138,6 +138,19 @@ def test_whisper_gets_the_frames_its_encoder_requires():
     assert "decoder_input_ids" in inputs
 
 
+@pytest.mark.parametrize("model_type", ["superglue", "lightglue", "efficientloftr"])
+def test_a_keypoint_matcher_gets_a_pair_of_the_smaller_side_where_the_config_states_no_size(model_type):
+    """A matcher attends over the keypoints it finds, whose number grows with the image: its pair is 128² unless the
+    config states a size (SuperGlue at 224²: 17 s of CPU, at 128²: 2 s, the same 22 sites)."""
+    from normscope.model.inputs import PAIR_SIDE
+
+    model = _meta_model(model_type)
+    x = default_inputs(model)["pixel_values"]
+    assert tuple(x.shape[:2]) == (1, 2) and tuple(x.shape[-2:]) == (PAIR_SIDE, PAIR_SIDE)
+    model.config.image_size = 96  # a stated size is kept
+    assert tuple(default_inputs(model)["pixel_values"].shape[-2:]) == (96, 96)
+
+
 @pytest.mark.parametrize("model_type, frames", [("vjepa2", 2), ("videomae", 16), ("vivit", 32)])
 def test_a_video_clip_is_cut_to_one_temporal_patch_where_the_forward_runs_on_it(model_type, frames):
     """V-JEPA 2 (rotary positions) takes a clip of one tubelet (2 frames of its 64 at full size: 256 tokens instead

@@ -134,8 +134,9 @@ def _read_parts(model, config_path: Path, label: str):
     vision or audio model) its forward did not reach, or each of them when the whole does not run — the
     sub-model's own. Returns ``[(prefix, scan, how)]`` and ``[(prefix, InputError)]`` for the parts not read."""
     parts, refused = [], []
+    shape_failures: set[str] = set()  # the model's own shape checks its forward failed (see _read_one)
     try:
-        result, how = _read_one(model, config_path, label)
+        result, how = _read_one(model, config_path, label, shape_failures)
         parts.append(("", result, how))
         reached = [s.name for s in result.sites]
         todo = [(p, m) for p, m in _submodels(model) if not any(n.startswith(p + ".") for n in reached)]
@@ -146,7 +147,7 @@ def _read_parts(model, config_path: Path, label: str):
         refused.append((f"the whole {type(model).__name__}", exc))
     for prefix, sub in todo:
         try:
-            result, how = _read_one(sub, config_path, f"{label} part {prefix}")
+            result, how = _read_one(sub, config_path, f"{label} part {prefix}", shape_failures)
         except InputError as exc:
             refused.append((prefix, exc))
             continue
@@ -174,10 +175,34 @@ def _submodels(model) -> list[tuple[str, Any]]:
 META = "on the meta device (one forward on shapes, each kind of norm inferred once)"
 
 
-def _read_one(model, config_path: Path, label: str):
+#: the words of a shape check an operator makes before it reads any value: raised on the meta device, it is raised
+#: with values too (the meta kernels check the shapes the CPU kernels do)
+SHAPE_CHECKS = ("expects split_sizes", "must match the size of tensor", "shapes cannot be multiplied",
+                "is invalid for input of size", "size mismatch", "Sizes of tensors must match")
+
+
+def _fails_on_shapes(meta_error: BaseException, inputs: dict, seen: set[str]) -> str | None:
+    """The failure a forward would meet with values as well (None: building it with values may decide it): an
+    operator's shape check on the inputs the forward with values gets too, or a failure a containing model's forward
+    already met (``seen``: a composite's part fails as the whole did)."""
+    cause = meta_error.__cause__
+    if cause is None:
+        return None
+    text = f"{type(cause).__name__}: {_first_line(cause)}"
+    if text in seen:
+        return text
+    # on the meta device a KV cache is turned on (the scan's mask building); without one the forward may differ
+    if type(cause) is RuntimeError and any(w in str(cause) for w in SHAPE_CHECKS) and inputs.get("use_cache") is not False:
+        seen.add(text)
+        return text
+    return None
+
+
+def _read_one(model, config_path: Path, label: str, shape_failures: set[str] | None = None):
     """One model's scan and how it was read: on the meta device, else — when its forward reads values — with
     random weights on the CPU, at full depth up to :data:`REAL_BUILD_PARAMS` parameters, else at reduced depth
-    (:mod:`.depth`)."""
+    (:mod:`.depth`). A forward that fails on the meta device in an operator's shape check is not built with values
+    (it would fail there the same way; a full-size build costs seconds to minutes)."""
     from ..model import default_inputs
     from ..sites import scan
     from . import depth
@@ -200,6 +225,11 @@ def _read_one(model, config_path: Path, label: str):
     except NormscopeError as exc:
         meta_error = exc
         why_values = "its forward reads values, so it does not run on the meta device"
+        failure = _fails_on_shapes(exc, inputs, shape_failures if shape_failures is not None else set())
+        if failure is not None:
+            raise InputError(f"{config_path}: the {label} architecture could not be scanned (its forward fails on the "
+                             f"default inputs in a shape check its code makes before reading any value, {failure}: "
+                             "so it was not built with random weights to fail there again)") from None
     size = sum(p.numel() for p in model.parameters())
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values

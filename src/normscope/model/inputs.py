@@ -23,6 +23,9 @@ SAMPLES = 16000
 MAX_AUDIO_CHANNELS = 8
 #: the side of an image whose config states no size (every patch size and stride in use divides it)
 IMAGE_SIDE = 224
+#: a keypoint matcher's images where the config states no size: its matching attends over the keypoints found,
+#: whose number grows with the image (SuperGlue's default pair at 224²: 17 s of CPU; at 128²: 2 s, the same sites)
+PAIR_SIDE = 128
 
 _HOW = ("in Python pass them (scan/diff(model, inputs): a tensor, a tuple of positional arguments or a dict of "
         "keyword arguments), on the command line --inputs (scan, diff, gradflow; contract with --live)")
@@ -50,7 +53,7 @@ def default_inputs(model: torch.nn.Module, needed: bool = True) -> dict[str, Any
 
     - ``input_ids``: token ids (2 × 8), an encoder–decoder's decoder ids too (:func:`token_inputs`);
     - images (``pixel_values``): channels × the config's ``image_size`` (an int, a (height, width) list or a dict;
-      224² when none is stated), a pair for a keypoint matcher, ``num_frames`` of them for a video model
+      224² when none is stated), a pair for a keypoint matcher (128² unless stated), ``num_frames`` of them for a video model
       (``pixel_values_videos``, or a config stating ``num_frames``; one ``tubelet_size`` of them where its forward
       runs on that), flattened patches with their ``grid_thw`` /
       ``spatial_shapes`` for a model that takes images as patch sequences;
@@ -414,12 +417,16 @@ class _Defaults:
         return None
 
     def _image_hw(self) -> tuple[int, int]:
-        """(height, width): the config's (or its vision or backbone config's) ``image_size``, else 224²; at least
-        ``patch_size`` over the smallest of ``scaled_images_ratios`` for a model that cuts scaled copies into
-        patches (DepthPro), and a whole number of windows for windowed attention (``num_windows`` a side)."""
+        """(height, width): the config's (or its vision or backbone config's) ``image_size``, else 224² (128² for a
+        keypoint matcher's pair); at least ``patch_size`` over the smallest of ``scaled_images_ratios`` for a model that
+        cuts scaled copies into patches (DepthPro), and a whole number of windows for windowed attention
+        (``num_windows`` a side)."""
         owners = self._owners(("vision_config", "backbone_config", "image_model_config", "encoder_config"))
         hw = next((hw for owner in owners for key in ("image_size", "crop_size", "input_size")
-                   if (hw := _hw(getattr(owner, key, None))) is not None), (IMAGE_SIDE, IMAGE_SIDE))
+                   if (hw := _hw(getattr(owner, key, None))) is not None), None)
+        if hw is None:
+            side = PAIR_SIDE if self._pairs() else IMAGE_SIDE
+            hw = (side, side)
         ratios = getattr(self.config, "scaled_images_ratios", None)
         patch = _int(self.config, "patch_size")
         if patch and isinstance(ratios, list | tuple) and ratios and all(isinstance(r, int | float) and r > 0

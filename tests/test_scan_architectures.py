@@ -46,7 +46,41 @@ def _build(name: str):
         cfg = T.AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=3,
                              num_attention_heads=2, intermediate_size=64, **IDS)
         return T.AlbertModel(cfg), {"input_ids": ids}
+    if name in ("doge", "beam"):
+        small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, **IDS)
+        cls, config = (T.DogeModel, T.DogeConfig) if name == "doge" else (T.BeamModel, T.BeamConfig)
+        return cls(config(**{k: v for k, v in small.items() if k != "decoder_start_token_id"})), {"input_ids": ids}
+    img = torch.randn(2, 3, 64, 64)
+    if name == "poolformer":
+        cfg = T.PoolFormerConfig(depths=[1, 1], hidden_sizes=[16, 32], num_encoder_blocks=2, patch_sizes=[7, 3],
+                                 strides=[4, 2], padding=[2, 1])
+        return T.PoolFormerModel(cfg), {"pixel_values": img}
+    if name == "resnet":
+        cfg = T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[2, 2], layer_type="basic")
+        return T.ResNetModel(cfg), {"pixel_values": img}
+    if name == "regnet":
+        return T.RegNetModel(T.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[2, 2], groups_width=8)), {
+            "pixel_values": img}
+    if name == "bit":
+        cfg = T.BitConfig(embedding_size=8, hidden_sizes=[16, 32], depths=[2, 2], num_groups=4)
+        return T.BitModel(cfg), {"pixel_values": img}
+    if name == "hiera":
+        cfg = T.HieraConfig(embed_dim=8, image_size=[64, 64], patch_size=[7, 7], patch_stride=[4, 4],
+                            patch_padding=[3, 3], num_heads=[1, 2], depths=[1, 2], query_stride=[2, 2],
+                            masked_unit_size=[4, 4], mlp_ratio=2.0, num_query_pool=1)
+        return T.HieraModel(cfg), {"pixel_values": img}
+    if name in ("wav2vec2", "hubert"):
+        audio = dict(do_stable_layer_norm=True, feat_extract_norm="layer", hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                     conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4)
+        cls, config = (T.Wav2Vec2Model, T.Wav2Vec2Config) if name == "wav2vec2" else (T.HubertModel, T.HubertConfig)
+        return cls(config(**audio)), {"input_values": torch.randn(2, 1600)}
     raise KeyError(name)
+
+
+def _every(pattern: str, role: str, stages=(0, 1), layers=(0, 1)) -> dict[str, str]:
+    return {pattern.format(s=s, k=k): role for s in stages for k in layers}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +123,58 @@ TRUTH = {
                 "encoder.albert_layer_groups.0.albert_layers.0.attention.LayerNorm": "post",
                 "encoder.albert_layer_groups.0.albert_layers.0.full_layer_layer_norm#2": "post"},
                {"encoder.albert_layer_groups.0": "post"}, "post"),
+    # scaled residuals: DogeDecoderLayer adds input_residual * residual + h (a learned scale of the stream, ones at
+    # init); Beam's depth_scaled_residual_add scales both the stream and the branch by constants
+    "doge": ({"layers.0.input_layernorm": "pre", "layers.0.post_attention_layernorm": "pre",
+              "layers.1.post_attention_layernorm": "pre", "layers.0.self_attn.q_norm": "qk", "norm": "final"},
+             {"layers": "pre"}, "pre"),
+    "beam": ({"layers.0.input_layernorm": "pre", "layers.0.post_attention_layernorm": "branch",
+              "layers.1.pre_feedforward_layernorm": "pre", "layers.1.post_feedforward_layernorm": "branch",
+              "norm": "final"},
+             {"layers": "sandwich"}, "sandwich"),
+    # PoolFormerLayer: x + pool(before_norm(x)) − before_norm(x), then x + mlp(after_norm(x)): the token mixer is a
+    # pooling (PoolFormerPooling), no linear map; each stage's patch embedding (a convolution) starts a stream
+    "poolformer": ({"encoder.block.0.0.before_norm": "pre", "encoder.block.0.0.after_norm": "pre",
+                    "encoder.block.1.0.before_norm": "pre", "encoder.block.1.0.after_norm": "pre"},
+                   {"encoder.block.0.0": "pre", "encoder.block.1.0": "pre"}, "pre"),
+    # ResNetBasicLayer: relu(shortcut(x) + layer(x)), layer = conv-BN-relu-conv-BN; the first block of stage 1 has
+    # a projection shortcut (ResNetShortCut: 1×1 conv + BN); every block's last BN is on the branch
+    "resnet": ({**_every("encoder.stages.{s}.layers.{k}.layer.0.normalization", "other"),
+                **_every("encoder.stages.{s}.layers.{k}.layer.1.normalization", "branch"),
+                "encoder.stages.1.layers.0.shortcut.normalization": "other",
+                "embedder.embedder.normalization": "other"},
+               {"encoder.stages": "reordered"}, "reordered"),
+    # RegNetYLayer: relu(shortcut(x) + layer(x)), layer = conv-BN, grouped conv-BN, squeeze-excitation, conv-BN;
+    # RegNetShortCut (1×1 conv + BN) on each stage's first block
+    "regnet": ({**_every("encoder.stages.{s}.layers.{k}.layer.0.normalization", "other"),
+                **_every("encoder.stages.{s}.layers.{k}.layer.1.normalization", "other"),
+                **_every("encoder.stages.{s}.layers.{k}.layer.3.normalization", "branch"),
+                **_every("encoder.stages.{s}.layers.0.shortcut.normalization", "other", layers=(0,)),
+                "embedder.embedder.normalization": "other"},
+               {"encoder.stages": "reordered"}, "reordered"),
+    # BitPreActivationBottleneckLayer: p = norm1(x); shortcut = downsample(p) on a stage's first block, else x;
+    # conv3(norm3(conv2(norm2(conv1(p))))) + shortcut; every convolution standardizes its kernel
+    # (WeightStandardizedConv2d: F.batch_norm on the weight); BitModel.norm after the stages
+    "bit": ({**_every("encoder.stages.{s}.layers.{k}.norm1:group_norm#0", "pre"),
+             **_every("encoder.stages.{s}.layers.{k}.norm2:group_norm#0", "other"),
+             **_every("encoder.stages.{s}.layers.{k}.norm3:group_norm#0", "other"),
+             **_every("encoder.stages.{s}.layers.{k}.conv1:batch_norm#0", "weight"),
+             **_every("encoder.stages.{s}.layers.0.downsample.conv:batch_norm#0", "weight", layers=(0,)),
+             "embedder.convolution:batch_norm#0": "weight", "norm:group_norm#0": "final"},
+            {"encoder.stages": "pre"}, "pre"),
+    # HieraLayer: n = layernorm_before(x); a stage's first block widening the stream adds proj(n) (then a max over
+    # the query stride) and attn(n); then h + mlp(layernorm_after(h)); HieraPooler.layernorm after the stages
+    "hiera": ({"encoder.stages.0.layers.0.layernorm_before": "pre", "encoder.stages.1.layers.0.layernorm_before": "pre",
+               "encoder.stages.1.layers.0.layernorm_after": "pre", "encoder.stages.1.layers.1.layernorm_before": "pre",
+               "pooler.layernorm": "final"},
+              {"encoder.stages": "pre"}, "pre"),
+    # Wav2Vec2EncoderStableLayerNorm / HubertEncoderStableLayerNorm: x + pos_conv_embed(x) before the layers (an
+    # add outside the layer list, no norm), pre-LN layers, encoder.layer_norm after them; the feature encoder's
+    # norms are inside its convolution stack
+    **{name: ({"encoder.layers.0.layer_norm": "pre", "encoder.layers.1.final_layer_norm": "pre",
+               "encoder.layer_norm": "final", "feature_extractor.conv_layers.0.layer_norm": "other",
+               "feature_extractor.conv_layers.1.layer_norm": "other", "feature_projection.layer_norm": "other"},
+              {"encoder.layers": "pre"}, "pre") for name in ("wav2vec2", "hubert")},
 }
 
 
@@ -188,6 +274,35 @@ def test_inline_norms_are_found_from_their_op_pattern():
     assert all(s.activation["ok"] and s.activation["parameters"]["gamma"].startswith("the module's parameter")
                for s in r.sites)
     assert float(model[0].g1.detach().min()) >= 0.5  # the model is untouched
+
+
+#: time-series models whose std scaler normalizes each channel over the observed time steps, written by hand:
+#: μ = Σ(x·m) / Σm, σ² = Σ(((x − μ)·m)²) / Σm, (x − μ) / √(σ² + minimum_scale) (PatchTSTStdScaler and its copies)
+TIME_SERIES = {
+    "patchtst": lambda: transformers.PatchTSTModel(transformers.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16, num_attention_heads=2,
+        num_hidden_layers=2, ffn_dim=32, scaling="std")),
+    "patchtsmixer": lambda: transformers.PatchTSMixerModel(transformers.PatchTSMixerConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, d_model=16, num_layers=2,
+        scaling="std")),
+}
+
+
+@pytest.mark.parametrize("name", list(TIME_SERIES))
+def test_statistics_written_by_hand_over_a_mask_are_found(name):
+    """The scaler's mean is a sum over a count, its mask an input (PatchTST) or ``ones_like`` of the values
+    (PatchTSMixer): an inline LayerNorm over the time axis, ε = minimum_scale inside the root, no affine."""
+    from normscope.model import default_inputs
+
+    torch.manual_seed(0)
+    model = TIME_SERIES[name]().eval()
+    r = scan(model, default_inputs(model), dtypes="float32", progress=False)
+    scaler = [s for s in r.sites if s.kind == "inline"]
+    assert len(scaler) == 1, [s.name for s in r.sites]
+    spec = scaler[0].spec
+    assert (spec.kind, spec.axes, spec.eps, spec.gamma, spec.beta) == ("layernorm", (-2,), pytest.approx(1e-5), False,
+                                                                       False), spec.describe()
+    assert r.findings == []
 
 
 class _LaidOutInline(torch.nn.Module):

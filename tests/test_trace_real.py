@@ -170,16 +170,20 @@ def test_a_query_head_scaled_under_alibi_is_found_by_its_entropy_collapse(tmp_pa
     assert [(x.layer, x.head) for x in crossed] == [(1, 0)] and f"since step {R.AT}" in crossed[0].evidence
 
 
-@pytest.mark.parametrize("seed", [0, 2])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_clean_vision_run_has_no_incident(tmp_path, seed):
-    """A ViT on real images: its Adam updates grow ×5 over their trend in a few steps as their directions align
-    (layer 1's attention at step 57 of seed 0, layer 0's at step 139 of seed 2), while no parameter moves further
-    than in the steps before (at most ~2 learning rates throughout): the optimizer at work, not an incident."""
+    """A ViT on real images that learns: its Adam updates grow ×5 over their trend in a few steps as their directions
+    align (layer 1's attention at step 57 of seed 0), while no parameter moves further than in the steps before (at
+    most ~2 learning rates throughout): the optimizer at work, not an incident. A run that does not learn is no clean
+    run: seed 2 stays at the chance loss (ln 10), and on one thread of some machines its layer 1's heads all go near
+    uniform from step 140 (focus 0.8 → 0.05 in six steps), which diagnose reports as the collapse it is."""
     pytest.importorskip("sklearn", reason="the vision run trains on scikit-learn's digits (pip install scikit-learn)")
     tr = R.vit_digits(tmp_path, seed)
     assert not tr.errors and not tr.disabled
     d = diagnose(tmp_path)
     assert d.steps == list(range(R.VIT_STEPS)) and d.complete
+    losses = d.series("loss", "loss")[1]
+    assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 0.25, "the clean run must learn to be a clean run"
     assert d.incidents == [], [(i.step, i.kind, i.evidence) for i in d.incidents]
     steps = [v for _, v in zip(*d.series("update", "step_lr", 1, "attention"), strict=True)]
     assert len(steps) == R.VIT_STEPS and 0.2 < max(steps) < 3.2  # Adam moves a parameter by at most ~3.2 lr

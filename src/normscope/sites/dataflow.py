@@ -18,6 +18,8 @@ then ``x`` and the add records its scale α. Then, for a norm with input x and o
 - ``embedding``: x comes from an embedding lookup with no mixing op before it;
 - ``post``: x is a residual sum and y becomes the stream of a later residual add (or ends a block);
 - ``final``: outside the blocks, after the residual adds, and not added back to any stream;
+- ``weight``: x is a parameter (through layout ops): weight standardization (BiT's convolutions), not an
+  activation's norm;
 - ``other``: anything else (a norm inside a sublayer, on values, …).
 
 A model may carry several residual *streams* (an encoder's and a decoder's, a vision tower's and a text
@@ -44,7 +46,7 @@ import torch
 from .classes import holds_norm
 from .trace import ADDS, EMBEDDING, SCALINGS, SOFTMAX, TRANSPARENT, Trace
 
-ROLES = ("pre", "post", "branch", "qk", "final", "embedding", "other")
+ROLES = ("pre", "post", "branch", "qk", "final", "embedding", "weight", "other")
 PLACEMENTS = ("pre", "post", "sandwich", "reordered", "deepnorm", "parallel", "mixed", "none")
 _ATTENTION_MATMULS = frozenset({"matmul", "__matmul__", "bmm", "einsum", "baddbmm"})
 
@@ -60,6 +62,13 @@ class Residual:
     block: int | None = None  # the block call it runs in
     scale: float = 1.0  # the constant the stream was multiplied by before the add (DeepNorm's α)
     family: int = 0  # the residual stream the add belongs to (0, 1, … in order of each stream's first add)
+    source: int | None = None  # a projection shortcut's block input, which both operands are computed from
+
+    @property
+    def origin(self) -> int:
+        """The value the branch was computed from: the stream itself, or the block input a projection shortcut
+        and its branch both read."""
+        return self.stream if self.source is None else self.source
 
 
 @dataclasses.dataclass
@@ -190,13 +199,19 @@ class Dataflow:
         return a, b
 
     def unscaled(self, v: int) -> tuple[int, float]:
-        """``x`` and ``c`` when ``v = x·c`` for a Python number ``c``; else ``v`` and 1."""
+        """``x`` and ``c`` when ``v = x·c`` for a Python number ``c``, or for a parameter (a learned scale of the
+        stream: Doge's ``input_residual * residual + h``; ``c`` is then the parameter's mean, 1 on the meta device); else ``v`` and 1."""
         p = self.t.values[v].producer
         if p is not None:
             op = self.t.ops[p]
             acts = [i for i in op.inputs if self.activation(i)]
             if op.name in SCALINGS and op.scalar is not None and len(acts) == 1:
                 return acts[0], op.scalar
+            params = [i for i in op.inputs if not self.activation(i)]
+            if op.name in ("mul", "__mul__", "__rmul__") and len(acts) == 1 and len(params) == 1:
+                t = self.t.tensor(params[0])
+                known = t is not None and t.numel() and t.device.type != "meta"  # on meta: shapes, no values
+                return acts[0], float(t.detach().float().mean()) if known else 1.0
         return v, 1.0
 
     def _residuals(self) -> None:
@@ -213,7 +228,7 @@ class Dataflow:
                     found = (s, f, False)
                     break
                 x, c = self.unscaled(s)
-                if c != 1.0 and self.anc_m[f] >> x & 1:
+                if x != s and self.anc_m[f] >> x & 1:
                     found, scale = (x, f, False), c
                     break
             if found is None:
@@ -227,20 +242,66 @@ class Dataflow:
             r.block = self._block_of_call(op.call)
             self.residuals.append(r)
             by_out[r.out] = r
+        for r in self._projection_residuals():
+            self.residuals.append(r)
+            by_out[r.out] = r
+        self.residuals.sort(key=lambda r: r.op)
         self.by_out = by_out
         self._families()
         self.stream_bits = 0
         for r in self.residuals:
-            self.stream_bits |= (1 << r.stream) | (1 << r.out)
+            self.stream_bits |= (1 << r.origin) | (1 << r.stream) | (1 << r.out)
         # a repeated element that runs no residual add is not a block (e.g. a ModuleList of norms)
         self.blocks_with_adds = {r.block for r in self.residuals if r.block is not None}
+
+    def _projection_residuals(self) -> list[Residual]:
+        """In each block that adds none of the residual adds above onto its input, the last other add of two tensors
+        computed from the block's input along separate paths, each through a mixing op, neither from the other: a
+        block whose shortcut is a projection (ResNet's first block of a stage, conv + BatchNorm beside its branch;
+        Hiera's proj(norm(x)) + attn(norm(x)), before its MLP's ordinary add). Its stream is the operand fewer ops
+        away from the input."""
+        adds = {r.op for r in self.residuals}
+        out = []
+        for c in self.t.calls:
+            if self.call_block[c.index] != c.index or not c.inputs or c.last_op < c.first_op:
+                continue
+            x = c.inputs[0]
+            if not self.activation(x) or any(r.block == c.index and self.base(r.origin) == self.base(x)
+                                             for r in self.residuals):
+                continue
+            found = None
+            for op in self.t.ops[c.first_op:c.last_op + 1]:
+                pair = self._same_shape_pair(op)
+                if pair is None or op.index in adds or self._block_of_call(op.call) != c.index:
+                    continue
+                a, b = pair
+                if (self.anc_m[a] >> x & 1 and self.anc_m[b] >> x & 1
+                        and not self.anc[a] >> b & 1 and not self.anc[b] >> a & 1):
+                    found = (op, a, b)
+            if found is None:
+                continue
+            op, a, b = found
+            steps = self._steps_from(x, c.first_op, op.index)
+            s, f = (a, b) if steps.get(a, 0) <= steps.get(b, 0) else (b, a)
+            out.append(Residual(op.index, s, f, op.outputs[0], False, op.call, block=c.index, source=x))
+        return out
+
+    def _steps_from(self, x: int, first: int, last: int) -> dict[int, int]:
+        """The longest chain of ops from value ``x`` to each value computed from it in ops ``first`` … ``last``."""
+        steps = {x: 0}
+        for op in self.t.ops[first:last]:
+            d = max((steps[i] for i in op.inputs if i in steps), default=None)
+            if d is not None:
+                for o in op.outputs:
+                    steps[o] = d + 1
+        return steps
 
     def _families(self) -> None:
         """Each add's stream: that of the latest earlier add whose sum its stream value was computed from without
         a mixing op, else a new one."""
         count = 0
         for k, r in enumerate(self.residuals):
-            earlier = next((p for p in reversed(self.residuals[:k]) if self.anc_t[r.stream] >> p.out & 1), None)
+            earlier = next((p for p in reversed(self.residuals[:k]) if self.anc_t[r.origin] >> p.out & 1), None)
             if earlier is None:
                 r.family, count = count, count + 1
             else:
@@ -251,7 +312,7 @@ class Dataflow:
         """The stream a norm belongs to: the latest one its input was read from without a mixing op (pre, post,
         final), else the one its output enters without a mixing op (an embedding norm, a branch norm); None
         when neither (queries and keys, a norm inside a sublayer)."""
-        read = [r for r in self.residuals if self.anc_t[x] >> r.out & 1 or self.anc_t[x] >> r.stream & 1]
+        read = [r for r in self.residuals if self.anc_t[x] >> r.out & 1 or self.anc_t[x] >> r.origin & 1]
         if read:
             return read[-1].family
         enters = next((r for r in self.residuals
@@ -315,8 +376,22 @@ class Dataflow:
         path = self.t.calls[call].path if call is not None else ""
         return f"op #{op_index} ({self.t.ops[op_index].name}) in {path or 'the model forward'}"
 
+    def _of_parameter(self, v: int) -> bool:
+        """Whether ``v`` is a parameter, or one seen through layout ops (a kernel reshaped to rows)."""
+        for _ in range(64):
+            if self.t.values[v].param:
+                return True
+            p = self.t.values[v].producer
+            if p is None or self.t.ops[p].name not in TRANSPARENT or len(self.t.ops[p].inputs) != 1:
+                return False
+            v = self.t.ops[p].inputs[0]
+        return False
+
     def role(self, x: int, y: int, call: int | None) -> Role:
         ybit = 1 << y
+        if self._of_parameter(x):
+            return Role("weight", "the input is a parameter (seen through layout ops only): the norm standardizes "
+                                  "weights, not activations")
         for v, op in self.qk_operands:
             if self.anc_t[v] & ybit:
                 return Role("qk", f"the output reaches the query/key operand of {self._where(op)} "
@@ -324,13 +399,17 @@ class Dataflow:
         family = self.family_of(x, y)
         own = [(k, r) for k, r in enumerate(self.residuals) if family is None or r.family == family]
         for k, r in own:
-            if not (self.anc[r.branch] & ybit) or self.anc[r.stream] & ybit:
+            if not (self.anc[r.branch] & ybit):
                 continue
-            if self.anc_t[r.branch] & ybit and self.anc_m[x] >> r.stream & 1:
+            # the stream does not depend on the norm, except a projection shortcut's that reads the block's
+            # normalized input as its branch does (BiT's pre-activation, Hiera's proj(norm(x)) + attn(norm(x)))
+            if self.anc[r.stream] & ybit and (r.source is None or self.base(x) != self.base(r.source)):
+                continue
+            if self.anc_t[r.branch] & ybit and self.anc_m[x] >> r.origin & 1:
                 return Role("branch", f"the output is added onto the stream at {self._where(r.op)} with no mixing op "
                                       "in between; the input came from that stream through a sublayer", update=k)
             if self.anc_m[r.branch] & ybit:
-                bases = {self.base(s) for s in self.chain(r.stream)}
+                bases = {self.base(s) for s in self.chain(r.stream)} | {self.base(r.origin)}
                 if self.base(x) in bases:
                     return Role("pre", f"the input is the stream that {self._where(r.op)} adds onto; the output "
                                        "reaches the added branch through a sublayer (mixing ops)", update=k)
@@ -440,8 +519,10 @@ class Dataflow:
 
         paths = [r["block"] for r in records if r["block"]]
         common = os.path.commonprefix([p + "." for p in paths]).rpartition(".")[0] if paths else ""
-        kinds = {r["placement"] for r in records}
         blocks = [r for r in records if r["layer"] is not None]
+        # an add outside the blocks (a positional convolution added before the layers: wav2vec2, HuBERT) is no block
+        # of the stream: its placement is its blocks'
+        kinds = {r["placement"] for r in blocks or records}
         return {"stream": family, "path": common or None, "blocks": len(blocks),
                 "placement": kinds.pop() if len(kinds) == 1 else "mixed"}
 

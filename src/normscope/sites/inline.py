@@ -2,7 +2,8 @@
 
 ``x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`` inside an attention or a block's forward has no module
 boundary and calls no normalization function. It is found from its statistic: a ``rsqrt`` (or a ``sqrt`` that
-divides) of a mean of squares — of ``x`` (RMSNorm) or of ``x − mean(x)`` (LayerNorm), ε added or not — whose
+divides) of a mean of squares — of ``x`` (RMSNorm) or of ``x − mean(x)`` (LayerNorm), ε added or not, a mean
+written by hand over a mask included (``Σ(x·m) / Σm``: a time-series scaler's observed positions) — whose
 result scales that same ``x``; the site then runs on through casts, a γ multiply and a β add by parameters, to
 the last value of ``x``'s shape. A gated norm (Mamba 2: ``rms(x · silu(z))``) is the same pattern on the gated
 product, so its contract is read with the gate held fixed.
@@ -104,26 +105,77 @@ def _squared(f: _Flow, v: int) -> int | None:
     return None
 
 
+#: ops whose output reads only their input's shape (``torch.ones_like(x)``: an all-observed mask)
+_SHAPE_ONLY = frozenset({"ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
+                         "new_empty"})
+
+
+def _depends(f: _Flow, v: int, on: int, limit: int = 256) -> bool:
+    """Whether value ``v`` was computed from the values of ``on`` (not only from its shape)."""
+    todo, seen = [v], set()
+    while todo and len(seen) < limit:
+        u = todo.pop()
+        if u == on:
+            return True
+        if u in seen:
+            continue
+        seen.add(u)
+        op = f.producer(u)
+        if op is not None and op.name not in _SHAPE_ONLY:
+            todo.extend(op.inputs)
+    return False
+
+
+def _unmasked(f: _Flow, v: int) -> int:
+    """``x`` where ``v = x · m`` for a mask ``m`` (an activation not computed from ``x``), else ``v``."""
+    op = f.producer(v)
+    if op is not None and op.name in _PRODUCTS and len(op.inputs) == 2 and len(f.acts(op)) == 2:
+        for x, m in (op.inputs, op.inputs[::-1]):
+            if not _depends(f, m, f.back(x)):
+                return f.back(x)
+    return v
+
+
+def _averaged(f: _Flow, v: int) -> int | None:
+    """The value ``v`` is a mean of: ``mean(a)``, or — written by hand over a mask — ``sum(a · m) / n`` with a count
+    ``n`` not computed from ``a`` (a time-series scaler's observed positions); None otherwise."""
+    op = f.producer(v)
+    if op is None:
+        return None
+    if op.name in _MEANS and len(f.acts(op)) == 1:
+        return f.back(f.acts(op)[0])
+    if op.name in _DIVS and len(op.inputs) == 2 and len(f.acts(op)) == 2:
+        total, count = op.inputs
+        summed = f.producer(f.back(total))
+        if summed is not None and summed.name == "sum" and len(f.acts(summed)) == 1:
+            a = _unmasked(f, f.back(f.acts(summed)[0]))
+            if not _depends(f, count, a):
+                return a
+    return None
+
+
 def _statistic(f: _Flow, r: int) -> tuple[int, bool, int] | None:
     """For the input of a rsqrt/sqrt: (the value squared up to casts and layout ops, whether it is centred, the value
-    the statistic reads: the one squared, or the centred one's minuend)."""
+    the statistic reads: the one squared, or the centred one's minuend). A mean is ``mean`` or a masked sum over a
+    count (:func:`_averaged`), and the value squared may carry the mask (``((x − μ) · m)²``)."""
     v = f.back(r)
     op = f.producer(v)
     if op is not None and op.name in _ADDS and len(f.acts(op)) == 1 and op.tensor_args == 1:
         v = f.back(f.acts(op)[0])  # + ε, a Python number
-        op = f.producer(v)
-    if op is None or op.name not in _MEANS or len(f.acts(op)) != 1:
+    averaged = _averaged(f, v)
+    if averaged is None:
         return None
-    squared = _squared(f, f.back(f.acts(op)[0]))
+    squared = _squared(f, averaged)
     if squared is None:
         return None
     q = f.back(squared)
-    sub = f.producer(q)
-    if sub is not None and sub.name in _SUBS and len(sub.inputs) == 2:
-        a, m = sub.inputs
-        mean = f.producer(f.back(m))
-        if mean is not None and mean.name in _MEANS and f.back(f.acts(mean)[0]) == f.back(a):
-            return q, True, a
+    for centred in dict.fromkeys((q, _unmasked(f, q))):  # a masked variance squares (x − μ) · m
+        sub = f.producer(centred)
+        if sub is not None and sub.name in _SUBS and len(sub.inputs) == 2:
+            a, m = sub.inputs
+            mean = _averaged(f, f.back(m))
+            if mean is not None and f.back(mean) == f.back(a):
+                return centred, True, a
     return q, False, squared
 
 

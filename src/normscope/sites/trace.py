@@ -22,6 +22,10 @@ MIXING = frozenset({
     "linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv",
     "mv", "einsum", "tensordot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
     "conv_transpose3d", "scaled_dot_product_attention", "multi_head_attention_forward", "_convolution",
+    # pooling over neighbouring positions mixes tokens too (PoolFormer's and EfficientFormer's token mixer,
+    # pool(x) − x, has no other mixing op)
+    "avg_pool1d", "avg_pool2d", "avg_pool3d", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+    "max_pool2d_with_indices", "max_pool3d_with_indices", "lp_pool1d", "lp_pool2d", "lp_pool3d",
 })
 ADDS = frozenset({"add", "__add__", "__radd__", "__iadd__", "add_"})
 # Ops that keep the values (layout, dtype, evaluation-mode dropout): a value seen through them is the same value.

@@ -200,7 +200,8 @@ class Dataflow:
 
     def unscaled(self, v: int) -> tuple[int, float]:
         """``x`` and ``c`` when ``v = x·c`` for a Python number ``c``, or for a parameter (a learned scale of the
-        stream: Doge's ``input_residual * residual + h``; ``c`` is then the parameter's mean, 1 on the meta device); else ``v`` and 1."""
+        stream: Doge's ``input_residual * residual + h``; ``c`` is then the parameter's mean, 1 on the meta device);
+        else ``v`` and 1."""
         p = self.t.values[v].producer
         if p is not None:
             op = self.t.ops[p]

@@ -210,11 +210,24 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str] | N
     # before any forward (default_inputs may run one), which may change a layer's settings (BigBird's attention)
     full = depth.block_lists(model)
     try:
-        inputs = default_inputs(model)
+        # the scan's forward shows whether the inputs need more: asked again only where it fails (a forward fewer)
+        inputs = default_inputs(model, needed=False)
     except InputError as exc:
         raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
     try:
-        result = scan(model, inputs, dtypes="float32", progress=False)
+        try:
+            result = scan(model, inputs, dtypes="float32", progress=False)
+        except NormscopeError as exc:
+            if _reads_values(exc):
+                raise  # it fails on the meta device whatever it is given: read with values below
+            try:
+                completed = default_inputs(model)
+            except InputError as exc:
+                raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
+            if _shapes(completed) == _shapes(inputs):
+                raise
+            inputs = completed
+            result = scan(model, inputs, dtypes="float32", progress=False)
         untested = result.stats.get("behaviour_candidates_untested", 0)
         if result.sites or not untested:
             return result, META
@@ -284,6 +297,13 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str] | N
     if config is reduced:
         result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
     return result, how
+
+
+def _reads_values(error: BaseException) -> bool:
+    """Whether a forward failed on the meta device for reading a value (``.item()``, a copy out, an operator with
+    no meta kernel): more inputs cannot make it run there."""
+    cause = error.__cause__
+    return isinstance(cause, NotImplementedError) or (isinstance(cause, RuntimeError) and "meta" in str(cause))
 
 
 def _shapes(inputs: dict) -> dict:

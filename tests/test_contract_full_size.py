@@ -263,6 +263,25 @@ def test_a_forward_failing_an_operators_shape_check_on_meta_is_not_built_with_va
     assert "split_with_sizes" in text_note and "not built with random weights" in text_note, text_note
 
 
+def test_a_hybrid_whose_cache_fails_on_meta_is_read_there_without_one(tmp_path):
+    """GraniteMoE-Hybrid of linear-attention layers only: on the meta device a KV cache (which spares Hugging Face's
+    mask building a value read) makes transformers refuse ("get_mask_sizes can only be called on Attention layers");
+    the scan then runs the forward as the inputs give it, without one, and it runs on shapes (the full-size default
+    config: 38 B parameters, refused before as too large even at reduced depth)."""
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+        shared_intermediate_size=64)
+    with torch.device("meta"):
+        model = transformers.GraniteMoeHybridModel(cfg)
+    with pytest.raises(ValueError, match="get_mask_sizes"), torch.no_grad():
+        model(input_ids=torch.zeros(2, 8, dtype=torch.long, device="meta"), use_cache=True)
+    cfg.save_pretrained(tmp_path)
+    c = contract(tmp_path / "config.json")
+    assert c.sites and c.n_layers == 2 and any("on the meta device" in n for n in c.notes), c.notes
+
+
 @pytest.mark.parametrize("model_type, config", [
     ("align_text_model", lambda t: t.AlignTextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                      num_attention_heads=4, vocab_size=64)),

@@ -168,9 +168,11 @@ def test_the_norm_inside_a_norm_class_that_also_activates_is_the_site(build, inp
     (note,) = [n for n in r.notes if n["kind"] == "norm_inside"]
     assert sorted(note["sites"]) == sorted(f"{n}:group_norm#0" for n in acts)
     # the convolutions' weight standardization (F.batch_norm without running statistics, in either mode) is a
-    # normalization of each output channel's weights: inferred, not "failed in evaluation mode"
+    # normalization of each output channel's weights: inferred, not "failed in evaluation mode", with a role of its
+    # own (it normalizes a parameter, not an activation)
     ws = [s for s in r.sites if s.name.endswith(":batch_norm#0")]
     assert ws and all(s.name.startswith(prefix) and s.spec is not None and s.activation["ok"] for s in ws)
+    assert {s.role for s in ws} == {"weight"}
 
 
 # ---------------------------------------------------------------------------------------------- gated norms

@@ -569,19 +569,29 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
     dtypes = check_dtype_list(dtypes) or DEFAULT_DTYPES
     args, kwargs = arguments(model, inputs)
     meta = on_meta(model) and not offloaded(model)  # offloaded: its hooks load each module's weights for its call
+    cache_added = False
     if meta:  # the forward runs on shapes alone
         args, kwargs = _to_meta(args), _to_meta(kwargs)
         if kwargs.get("use_cache") is False:
             # with a KV cache, Hugging Face's mask building never reads values (without one it looks for packed
             # sequences in the position ids, which meta tensors do not have)
-            kwargs["use_cache"] = True
+            kwargs["use_cache"], cache_added = True, True
     with progress_of(progress) as say:
         with untouched(model):
             model.eval()
             say("recording one forward")
             try:
-                with torch.no_grad():
-                    trace, _ = record(model, lambda: model(*args, **kwargs))
+                try:
+                    with torch.no_grad():
+                        trace, _ = record(model, lambda: model(*args, **kwargs))
+                except Exception:
+                    if not (meta and kwargs.get("use_cache") is True and cache_added):
+                        raise
+                    # the cache itself fails (a hybrid's cache of linear-attention layers alone, which Hugging
+                    # Face's mask building refuses): the forward as the inputs give it
+                    kwargs["use_cache"] = False
+                    with torch.no_grad():
+                        trace, _ = record(model, lambda: model(*args, **kwargs))
             except NormscopeError:
                 raise
             except Exception as exc:

@@ -75,7 +75,18 @@ class Op:
     tensor_args: int  # how many tensor arguments the op had (before flattening lists)
     norm: dict[str, Any] | None = None  # functional normalizations: the bound arguments (tensors copied)
     scalar: float | None = None  # a product of one tensor and a Python number: the number (DeepNorm's α·x)
-    template: tuple | None = None  # (func, args, kwargs) with each tensor argument a Ref to its value: a replay
+    # (func, args, kwargs, {id(tensor argument): its value}) as called; None for an op written in place (no replay)
+    raw: tuple | None = dataclasses.field(default=None, repr=False)
+    _template: tuple | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def template(self) -> tuple | None:
+        """(func, args, kwargs) with each tensor argument a :class:`Ref` to its value: a replay (made when first
+        asked: an inline site's few ops are replayed, a forward's thousands are not)."""
+        if self._template is None and self.raw is not None:
+            func, args, kwargs, ids = self.raw
+            self._template = (func, _template(args, ids), _template(kwargs, ids))
+        return self._template
 
 
 @dataclasses.dataclass
@@ -120,13 +131,20 @@ def _template(obj, values: dict[int, int], depth: int = 0):
 def _tensors(obj, out: list, depth: int = 0) -> list:
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif depth < 2 and isinstance(obj, list | tuple):
+    elif depth < 2 and isinstance(obj, _SEQUENCES):
         for o in obj:
             _tensors(o, out, depth + 1)
     elif depth < 2 and isinstance(obj, dict):
         for o in obj.values():
             _tensors(o, out, depth + 1)
     return out
+
+
+#: calls that read a property or a Python value: no dataflow
+_UNRECORDED = frozenset({"__get__", "__set__", "__bool__", "__len__", "__repr__", "__format__", "dim", "size", "numel",
+                         "is_floating_point", "__hash__", "item", "tolist"})
+_SEQUENCES = (list, tuple)
+_OUTPUTS = (torch.Tensor, list, tuple)
 
 
 def _in_place(name: str) -> bool:
@@ -215,8 +233,7 @@ class Trace:
     # ------------------------------------------------------------------ torch functions
     def record(self, func, args, kwargs):
         name = getattr(func, "__name__", "") or ""
-        if self.paused or name in ("__get__", "__set__", "__bool__", "__len__", "__repr__", "__format__", "dim",
-                                   "size", "numel", "is_floating_point", "__hash__", "item", "tolist"):
+        if self.paused or name in _UNRECORDED:
             return func(*args, **kwargs)
         self.paused = True
         try:
@@ -234,7 +251,7 @@ class Trace:
         out = func(*args, **kwargs)
         self.paused = True
         try:
-            outs = _tensors(out, []) if isinstance(out, torch.Tensor | list | tuple) else []
+            outs = _tensors(out, []) if isinstance(out, _OUTPUTS) else []
             in_place = _in_place(name) and bool(args) and isinstance(args[0], torch.Tensor)
             if not outs and not in_place:
                 return out
@@ -243,7 +260,7 @@ class Trace:
                                                                          for a in kwargs.values()), norm)
             if not in_place:
                 ids = {id(t): v for t, v in zip(ins, in_values, strict=True)}
-                op.template = (func, _template(args, ids), _template(kwargs, ids))
+                op.raw = (func, args, kwargs, ids)
             written = []
             if in_place:
                 written.append(self.value(args[0], op.index, new=True))

@@ -293,10 +293,18 @@ def test_ctrl_c_swallowed_by_native_code_still_exits_130(cli, monkeypatch):
         return 0
 
     monkeypatch.setattr(presets, "run", swallows_the_interrupt)
-    before = signal.getsignal(signal.SIGINT)
-    code, _, err = cli("presets")
-    assert code == 130 and one_line(err).endswith("interrupted")
-    assert signal.getsignal(signal.SIGINT) is before  # the caller's handler is back
+    # as in a fresh `normscope` process: Python's own handler, SIGINT not blocked (whatever earlier tests left)
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        before = signal.getsignal(signal.SIGINT)
+        code, _, err = cli("presets")
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, outer)
+    assert code == 130 and one_line(err).endswith("interrupted"), (code, err, outer, blocked)
+    assert after is before  # the caller's handler is back
     code, _, _ = cli("presets", "--json")  # a later run is not marked by the earlier interrupt
     assert code == 0
 

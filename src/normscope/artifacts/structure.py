@@ -198,36 +198,42 @@ def _fails_on_shapes(meta_error: BaseException, inputs: dict, seen: set[str]) ->
     return None
 
 
-def _read_one(model, config_path: Path, label: str, shape_failures: set[str] | None = None):
+def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
     """One model's scan and how it was read: on the meta device, else — when its forward reads values — with
     random weights on the CPU, at full depth up to :data:`REAL_BUILD_PARAMS` parameters, else at reduced depth
     (:mod:`.depth`). A forward that fails on the meta device in an operator's shape check is not built with values
-    (it would fail there the same way; a full-size build costs seconds to minutes)."""
+    (it would fail there the same way; a full-size build costs seconds to minutes); ``shape_failures`` holds those
+    met so far, so a composite's part that fails as the whole did is refused with it."""
     from ..model import default_inputs
     from ..sites import scan
     from . import depth
 
     # before any forward (default_inputs may run one), which may change a layer's settings (BigBird's attention)
     full = depth.block_lists(model)
-    try:
-        # the scan's forward shows whether the inputs need more: asked again only where it fails (a forward fewer)
-        inputs = default_inputs(model, needed=False)
-    except InputError as exc:
-        raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
-    try:
+
+    def inputs_of(needed: bool) -> dict:
         try:
-            result = scan(model, inputs, dtypes="float32", progress=False)
+            return default_inputs(model, needed=needed)
+        except InputError as exc:
+            raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
+
+    def meta_scan(inputs: dict):
+        """The scan on the meta device and None, or None and why it failed."""
+        try:
+            return scan(model, inputs, dtypes="float32", progress=False), None
         except NormscopeError as exc:
-            if _reads_values(exc):
-                raise  # it fails on the meta device whatever it is given: read with values below
-            try:
-                completed = default_inputs(model)
-            except InputError as exc:
-                raise InputError(f"{config_path}: the {label} architecture: {exc}") from None
-            if _shapes(completed) == _shapes(inputs):
-                raise
+            return None, exc
+
+    # the scan's forward shows whether the inputs need more: asked again only where it fails (a forward fewer), and
+    # not where it failed reading a value, which no input mends on the meta device
+    inputs = inputs_of(needed=False)
+    result, meta_error = meta_scan(inputs)
+    if meta_error is not None and not _reads_values(meta_error):
+        completed = inputs_of(needed=True)
+        if _shapes(completed) != _shapes(inputs):
             inputs = completed
-            result = scan(model, inputs, dtypes="float32", progress=False)
+            result, meta_error = meta_scan(inputs)
+    if meta_error is None:
         untested = result.stats.get("behaviour_candidates_untested", 0)
         if result.sites or not untested:
             return result, META
@@ -235,10 +241,9 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str] | N
         meta_error = NormscopeError(f"no normalization class met, {untested} calls shaped like one to test by "
                                     "behaviour")
         why_values = f"{untested} calls shaped like a norm are tested by behaviour, which needs values"
-    except NormscopeError as exc:
-        meta_error = exc
+    else:
         why_values = "its forward reads values, so it does not run on the meta device"
-        failure = _fails_on_shapes(exc, inputs, shape_failures if shape_failures is not None else set())
+        failure = _fails_on_shapes(meta_error, inputs, shape_failures)
         if failure is not None:
             raise InputError(f"{config_path}: the {label} architecture could not be scanned (its forward fails on the "
                              f"default inputs in a shape check its code makes before reading any value, {failure}: "

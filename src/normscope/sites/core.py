@@ -585,7 +585,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                     with torch.no_grad():
                         trace, _ = record(model, lambda: model(*args, **kwargs))
                 except Exception:
-                    if not (meta and kwargs.get("use_cache") is True and cache_added):
+                    if not cache_added:
                         raise
                     # the cache itself fails (a hybrid's cache of linear-attention layers alone, which Hugging
                     # Face's mask building refuses): the forward as the inputs give it

@@ -209,7 +209,7 @@ class Dataflow:
             if op.name in SCALINGS and op.scalar is not None and len(acts) == 1:
                 return acts[0], op.scalar
             params = [i for i in op.inputs if not self.activation(i)]
-            if op.name in ("mul", "__mul__", "__rmul__") and len(acts) == 1 and len(params) == 1:
+            if op.name in SCALINGS and len(acts) == 1 and len(params) == 1:
                 t = self.t.tensor(params[0])
                 known = t is not None and t.numel() and t.device.type != "meta"  # on meta: shapes, no values
                 return acts[0], float(t.detach().float().mean()) if known else 1.0
@@ -262,13 +262,13 @@ class Dataflow:
         Hiera's proj(norm(x)) + attn(norm(x)), before its MLP's ordinary add). Its stream is the operand fewer ops
         away from the input."""
         adds = {r.op for r in self.residuals}
+        onto = {(r.block, self.base(r.origin)) for r in self.residuals}  # (block, the value it adds onto)
         out = []
         for c in self.t.calls:
             if self.call_block[c.index] != c.index or not c.inputs or c.last_op < c.first_op:
                 continue
             x = c.inputs[0]
-            if not self.activation(x) or any(r.block == c.index and self.base(r.origin) == self.base(x)
-                                             for r in self.residuals):
+            if not self.activation(x) or (c.index, self.base(x)) in onto:
                 continue
             found = None
             for op in self.t.ops[c.first_op:c.last_op + 1]:

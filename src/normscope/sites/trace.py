@@ -82,7 +82,7 @@ class Op:
     @property
     def template(self) -> tuple | None:
         """(func, args, kwargs) with each tensor argument a :class:`Ref` to its value: a replay (made when first
-        asked: an inline site's few ops are replayed, a forward's thousands are not)."""
+        asked, until :meth:`Trace.release`: an inline site's few ops are replayed, a forward's thousands are not)."""
         if self._template is None and self.raw is not None:
             func, args, kwargs, ids = self.raw
             self._template = (func, _template(args, ids), _template(kwargs, ids))
@@ -301,10 +301,13 @@ class Trace:
         return t if t is not None and self._current.get(id(t)) == v else None
 
     def release(self) -> None:
-        """Drop the references that kept the forward's tensors alive (the copies of norm-shaped calls stay)."""
+        """Drop the references that kept the forward's tensors alive (the copies of norm-shaped calls stay, and the
+        replay templates already made; the others are no longer made)."""
         self._keep.clear()
         self._current.clear()
         self._held.clear()
+        for op in self.ops:
+            op.raw = None
 
 
 class _Mode(TorchFunctionMode):

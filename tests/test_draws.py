@@ -1,6 +1,7 @@
-"""Random weights drawn as windows of one block (`normscope.model.draws`): the distribution asked for, reproducible
-under a seed, small tensors and generators drawn as usual, torch's methods restored, and a contract read from a
-build with values the same as with torch's own draws."""
+"""Random weights for a model built only to be read (`normscope.model.draws`): fills done when read, with the
+distribution asked for, reproducible under a seed; small tensors and generators drawn as usual; what the build
+reads is values; ``share`` gives the large ones views of one block, which operators run on; a contract read from
+such a build is the same as from torch's own draws."""
 
 from __future__ import annotations
 
@@ -10,56 +11,126 @@ import pytest
 import torch
 
 from normscope.model import draws
-from normscope.model.draws import LEAST, window_draws
+from normscope.model.copies import untouched
+from normscope.model.draws import BLOCK, LEAST, shared_draws
 
 
-def test_large_fills_have_the_distribution_asked_for():
+def test_large_fills_have_the_distribution_asked_for_when_read():
     torch.manual_seed(0)
-    with window_draws():
+    with shared_draws() as mode:
         u = torch.empty(3_000_000).uniform_(-0.5, 1.5)
         n = torch.empty(1000, 3000).normal_(2.0, 0.02)
         b = torch.empty(4096, 64, dtype=torch.bfloat16).normal_()
-    assert -0.5 <= float(u.min()) and float(u.max()) <= 1.5
+        t = torch.nn.init.trunc_normal_(torch.empty(1000, 100), std=1.0, a=-0.5, b=0.5)
+        scaled = torch.empty(1000, 100).normal_().mul_(3.0).add_(1.0)
+        assert len(mode.pending) == 5  # recorded, not done
+        lo, hi, mean = float(u.min()), float(u.max()), float(n.mean())  # read: done first
+        assert not set(mode.pending) & {x.untyped_storage().data_ptr() for x in (u, n)}
+    assert -0.5 <= lo and hi <= 1.5
     assert float(u.mean()) == pytest.approx(0.5, abs=0.01) and float(u.std()) == pytest.approx(2 / 12 ** 0.5, rel=0.01)
-    assert float(n.mean()) == pytest.approx(2.0, abs=1e-3) and float(n.std()) == pytest.approx(0.02, rel=0.01)
+    assert mean == pytest.approx(2.0, abs=1e-3) and float(n.std()) == pytest.approx(0.02, rel=0.01)
     assert float(b.float().std()) == pytest.approx(1.0, rel=0.02)
+    assert -0.5 <= float(t.min()) and float(t.max()) <= 0.5 and float(t.std()) > 0.2
+    assert float(scaled.mean()) == pytest.approx(1.0, abs=0.02) and float(scaled.std()) == pytest.approx(3.0, rel=0.02)
     rows = n[:, :8]
     assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]  # no two rows alike
 
 
-def test_a_seeded_build_is_reproducible_and_torch_is_restored():
-    methods = (torch.Tensor.uniform_, torch.Tensor.normal_)
+def test_what_the_build_writes_and_computes_is_kept():
+    with shared_draws():
+        emb = torch.nn.Embedding(100_000, 8, padding_idx=0)  # drawn, then its padding row zeroed
+        table = torch.empty(2000, 64).normal_()
+        table[:, ::2] = 7.0  # a write to part of it: done on values
+        whole = torch.empty(2000, 64).normal_()
+        whole.copy_(torch.ones(2000, 64))  # overwritten as a whole
+        zeros = torch.zeros(1000, 100)
+        twin = whole.clone()
+    assert torch.equal(emb.weight[0], torch.zeros(8)) and float(emb.weight.detach()[1:].abs().sum()) > 0
+    assert bool((table[:, ::2] == 7).all()) and float(table[:, 1::2].std()) == pytest.approx(1.0, rel=0.05)
+    assert bool((whole == 1).all()) and bool((zeros == 0).all()) and torch.equal(twin, whole)
 
+
+def test_a_seeded_build_is_reproducible():
     def build():
         torch.manual_seed(0)
-        with window_draws():
-            return torch.nn.Linear(512, 512).weight.detach().clone()
+        with shared_draws() as mode:
+            model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(2)], torch.nn.Linear(512, 512))
+            mode.share(model)
+        return [p.detach().clone() for p in model.parameters()]
 
-    assert torch.equal(build(), build())
-    assert (torch.Tensor.uniform_, torch.Tensor.normal_) == methods
+    assert all(torch.equal(a, b) for a, b in zip(build(), build(), strict=True))
 
 
 def test_small_tensors_and_given_generators_draw_as_torch_does():
-    normal = torch.Tensor.normal_
-    with window_draws():
+    with shared_draws() as mode:
         state = torch.random.get_rng_state()
         small = torch.empty(LEAST - 1).normal_()
         torch.random.set_rng_state(state)
-        assert torch.equal(small, normal(torch.empty(LEAST - 1)))
+        assert torch.equal(small, torch.empty(LEAST - 1).normal_())
         x = torch.empty(LEAST * 2).normal_(generator=torch.Generator().manual_seed(1))
+        assert not mode.pending
     assert torch.equal(x, torch.empty(LEAST * 2).normal_(generator=torch.Generator().manual_seed(1)))
 
 
-def test_a_contract_read_with_values_is_the_same_as_with_torchs_draws(tmp_path, monkeypatch):
-    """BART's forward reads a value (it does not run on the meta device): read from a build with random weights."""
+def test_shared_parameters_are_views_of_one_block_that_operators_run_on():
+    torch.manual_seed(0)
+    with shared_draws() as mode:
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096),
+                                    torch.nn.Linear(4096, 8192), torch.nn.Embedding(300_000, 64))
+        mode.share(model)
+    weights = [m.weight for m in model]
+    linear, table = weights[:3], weights[3]
+    assert len({w.untyped_storage().data_ptr() for w in linear}) == 1
+    assert linear[0].untyped_storage().nbytes() == 8192 * 4096 * 4  # a matrix never overlaps: the largest fits
+    assert all(w.is_contiguous() for w in linear)
+    assert table.untyped_storage().nbytes() == BLOCK * 4 and table.stride()[0] < 64  # a table's rows overlap
+    assert mode.shared_bytes == sum(w.numel() * 4 for w in weights)
+    for w in (linear[2], table):
+        rows = w[:, :16].detach()
+        assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]  # no two rows alike
+    big = linear[2]
+    bound = 1 / 4096 ** 0.5  # nn.Linear's own init: uniform in ±1/√fan_in
+    assert float(big.abs().max()) <= bound and float(big.std()) == pytest.approx(bound / 3 ** 0.5, rel=0.02)
+    assert float(table.std()) == pytest.approx(1.0, rel=0.02)
+    x = torch.randn(2, 4096)
+    expected = x @ big.detach().T + model[2].bias.detach()
+    assert torch.allclose(model[2](x), expected, atol=1e-5)
+    ids = torch.tensor([0, 299_999])
+    assert torch.equal(model[3](ids), table.detach()[ids])
+    bias = model[0].bias
+    with untouched(model):  # the scan's undo copies no block (draws, not values anyone gave); the rest it restores
+        with torch.no_grad():
+            big[0, 0] = 5.0
+            bias[0] = 5.0
+    assert float(big[0, 0]) == 5.0 and float(bias[0]) != 5.0
+
+
+def test_a_contract_read_with_shared_draws_is_the_same_as_with_torchs_draws(tmp_path, monkeypatch):
+    """BART's forward reads a value (it does not run on the meta device): read from a build with random weights,
+    with blocks small enough that its weights share them."""
     transformers = pytest.importorskip("transformers")
     from normscope.artifacts import contract
 
     transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                             decoder_attention_heads=2, encoder_ffn_dim=1024, decoder_ffn_dim=1024,
                             max_position_embeddings=64).save_pretrained(tmp_path)
-    with_windows = contract(tmp_path / "config.json")
-    assert any("random weights on the CPU" in n for n in with_windows.notes), with_windows.notes
-    monkeypatch.setattr(draws, "window_draws", contextlib.nullcontext)
+    made = []
+    real = draws.SharedDraws.share
+
+    def share(self, model):
+        real(self, model)
+        made.append(self.shared_bytes)
+
+    monkeypatch.setattr(draws, "BLOCK", 1 << 17)
+    monkeypatch.setattr(draws.SharedDraws, "share", share)
+    shared = contract(tmp_path / "config.json")
+    assert any("random weights on the CPU" in n for n in shared.notes), shared.notes
+    assert made and made[0] >= 8 * 1024 * 64 * 4  # the feed-forward weights at least
+
+    class Plain:
+        def share(self, model):
+            pass
+
+    monkeypatch.setattr(draws, "shared_draws", lambda: contextlib.nullcontext(Plain()))
     plain = contract(tmp_path / "config.json")
-    assert [s.__dict__ for s in with_windows.sites] == [s.__dict__ for s in plain.sites]
+    assert [s.__dict__ for s in shared.sites] == [s.__dict__ for s in plain.sites]

@@ -361,15 +361,18 @@ def _fewer_tokens(config, vocab: int = 512) -> str:
 
 
 def _built(cls, config, device: str, config_path: Path, label: str):
-    import contextlib
-
     import torch
 
-    from ..model.draws import window_draws
+    from ..model.draws import shared_draws
 
-    try:  # random weights on the CPU drawn as windows of one block: a third of the build's time
-        with window_draws() if device == "cpu" else contextlib.nullcontext(), torch.device(device):
-            return cls._from_config(config)
+    try:  # random weights on the CPU: drawn when read, the large ones views of shared blocks (the build's memory)
+        if device != "cpu":
+            with torch.device(device):
+                return cls._from_config(config)
+        with shared_draws() as draws, torch.device(device):
+            model = cls._from_config(config)
+            draws.share(model)
+            return model
     except Exception as exc:
         raise InputError(f"{config_path}: transformers could not build the {label} architecture "
                          f"({type(exc).__name__}: {_first_line(exc)})") from None

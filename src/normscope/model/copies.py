@@ -19,6 +19,7 @@ import torch
 
 from ..errors import TargetError
 from ..targets.torch_target import redraw_vectors
+from .draws import in_shared_block
 
 BIG_MODEL_BYTES = 1 << 30  # larger models' parameters are not copied by untouched(); writes to them are detected
 
@@ -163,9 +164,12 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
     modes = [m.training for m in modules]
     slots = [(dict(m._parameters), dict(m._buffers)) for m in modules]
     grads = [(p, p.requires_grad) for p in model.parameters()]
-    size = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    params = [(p, p.detach().clone()) for p in model.parameters() if not p.is_meta] if size <= BIG_MODEL_BYTES else []
-    versions = [(n, p, p._version) for n, p in model.named_parameters() if not p.is_meta]  # meta: no values
+    stored = _storages(p for p in model.parameters() if not p.is_meta)
+    size = sum(b.numel() * b.element_size() for b in stored)
+    copied = size <= BIG_MODEL_BYTES
+    params = [(b, b.clone()) for b in stored] if copied else []
+    versions = [(n, p, p._version) for n, p in model.named_parameters()
+                if not p.is_meta and not in_shared_block(p)]  # meta: no values
     buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
     try:
         yield
@@ -188,11 +192,28 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
             for b, saved in buffers:
                 if b.shape == saved.shape and not torch.equal(b, saved):
                     b.copy_(saved)
-        if not params:
+        if not copied:
             changed = [n for n, p, v in versions if p._version != v]
             if changed:
                 raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
                                   "too large to have been copied, so the scan could not undo it")
+
+
+def _storages(tensors) -> list[torch.Tensor]:
+    """The memory the tensors hold, each storage once, as bytes (tied weights once); a tensor of a subclass as
+    itself; none of a block of draws that views share (a model built only to be read: no one's values)."""
+    seen: dict[tuple, torch.Tensor] = {}
+    for t in tensors:
+        if in_shared_block(t):
+            continue
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            seen[("tensor", id(t))] = t.detach()
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            seen.setdefault((storage.device, storage.data_ptr()),
+                            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
+    return list(seen.values())
 
 
 def _same_objects(now: dict, saved: dict) -> bool:

@@ -383,3 +383,21 @@ def test_falcon40b_onnx_pair_maps_to_the_configs_two_sites(tmp_path):
     assert {"layers.0.attn_norm", "layers.0.ffn_norm", "layers.1.attn_norm", "layers.1.ffn_norm"} <= set(names), names
     result = compare(contract(tmp_path / "falcon" / "config.json"), file)
     assert not result.mismatches and len(result.matched) == 5, [i.message for i in result.items]
+
+
+def test_a_vocabulary_another_table_depends_on_is_kept_whole(tmp_path, values_only):
+    """The vocabulary is cut to 512 tokens for a build with values, and ids past the cut are dropped; Kyutai's
+    embedding also holds its audio codebooks after the text tokens, with its padding row last: cut, that row falls
+    outside the table and transformers refuses the build. The read goes on with the whole vocabulary (and meets
+    the next thing its forward needs: input ids with one column per codebook, which the default inputs lack)."""
+    config = transformers.KyutaiSpeechToTextConfig(
+        vocab_size=600, codebook_vocab_size=16, num_codebooks=2, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, ffn_dim=64, max_position_embeddings=64, sliding_window=16,
+        audio_bos_token_id=15, audio_pad_token_id=632, pad_token_id=3, bos_token_id=599,
+        codec_config={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "intermediate_size": 64, "codebook_size": 16,
+                      "codebook_dim": 8, "num_filters": 4, "upsampling_ratios": [2, 2], "head_dim": 16})
+    data, path = _saved(config, tmp_path)
+    with pytest.raises(InputError) as refused:
+        _read(data, path)
+    assert "could not build" not in str(refused.value) and "could not be scanned" in str(refused.value)

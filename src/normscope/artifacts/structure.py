@@ -249,14 +249,57 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
                              f"default inputs in a shape check its code makes before reading any value, {failure}: "
                              "so it was not built with random weights to fail there again)") from None
     size = sum(p.numel() for p in model.parameters())
+    try:
+        real, config, reduced, full, how = _built_with_values(model, full, size, why_values, meta_error, True,
+                                                               config_path, label)
+    except _CutVocabulary:
+        # the vocabulary sizes another table too, which an id the config states must fit (Kyutai's audio padding
+        # row, past its text and audio tokens): built with the whole vocabulary
+        real, config, reduced, full, how = _built_with_values(model, full, size, why_values, meta_error, False,
+                                                               config_path, label)
+    try:  # the forward the scan runs shows whether the inputs need more (a forward of real size is costly)
+        plain = default_inputs(real, needed=False)
+        try:
+            result = scan(real, plain, dtypes="float32", progress=False)
+        except NormscopeError:
+            completed = default_inputs(real)
+            if _shapes(completed) == _shapes(plain):
+                raise
+            result = scan(real, completed, dtypes="float32", progress=False)
+    except NormscopeError as exc:
+        raise InputError(f"{config_path}: the {label} architecture could not be scanned "
+                         f"({_first_line(exc, limit=600)})") from None
+    if config is reduced:
+        result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
+    return result, how
+
+
+class _CutVocabulary(Exception):
+    """transformers refused a build with the vocabulary cut."""
+
+
+def _built_with_values(model, full, size: int, why_values: str, meta_error, cut_vocabulary: bool,
+                       config_path: Path, label: str):
+    """The model built with random weights on the CPU — at reduced depth and with fewer experts where its layers
+    allow, with a vocabulary of 512 tokens where ``cut_vocabulary`` — with its config, the reduced config (None:
+    built whole), its layer lists and the note; :class:`_CutVocabulary` where the cut vocabulary does not build."""
+    import torch
+
+    from . import depth
+
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values
-    tokens = _fewer_tokens(config)
-    config, full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
-    reduced = depth.reduced_config(config, full)
+    tokens = _fewer_tokens(config) if cut_vocabulary else ""
+    try:
+        config, full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
+        reduced = depth.reduced_config(config, full)
+        shape = _built(type(model), reduced, "meta", config_path, label) if reduced is not None else None
+    except InputError:
+        if tokens:
+            raise _CutVocabulary() from None
+        raise
     small, why = None, "no layer list to cut"
     if reduced is not None:
-        shape = _built(type(model), reduced, "meta", config_path, label)
         why, small = _reduced_fits(full, shape)
         moved = depth.reduced_config(config, full, move_indices=True)
         if why is None and moved is not None and moved.to_dict() != reduced.to_dict():
@@ -275,33 +318,27 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
         how = (f"at reduced depth with random weights on the CPU ({kept}: each kind of layer at least once, the sites "
                f"found then given to every layer of that kind; {small:,} of {size:,} parameters{tokens}: {why_values})")
     else:
-        built_size = sum(p.numel() for p in _built(type(model), config, "meta", config_path, label).parameters())
+        try:
+            built_size = sum(p.numel() for p in _built(type(model), config, "meta", config_path, label).parameters())
+        except InputError:
+            if tokens:
+                raise _CutVocabulary() from None
+            raise
         if built_size > REAL_BUILD_PARAMS:
             raise InputError(f"{config_path}: the {label} architecture does not run on the meta device "
                              f"({_first_line(meta_error)}), and at {size:,} parameters it is too large to build with "
                              f"random weights here, nor could it be read at reduced depth ({why}); scan a checkpoint "
                              "instead (normscope contract --live MODEL)") from None
         how = f"with random weights on the CPU ({built_size:,} parameters{tokens}: {why_values})"
-    import torch
-
     with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
         torch.manual_seed(0)
-        real = _built(type(model), config, "cpu", config_path, label)
-    try:  # the forward the scan runs shows whether the inputs need more (a forward of real size is costly)
-        plain = default_inputs(real, needed=False)
         try:
-            result = scan(real, plain, dtypes="float32", progress=False)
-        except NormscopeError:
-            completed = default_inputs(real)
-            if _shapes(completed) == _shapes(plain):
-                raise
-            result = scan(real, completed, dtypes="float32", progress=False)
-    except NormscopeError as exc:
-        raise InputError(f"{config_path}: the {label} architecture could not be scanned "
-                         f"({_first_line(exc, limit=600)})") from None
-    if config is reduced:
-        result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
-    return result, how
+            real = _built(type(model), config, "cpu", config_path, label)
+        except InputError:
+            if tokens:
+                raise _CutVocabulary() from None
+            raise
+    return real, config, reduced, full, how
 
 
 def _reads_values(error: BaseException) -> bool:

@@ -10,7 +10,9 @@ activations are copied at the time of the call, before anything can overwrite th
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -85,7 +87,10 @@ class Op:
         asked, until :meth:`Trace.release`: an inline site's few ops are replayed, a forward's thousands are not)."""
         if self._template is None and self.raw is not None:
             func, args, kwargs, ids = self.raw
-            self._template = (func, _template(args, ids), _template(kwargs, ids))
+            try:
+                self._template = (func, _template(args, ids), _template(kwargs, ids))
+            except KeyError:  # a list or dict argument the forward has filled since: no longer the call it was
+                self.raw = None
         return self._template
 
 
@@ -153,8 +158,36 @@ def _in_place(name: str) -> bool:
     return name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))
 
 
+#: ops a tensor stays held after its last use: an inline norm's statistics, and its output, lie within this many ops
+#: of its square root
+HELD_OPS = 64
+#: ops after a square root whose values are held to the end: the normalized output, scaled and shifted
+AFTER_ROOT = 16
+#: tensors whose memory is this small (bytes) are held to the end whatever their age (constants and scalars)
+SMALL = 16384
+#: producer steps walked back from a square root to the values its statistics read
+WALK = 32
+
+
+def _small(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds little memory: a view of a large tensor holds all of it."""
+    try:
+        return t.untyped_storage().nbytes() <= SMALL
+    except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (a subclass)
+        return t.numel() * t.element_size() <= SMALL
+
+
 class Trace:
-    """The record of one forward: values, ops and module calls, in execution order."""
+    """The record of one forward: values, ops and module calls, in execution order.
+
+    A tensor's value is held while the forward uses it and for :data:`HELD_OPS` ops after; then only while the
+    forward itself keeps the tensor (a weak reference), so the trace costs the memory of the forward's own tensors,
+    not of every tensor it made. What an inline normalization needs afterwards is held to the end: at each square
+    root, the values its statistics were computed from (walked back through their producers, up to the first op
+    that mixes features or positions) and what the next
+    :data:`AFTER_ROOT` ops read and write, with the replays of the ops around it; so are small tensors and
+    parameters.
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
@@ -162,9 +195,14 @@ class Trace:
         self.values: list[Value] = []
         self.ops: list[Op] = []
         self.calls: list[ModuleCall] = []
-        self._current: dict[int, int] = {}  # id(tensor) → current value
-        self._keep: list[torch.Tensor] = []  # keeps every seen tensor alive, so ids are not reused
-        self._held: dict[int, torch.Tensor] = {}  # value → the tensor holding it (until release)
+        self._current: dict[int, int] = {}  # id(tensor) → current value, while the tensor lives
+        self._refs: dict[int, weakref.ref] = {}  # id(tensor) → a weak reference whose death frees the id
+        self._held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()  # by last use
+        self._used: dict[int, int] = {}  # value → the op count at its last use
+        self._kept: dict[int, torch.Tensor] = {}  # values held to the end (until release)
+        self._weak: dict[int, weakref.ref] = {}  # values no longer held: their tensors while the forward keeps them
+        self._replays: collections.deque[Op] = collections.deque()  # recent ops whose arguments are still held
+        self._keep_until = -1  # ops up to this count keep what they read and write, and their replays
         self._stack: list[int] = []
         self._numbers: dict[int, int] = {}
         self.paused = False
@@ -173,14 +211,79 @@ class Trace:
     def value(self, t: torch.Tensor, producer: int | None = None, new: bool = False) -> int:
         key = id(t)
         if not new and key in self._current:
-            return self._current[key]
+            v = self._current[key]
+            self._hold(v, t)
+            return v
         v = Value(len(self.values), tuple(t.shape), t.dtype, producer, key in self.param_ids)
         self.values.append(v)
-        self._held[v.index] = t
-        if key not in self._current:
-            self._keep.append(t)
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(t, self._forget(key))
         self._current[key] = v.index
+        self._hold(v.index, t)
         return v.index
+
+    def _forget(self, key: int):
+        def dead(_ref) -> None:  # the id may now be reused by another tensor: it no longer names this one's value
+            self._current.pop(key, None)
+            self._refs.pop(key, None)
+        return dead
+
+    def _hold(self, v: int, t: torch.Tensor) -> None:
+        if v in self._kept:
+            return
+        if len(self.ops) <= self._keep_until or _small(t) or self.values[v].param:
+            self._kept[v] = t
+            self._held.pop(v, None)
+            return
+        self._held[v] = t
+        self._held.move_to_end(v)
+        self._used[v] = len(self.ops)
+        self._weak.pop(v, None)
+
+    def _held_tensor(self, v: int) -> torch.Tensor | None:
+        t = self._kept.get(v)
+        if t is None:
+            t = self._held.get(v)
+        if t is None and v in self._weak:
+            t = self._weak[v]()
+        return t
+
+    def _age(self) -> None:
+        """Let go of the values no op has used for :data:`HELD_OPS` ops, and of old ops' arguments."""
+        limit = len(self.ops) - HELD_OPS
+        while self._held:
+            v, t = next(iter(self._held.items()))
+            if self._used[v] > limit:
+                break
+            del self._held[v]
+            self._weak[v] = weakref.ref(t)
+        while self._replays and self._replays[0].index < limit:
+            self._replays.popleft().raw = None
+
+    def _keep_around(self, op: Op) -> None:
+        """A square root: hold to the end the values its statistics were computed from, the replays of the ops
+        before it that still have their arguments, and what the next :data:`AFTER_ROOT` ops read and write."""
+        for recent in self._replays:
+            _ = recent.template  # made now, from arguments still held
+        seen: set[int] = set()
+        frontier = list(op.inputs)
+        for _ in range(WALK):
+            nxt = []
+            for v in frontier:
+                if v in seen:
+                    continue
+                seen.add(v)
+                t = self._held_tensor(v)
+                if t is not None:
+                    self._kept[v] = t
+                    self._held.pop(v, None)
+                producer = self.values[v].producer
+                if producer is not None and not self.ops[producer].mixing:  # statistics mix nothing
+                    nxt.extend(self.ops[producer].inputs)
+            frontier = nxt
+            if not frontier:
+                break
+        self._keep_until = len(self.ops) + AFTER_ROOT
 
     # ------------------------------------------------------------------ module hooks
     def pre_hook(self, module, args):
@@ -279,6 +382,13 @@ class Trace:
                 if len(numbers) == 1:
                     op.scalar = float(numbers[0])
             self.ops.append(op)
+            if op.raw is not None:
+                if len(self.ops) <= self._keep_until:
+                    _ = op.template  # replayable to the end
+                self._replays.append(op)
+            if name in ("rsqrt", "sqrt"):
+                self._keep_around(op)
+            self._age()
             if op.mixing:
                 for ci in self._stack:
                     self.calls[ci].mixing = True
@@ -297,15 +407,18 @@ class Trace:
     def tensor(self, v: int) -> torch.Tensor | None:
         """The tensor that held value ``v``, while it still holds it (not written in place since) and until
         :meth:`release`; None otherwise."""
-        t = self._held.get(v)
+        t = self._held_tensor(v)
         return t if t is not None and self._current.get(id(t)) == v else None
 
     def release(self) -> None:
         """Drop the references that kept the forward's tensors alive (the copies of norm-shaped calls stay, and the
         replay templates already made; the others are no longer made)."""
-        self._keep.clear()
         self._current.clear()
+        self._refs.clear()
         self._held.clear()
+        self._kept.clear()
+        self._weak.clear()
+        self._replays.clear()
         for op in self.ops:
             op.raw = None
 

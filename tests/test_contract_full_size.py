@@ -401,3 +401,19 @@ def test_a_vocabulary_another_table_depends_on_is_kept_whole(tmp_path, values_on
     with pytest.raises(InputError) as refused:
         _read(data, path)
     assert "could not build" not in str(refused.value) and "could not be scanned" in str(refused.value)
+
+
+def test_a_build_that_fails_with_fewer_experts_and_the_whole_vocabulary_is_refused_in_one_line(tmp_path, values_only):
+    """DeepSeek-V3's vocabulary (64) needs no cut, its experts (8) are cut to 4: a build with values that fails
+    then is transformers' refusal, not the retry meant for a cut vocabulary."""
+    data, path = _saved(PATTERNS["deepseek_v3"](transformers), tmp_path)
+    real = structure._built
+
+    def no_cpu_build(cls, config, device, config_path, label):
+        if device == "cpu":
+            raise InputError(f"{config_path}: transformers could not build the {label} architecture (test)")
+        return real(cls, config, device, config_path, label)
+
+    values_only.setattr(structure, "_built", no_cpu_build)
+    with pytest.raises(InputError, match=r"could not build the .* architecture \(test\)"):
+        _read(data, path)

@@ -289,15 +289,19 @@ def _built_with_values(model, full, size: int, why_values: str, meta_error, cut_
 
     config = copy.deepcopy(model.config)
     config._experts_implementation = None  # the default kernels with real values
-    tokens = _fewer_tokens(config) if cut_vocabulary else ""
-    try:
-        config, full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
-        reduced = depth.reduced_config(config, full)
-        shape = _built(type(model), reduced, "meta", config_path, label) if reduced is not None else None
-    except InputError:
-        if tokens:
-            raise _CutVocabulary() from None
-        raise
+    tokens = vocabulary = _fewer_tokens(config) if cut_vocabulary else ""
+
+    def built(config, device: str):
+        try:
+            return _built(type(model), config, device, config_path, label)
+        except InputError:
+            if vocabulary:  # the vocabulary was cut (tokens grows with the experts' note below)
+                raise _CutVocabulary() from None
+            raise
+
+    config, full, tokens = _fewer_experts(model, config, full, tokens, config_path, label)
+    reduced = depth.reduced_config(config, full)
+    shape = built(reduced, "meta") if reduced is not None else None
     small, why = None, "no layer list to cut"
     if reduced is not None:
         why, small = _reduced_fits(full, shape)
@@ -318,12 +322,7 @@ def _built_with_values(model, full, size: int, why_values: str, meta_error, cut_
         how = (f"at reduced depth with random weights on the CPU ({kept}: each kind of layer at least once, the sites "
                f"found then given to every layer of that kind; {small:,} of {size:,} parameters{tokens}: {why_values})")
     else:
-        try:
-            built_size = sum(p.numel() for p in _built(type(model), config, "meta", config_path, label).parameters())
-        except InputError:
-            if tokens:
-                raise _CutVocabulary() from None
-            raise
+        built_size = sum(p.numel() for p in built(config, "meta").parameters())
         if built_size > REAL_BUILD_PARAMS:
             raise InputError(f"{config_path}: the {label} architecture does not run on the meta device "
                              f"({_first_line(meta_error)}), and at {size:,} parameters it is too large to build with "
@@ -332,12 +331,7 @@ def _built_with_values(model, full, size: int, why_values: str, meta_error, cut_
         how = f"with random weights on the CPU ({built_size:,} parameters{tokens}: {why_values})"
     with torch.random.fork_rng(devices=[]):  # the weights drawn from seed 0; the caller's RNG left as it was
         torch.manual_seed(0)
-        try:
-            real = _built(type(model), config, "cpu", config_path, label)
-        except InputError:
-            if tokens:
-                raise _CutVocabulary() from None
-            raise
+        real = built(config, "cpu")
     return real, config, reduced, full, how
 
 

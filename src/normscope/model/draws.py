@@ -48,6 +48,8 @@ aten = torch.ops.aten
 _DRAWS = {aten.normal_.default: "normal", aten.uniform_.default: "uniform"}
 _FACTORIES = {aten.randn.default: ("normal", 0.0, 1.0), aten.rand.default: ("uniform", 0.0, 1.0),
               aten.zeros.default: ("fill", 0.0), aten.ones.default: ("fill", 1.0), aten.full.default: None}
+#: fills with one value: ``zero_`` and ``fill_``
+_CONSTANT_FILLS = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor}
 #: in-place elementwise operations whose other arguments are scalars: recorded after a pending fill
 _SCALINGS = {"mul_", "div_", "add_", "sub_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_", "neg_", "abs_"}
 #: operations that read a tensor's shape, not its values
@@ -71,6 +73,11 @@ class _Fill:
 
 def _plain(value):
     return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def _constant(func, args) -> float:
+    """The value a call of one of :data:`_CONSTANT_FILLS` writes."""
+    return 0.0 if func is aten.zero_.default else _plain(args[1])
 
 
 def _address(t: torch.Tensor) -> int | None:
@@ -143,8 +150,8 @@ class SharedDraws(TorchDispatchMode):
                 low, high = (list(args[1:]) + given[len(args) - 1:])[:2]
                 self.record(first, (_DRAWS[func], float(low), float(high)))
                 return first
-            if func in (aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor):
-                self.record(first, ("fill", 0.0 if func is aten.zero_.default else _plain(args[1])))
+            if func in _CONSTANT_FILLS:
+                self.record(first, ("fill", _constant(func, args)))
                 return first
             if pending is not None:
                 rest = list(args[1:]) + list(kwargs.values())
@@ -160,10 +167,10 @@ class SharedDraws(TorchDispatchMode):
                     return made
                 if func is aten.copy_.default and _address(args[1]) != address:
                     del self.pending[address]  # overwritten as a whole
-        if (pending is not None and func in (aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor)
+        if (pending is not None and func in _CONSTANT_FILLS
                 and first.dtype == pending.tensor.dtype):  # a constant written to part of it (a padding row)
-            value = 0.0 if func is aten.zero_.default else _plain(args[1])
-            pending.patches.append((first.storage_offset(), tuple(first.shape), first.stride(), value))
+            pending.patches.append((first.storage_offset(), tuple(first.shape), first.stride(),
+                                    _constant(func, args)))
             return first
         if self.pending and not func.is_view and func not in _SHAPE_ONLY:
             for t in tree_leaves((args, kwargs)):
@@ -192,12 +199,18 @@ class SharedDraws(TorchDispatchMode):
             for offset, shape, stride, value in () if shared else fill.patches:
                 t.as_strided(shape, stride, t.storage_offset() + offset).fill_(value)
 
-    def _do(self, fill: _Fill) -> None:
+    @contextlib.contextmanager
+    def _passing(self) -> Iterator[None]:
+        """Within: operations pass through as they are (the mode's own fills and views)."""
         off, self._off = self._off, True
         try:
-            self._draw(fill.tensor, fill)
+            yield
         finally:
             self._off = off
+
+    def _do(self, fill: _Fill) -> None:
+        with self._passing():
+            self._draw(fill.tensor, fill)
 
     def share(self, model: torch.nn.Module) -> None:
         """Give the parameters and buffers of ``model`` whose fill is pending their values: views of one block per
@@ -205,8 +218,7 @@ class SharedDraws(TorchDispatchMode):
         holds the largest of its tensors that an operator would copy if its rows overlapped (a matrix a ``linear``
         or a convolution multiplies by): only an embedding's table and stacks of three or more dimensions outside a
         convolution (experts' weights, each expert's slice whole) overlap themselves."""
-        off, self._off = self._off, True
-        try:
+        with self._passing():
             overlapping = _overlapping(model)
             groups: dict[tuple, dict[int, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
             for t in list(model.parameters()) + list(model.buffers()):
@@ -230,20 +242,15 @@ class SharedDraws(TorchDispatchMode):
                         t._normscope_shared_draws = True
                     self.shared_bytes += view.numel() * view.element_size()
                     del self.pending[address]
-        finally:
-            self._off = off
         self.finish()
 
     def finish(self) -> None:
         """Do every fill still pending of a tensor something besides this mode holds."""
-        off, self._off = self._off, True
-        try:
+        with self._passing():
             for fill in self.pending.values():
                 if _held_elsewhere(fill.tensor):
                     self._draw(fill.tensor, fill)
             self.pending.clear()
-        finally:
-            self._off = off
 
 
 def in_shared_block(t: torch.Tensor) -> bool:

@@ -232,13 +232,17 @@ class Trace:
         if v in self._kept:
             return
         if len(self.ops) <= self._keep_until or _small(t) or self.values[v].param:
-            self._kept[v] = t
-            self._held.pop(v, None)
+            self._keep(v, t)
             return
         self._held[v] = t
         self._held.move_to_end(v)
         self._used[v] = len(self.ops)
         self._weak.pop(v, None)
+
+    def _keep(self, v: int, t: torch.Tensor) -> None:
+        """Hold ``v``'s tensor to the end."""
+        self._kept[v] = t
+        self._held.pop(v, None)
 
     def _held_tensor(self, v: int) -> torch.Tensor | None:
         t = self._kept.get(v)
@@ -275,8 +279,7 @@ class Trace:
                 seen.add(v)
                 t = self._held_tensor(v)
                 if t is not None:
-                    self._kept[v] = t
-                    self._held.pop(v, None)
+                    self._keep(v, t)
                 producer = self.values[v].producer
                 if producer is not None and not self.ops[producer].mixing:  # statistics mix nothing
                     nxt.extend(self.ops[producer].inputs)

@@ -234,6 +234,9 @@ def report(rows: list[dict], verbose: bool = False) -> None:
     if built:
         print(f"contract: {len(ok)}/{len(built)} ({100 * len(ok) / len(built):.1f} %) of those; "
               f"{len(fast)} within 10 s of CPU")
+        for mib in (512, 1024):
+            within = sum(r["rise_mib"] <= mib for r in fast)
+            print(f"  within 10 s of CPU and {mib} MiB: {within} ({100 * within / len(built):.1f} %)")
     if ok:
         cpu = sorted(r["cpu_s"] for r in ok)
         rise = sorted(r["rise_mib"] for r in ok)

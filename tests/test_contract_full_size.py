@@ -417,3 +417,46 @@ def test_a_build_that_fails_with_fewer_experts_and_the_whole_vocabulary_is_refus
     values_only.setattr(structure, "_built", no_cpu_build)
     with pytest.raises(InputError, match=r"could not build the .* architecture \(test\)"):
         _read(data, path)
+
+
+def _small_vision(t, model_type: str):
+    return getattr(t, {"dinov2": "Dinov2Config", "vit": "ViTConfig"}[model_type])(
+        image_size=1024, patch_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64)
+
+
+def test_large_images_are_read_at_a_fraction_where_the_forward_takes_it(tmp_path, values_only):
+    """A model built with values reads images within 512² where its forward takes them (DINOv2 interpolates its
+    position table): the same sites and fields as at the configured 1024², and the note says so."""
+    data, path = _saved(_small_vision(transformers, "dinov2"), tmp_path)
+    cut = _read(data, path)
+    assert any("images read at 512×512, not the config's 1024×1024" in n for n in cut.notes), cut.notes
+    values_only.setattr(structure, "IMAGE_SIDE_READ", 4096)
+    whole = _read(data, path)
+    assert not any("images read at" in n for n in whole.notes), whole.notes
+    rows = [[tuple(getattr(s, f) for f in FIELDS) for s in c.sites] for c in (cut, whole)]
+    assert rows[0] == rows[1] and len(rows[0]) == 5
+
+
+def test_images_stay_at_the_configured_size_where_the_forward_needs_it(tmp_path, values_only):
+    """ViT's position table is added as it is (no interpolation by default): at 512² its forward fails, and the read
+    goes on at the configured size."""
+    data, path = _saved(_small_vision(transformers, "vit"), tmp_path)
+    read = _read(data, path)
+    assert not any("images read at" in n for n in read.notes), read.notes
+    assert len(read.sites) == 5
+
+
+def test_long_time_series_are_read_at_a_fraction_where_the_forward_takes_it(tmp_path, values_only):
+    """TimesFM 2.5 takes any whole number of patches: 4096 steps are read at 1024 (its forward loops over the
+    patches), with the same sites and fields as at the configured length."""
+    config = transformers.TimesFm2_5Config(context_length=4096, hidden_size=32, intermediate_size=32, head_dim=8,
+                                           num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                                           max_position_embeddings=4096, output_quantile_len=64)
+    data, path = _saved(config, tmp_path)
+    cut = _read(data, path)
+    assert any("time series read at 1024 steps, not 4096" in n for n in cut.notes), cut.notes
+    values_only.setattr(structure, "SERIES_STEPS_READ", 1 << 20)
+    whole = _read(data, path)
+    rows = [[tuple(getattr(s, f) for f in FIELDS) for s in c.sites] for c in (cut, whole)]
+    assert rows[0] == rows[1] and rows[0]

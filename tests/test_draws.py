@@ -12,7 +12,7 @@ import torch
 
 from normscope.model import draws
 from normscope.model.copies import untouched
-from normscope.model.draws import BLOCK, LEAST, shared_draws
+from normscope.model.draws import BLOCK, LEAST, multiplied_in_pieces, shared_draws
 
 
 def test_large_fills_have_the_distribution_asked_for_when_read():
@@ -81,19 +81,19 @@ def test_shared_parameters_are_views_of_one_block_that_operators_run_on():
     weights = [m.weight for m in model]
     linear, table = weights[:3], weights[3]
     assert len({w.untyped_storage().data_ptr() for w in linear}) == 1
-    assert linear[0].untyped_storage().nbytes() == 8192 * 4096 * 4  # a matrix never overlaps: the largest fits
-    assert all(w.is_contiguous() for w in linear)
-    assert table.untyped_storage().nbytes() == BLOCK * 4 and table.stride()[0] < 64  # a table's rows overlap
+    assert linear[0].untyped_storage().nbytes() == BLOCK * 4
+    assert all(w.is_contiguous() for w in linear[:2])  # a matrix that fits the block is a window of it
+    assert linear[2].stride()[0] < 4096 and table.stride()[0] < 64  # larger ones' rows overlap
     assert mode.shared_bytes == sum(w.numel() * 4 for w in weights)
     for w in (linear[2], table):
         rows = w[:, :16].detach()
         assert torch.unique(rows, dim=0).shape[0] == rows.shape[0]  # no two rows alike
-    big = linear[2]
+    big = linear[2].detach()
     bound = 1 / 4096 ** 0.5  # nn.Linear's own init: uniform in ±1/√fan_in
     assert float(big.abs().max()) <= bound and float(big.std()) == pytest.approx(bound / 3 ** 0.5, rel=0.02)
     assert float(table.std()) == pytest.approx(1.0, rel=0.02)
     x = torch.randn(2, 4096)
-    expected = x @ big.detach().T + model[2].bias.detach()
+    expected = x @ big.detach().contiguous().T + model[2].bias.detach()
     assert torch.allclose(model[2](x), expected, atol=1e-5)
     ids = torch.tensor([0, 299_999])
     assert torch.equal(model[3](ids), table.detach()[ids])
@@ -103,6 +103,58 @@ def test_shared_parameters_are_views_of_one_block_that_operators_run_on():
             big[0, 0] = 5.0
             bias[0] = 5.0
     assert float(big[0, 0]) == 5.0 and float(bias[0]) != 5.0
+
+
+def test_a_matrix_whose_rows_overlap_is_multiplied_a_piece_at_a_time(monkeypatch):
+    torch.manual_seed(0)
+    with shared_draws() as mode:
+        model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 8192))
+        mode.share(model)
+    big = model[2].weight.detach()
+    assert big.stride()[0] < big.shape[1]  # its rows overlap
+    whole = big.contiguous()
+    pieces = []
+    real = draws._in_pieces
+
+    def in_pieces(a, b):
+        pieces.append((a.shape, b.shape))
+        return real(a, b)
+
+    monkeypatch.setattr(draws, "_in_pieces", in_pieces)
+    monkeypatch.setattr(draws, "PIECE", 1 << 20)  # several pieces
+    x = torch.randn(3, 5, 2048)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(model[1](model[0](x)), whole, model[2].bias)
+        with multiplied_in_pieces(model):
+            out = model(x)
+            left = big @ torch.ones(4096, 2)  # the matrix on the left of a product
+            scaled = torch.addmm(torch.ones(8192), torch.ones(2, 4096), big.T, beta=2.0, alpha=0.5)
+    assert len(pieces) == 3
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.allclose(left, whole @ torch.ones(4096, 2), atol=1e-4)
+    assert torch.allclose(scaled, 2.0 + 0.5 * whole.sum(1).expand(2, -1), atol=1e-4)
+
+    plain = torch.nn.Linear(64, 64)
+    with multiplied_in_pieces(plain):  # no shared matrix: nothing intercepted
+        plain(torch.randn(2, 64))
+    assert not pieces[3:]
+
+
+def test_a_kernel_whose_output_channels_overlap_is_convolved_a_piece_at_a_time(monkeypatch):
+    torch.manual_seed(0)
+    with shared_draws() as mode:
+        model = torch.nn.Sequential(torch.nn.Conv2d(512, 1024, 3, padding=1), torch.nn.Conv2d(1024, 2048, 3, stride=2))
+        mode.share(model)
+    kernel = model[1].weight.detach()
+    assert kernel.stride()[0] < kernel[0].numel()  # its output channels' kernels overlap
+    monkeypatch.setattr(draws, "PIECE", 1 << 20)
+    x = torch.randn(1, 512, 9, 9)
+    with torch.no_grad():
+        hidden = torch.nn.functional.conv2d(x, model[0].weight.detach().contiguous(), model[0].bias, padding=1)
+        expected = torch.nn.functional.conv2d(hidden, kernel.contiguous(), model[1].bias, stride=2)
+        with multiplied_in_pieces(model):
+            out = model(x)
+    assert torch.allclose(out, expected, atol=1e-4)
 
 
 def test_a_contract_read_with_shared_draws_is_the_same_as_with_torchs_draws(tmp_path, monkeypatch):

@@ -205,6 +205,7 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
     (it would fail there the same way; a full-size build costs seconds to minutes); ``shape_failures`` holds those
     met so far, so a composite's part that fails as the whole did is refused with it."""
     from ..model import default_inputs
+    from ..model.draws import multiplied_in_pieces
     from ..sites import scan
     from . import depth
 
@@ -258,20 +259,90 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
         real, config, reduced, full, how = _built_with_values(model, full, size, why_values, meta_error, False,
                                                                config_path, label)
     try:  # the forward the scan runs shows whether the inputs need more (a forward of real size is costly)
-        plain = default_inputs(real, needed=False)
-        try:
-            result = scan(real, plain, dtypes="float32", progress=False)
-        except NormscopeError:
-            completed = default_inputs(real)
-            if _shapes(completed) == _shapes(plain):
-                raise
-            result = scan(real, completed, dtypes="float32", progress=False)
+        with multiplied_in_pieces(real):
+            plain = default_inputs(real, needed=False)
+            result, failure = None, None
+            smaller = _smaller_inputs(plain)
+            if smaller is not None:
+                try:  # the norms see the same widths; a forward that needs the config's size fails, read at it
+                    result = scan(real, smaller[0], dtypes="float32", progress=False, restore=False)
+                    how += f"; {smaller[1]}, which it also takes"
+                except NormscopeError:
+                    pass
+            if result is None:
+                try:
+                    result = scan(real, plain, dtypes="float32", progress=False, restore=False)
+                except NormscopeError as exc:
+                    # kept without its traceback: its frames hold the failed forward's tensors
+                    failure = _bare(exc)
+            if failure is not None:
+                completed = default_inputs(real)
+                if _shapes(completed) == _shapes(plain):
+                    raise failure
+                result = scan(real, completed, dtypes="float32", progress=False, restore=False)
     except NormscopeError as exc:
         raise InputError(f"{config_path}: the {label} architecture could not be scanned "
                          f"({_first_line(exc, limit=600)})") from None
     if config is reduced:
         result.sites = depth.extend(result.sites, full, depth.block_lists(real, full))
     return result, how
+
+
+#: images with a side larger than this are read at a fraction of their size where the forward takes it
+IMAGE_SIDE_READ = 512
+#: …and time series longer than this many steps
+SERIES_STEPS_READ = 1024
+
+
+def _smaller_inputs(inputs: dict) -> tuple[dict, str] | None:
+    """``inputs`` with its images cut to the largest whole fraction 1/2ⁿ of their height and width within
+    :data:`IMAGE_SIDE_READ` (and whatever shares their height and width: a pixel mask), or its time series to
+    such a fraction of their steps within :data:`SERIES_STEPS_READ` (and whatever shares their batch and steps:
+    the padding, the observed mask), with what was cut for the note; None where nothing is that large. A forward
+    of random weights on Step3's 728² images costs 22 s of CPU and 3.5 GiB, TimesFM 2.5's 16,384 steps 12 s (a
+    loop over its patches); a norm's contract does not depend on how many positions it normalizes."""
+    import torch
+
+    def fraction(sizes: tuple[int, ...], limit: int) -> int:
+        f = 1
+        while max(sizes) // f > limit and all(n % (2 * f) == 0 for n in sizes):
+            f *= 2
+        return f
+
+    def cut(lead: tuple[int, ...], dims: slice, cut_from: int, f: int) -> dict:
+        """Each tensor whose dims ``dims`` are ``lead``, those from the ``cut_from``-th of them on cut to 1/f."""
+        def one(v):
+            if not isinstance(v, torch.Tensor) or v.dim() < len(lead) or tuple(v.shape[dims]) != lead:
+                return v
+            index = [slice(None)] * v.dim()
+            for d in list(range(*dims.indices(v.dim())))[cut_from:]:
+                index[d] = slice(0, v.shape[d] // f)
+            return v[tuple(index)].contiguous()
+        return {k: one(v) for k, v in inputs.items()}
+
+    images = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() in (4, 5)]
+    if images:
+        hw = tuple(images[0].shape[-2:])
+        f = fraction(hw, IMAGE_SIDE_READ)
+        if f > 1:
+            return cut(hw, slice(-2, None), 0, f), f"its images read at {hw[0] // f}×{hw[1] // f}, not the config's " \
+                f"{hw[0]}×{hw[1]}"
+    series = inputs.get("past_values")
+    if isinstance(series, torch.Tensor) and series.is_floating_point() and series.dim() in (2, 3):
+        lead = tuple(series.shape[:2])
+        f = fraction(lead[1:], SERIES_STEPS_READ)
+        if f > 1:
+            return cut(lead, slice(0, 2), 1, f), f"its time series read at {lead[1] // f} steps, not {lead[1]}"
+    return None
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """``exc`` and the exceptions it was raised from, without their tracebacks."""
+    seen = exc
+    while seen is not None:
+        seen.with_traceback(None)
+        seen = seen.__cause__ or seen.__context__
+    return exc
 
 
 class _CutVocabulary(Exception):

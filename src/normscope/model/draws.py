@@ -16,7 +16,9 @@ weights. Inside :func:`shared_draws`:
 - :meth:`SharedDraws.share` then gives the model's parameters and buffers whose fill is still pending their values
   as views of one block per distinct fill (2²⁴ elements), at random offsets, instead of memory of their own: a
   tensor larger than the block overlaps itself row by row (row ``i`` starts ``i·step`` elements in), which an
-  operator copies while it runs. A fill whose tensors together fit in one block is done as before.
+  operator copies while it runs, except a matrix multiplication or a convolution under
+  :func:`multiplied_in_pieces`, which copies a piece of rows (of output channels) at a time. A fill whose tensors
+  together fit in one block is done as before.
 
 Each window's or row's elements are independent draws of the distribution the model asked for; two tensors may
 share values. A norm's contract does not depend on the weights before it: what the read needs of them is values
@@ -215,9 +217,10 @@ class SharedDraws(TorchDispatchMode):
     def share(self, model: torch.nn.Module) -> None:
         """Give the parameters and buffers of ``model`` whose fill is pending their values: views of one block per
         distinct fill where those of a fill do not fit in one block together, else a fill of their own. A block
-        holds the largest of its tensors that an operator would copy if its rows overlapped (a matrix a ``linear``
-        or a convolution multiplies by): only an embedding's table and stacks of three or more dimensions outside a
-        convolution (experts' weights, each expert's slice whole) overlap themselves."""
+        holds the largest of its tensors that an operator would copy whole if its rows overlapped (a tensor of two
+        dimensions outside a ``linear``): an embedding's table, a ``linear``'s matrix and a convolution's kernel
+        (read under :func:`multiplied_in_pieces`) and other stacks of three or more dimensions (experts' weights)
+        overlap themselves, each row (an output channel's kernel, an expert's matrix) whole."""
         with self._passing():
             overlapping = _overlapping(model)
             groups: dict[tuple, dict[int, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
@@ -271,8 +274,7 @@ def _overlapping(model: torch.nn.Module) -> set[int]:
     out = set()
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            if isinstance(module, torch.nn.Embedding) or (
-                    p.dim() >= 3 and not isinstance(module, torch.nn.modules.conv._ConvNd)):
+            if isinstance(module, torch.nn.Embedding | torch.nn.Linear) or p.dim() >= 3:
                 out.add(id(p))
     return out
 
@@ -298,6 +300,72 @@ def _view(block: torch.Tensor, shape: torch.Size) -> torch.Tensor | None:
     inner = tuple(math.prod(shape[i + 1:]) for i in range(1, len(shape)))  # the rows' own strides: contiguous
     offset = int(torch.randint(block.numel() - (width + step * (rows - 1)) + 1, ()))
     return block.as_strided(shape, (step, *inner), offset)
+
+
+def _rows_overlap(t: torch.Tensor) -> bool:
+    """Whether a matrix (or a kernel, by its output channels) reads some elements twice: a view of a shared block
+    whose rows (or a matrix's columns) overlap."""
+    if t.dim() < 2 or t.numel() < LEAST or min(t.shape) < 2:
+        return False
+    if t.dim() > 2:
+        return t.stride(0) < t[0].numel()
+    (inner, inner_stride), (outer, outer_stride) = sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1])
+    return inner_stride * inner > outer_stride
+
+
+#: elements of one piece of a matrix copied whole (16 MiB of float32)
+PIECE = 1 << 22
+
+
+def _in_pieces(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with the matrix whose rows overlap copied a piece of rows at a time into one buffer (its rows are
+    ``b``'s columns when it is on the right: a ``linear``'s ``x @ W.T``)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=torch.promote_types(a.dtype, b.dtype))
+    right = _rows_overlap(b)
+    rows = b.t() if right else a
+    step = max(1, PIECE // rows.shape[1])
+    buffer = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=rows.dtype)
+    for i in range(0, rows.shape[0], step):
+        piece = buffer[:min(step, rows.shape[0] - i)]
+        piece.copy_(rows[i:i + step])
+        if right:
+            out[:, i:i + step] = a @ piece.t()
+        else:
+            out[i:i + step] = piece @ b
+    return out
+
+
+class _MultipliedInPieces(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.mm.default and not kwargs and any(_rows_overlap(m) for m in args[:2]):
+            return _in_pieces(*args)
+        if (func is aten.convolution.default and _rows_overlap(args[1]) and not args[6] and args[8] == 1
+                and not kwargs):  # by output channels: not transposed, not grouped
+            x, weight, bias = args[:3]
+            step = max(1, PIECE // weight[0].numel())
+            return torch.cat([func(x, weight[j:j + step].contiguous(), None if bias is None else bias[j:j + step],
+                                   *args[3:]) for j in range(0, weight.shape[0], step)], dim=1)
+        if func is aten.addmm.default and any(_rows_overlap(m) for m in args[1:3]):
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            out = _in_pieces(args[1], args[2])
+            if alpha != 1:
+                out.mul_(alpha)
+            return out.add_(args[0] if beta == 1 else args[0] * beta)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def multiplied_in_pieces(model: torch.nn.Module) -> Iterator[None]:
+    """Within: a matrix multiplication or a convolution by one of ``model``'s shared matrices or kernels whose rows
+    overlap (see the module) copies a piece of it at a time, not the whole; without one, nothing is
+    intercepted."""
+    layers = (m for m in model.modules() if isinstance(m, torch.nn.Linear | torch.nn.modules.conv._ConvNd))
+    if not any(in_shared_block(m.weight) and _rows_overlap(m.weight) for m in layers):
+        yield
+        return
+    with _MultipliedInPieces():
+        yield
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ registered on it — the recorder uses process-wide hooks), also when the scan f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -160,8 +161,9 @@ def _gate(trace: Trace, g: ModuleCall, x: int, y: int) -> dict[str, Any]:
 def _discover(trace: Trace, progress: Progress, behaviour: bool = True
               ) -> tuple[list[_Candidate], list[dict[str, Any]], dict[str, int]]:
     calls = trace.calls
-    norm_shaped = [c for c in calls if c.x is not None and c.y is not None and c.output is not None
-                   and c.output != c.input and c.x.is_floating_point()]
+    norm_shaped = [c for c in calls if c.judged is not None or (
+        c.x is not None and c.y is not None and c.output is not None and c.output != c.input
+        and c.x.is_floating_point())]
     class_calls = [c for c in norm_shaped if known_class(c.module)]
     class_ids = {c.index for c in class_calls}
     gated = _gated_calls(trace, class_ids)
@@ -210,6 +212,9 @@ def _discover(trace: Trace, progress: Progress, behaviour: bool = True
     not_finite = 0
     for c in sorted(untested if behaviour else [], key=lambda c: -c.depth):
         if trace.ancestors(c.index) & accepted or any(c.index in trace.ancestors(a) for a in accepted):
+            continue
+        if c.judged is not None:  # judged when it returned, and found no normalization
+            tested += 1
             continue
         if not _finite(c.x):  # f(16x) vs f(64x) is no test on NaN or ±∞
             not_finite += 1
@@ -286,22 +291,43 @@ def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
     return make
 
 
+def _judged_in_record(c: ModuleCall) -> tuple[bool, float]:
+    """The test by behaviour as the record asks it of a large call when it returns (see :func:`.trace.record`): a
+    normalization class is kept whatever it measures."""
+    return (True, 0.0) if known_class(c.module) else _scale_invariant(c)
+
+
+#: elements of the outputs compared at a time in float64
+_CHUNK = 1 << 20
+
+
 def _scale_invariant(c: ModuleCall) -> tuple[bool, float]:
     """The cheap test on the real activation: f(16x) ≈ f(64x) on a private copy."""
     try:
         m = private_copy(c.module)
         x = c.x.cpu()
         with torch.no_grad():
-            a, b = m(x * 16), m(x * 64)
+            a = m(x * 16)
+            b = m(x * 64)
     except Exception:
         return False, math.inf
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == x.shape == b.shape):
         return False, math.inf
-    a, b = a.double(), b.double()
-    scale = float(a.square().mean().sqrt())
+    a, b = a.reshape(-1), b.reshape(-1)
+    if not a.numel():
+        return False, math.inf
+    square, largest = 0.0, 0.0
+    for i in range(0, a.numel(), _CHUNK):  # in float64 a piece at a time: the outputs can be hundreds of MiB
+        pa, pb = a[i:i + _CHUNK].double(), b[i:i + _CHUNK].double()
+        square += float(pa.square().sum())
+        piece = float((pa - pb).abs().max())
+        if not math.isfinite(piece):
+            return False, math.inf
+        largest = max(largest, piece)
+    scale = math.sqrt(square / a.numel())
     if not math.isfinite(scale) or scale == 0:
         return False, math.inf
-    d = float((a - b).abs().max()) / scale
+    d = largest / scale
     tol = _SCALE_TOL.get(dtype_name(str(c.x.dtype).replace("torch.", "")), 5e-2)
     return d <= tol, d
 
@@ -554,14 +580,16 @@ def _to_meta(value):
 
 
 def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
-         call_timeout: float | None = None) -> ModelScan:
+         call_timeout: float | None = None, restore: bool = True) -> ModelScan:
     """Every norm site of ``model`` with its contract, role and placement.
 
     ``inputs``: a tensor (passed positionally), a tuple (positional arguments) or a dict (keyword arguments);
     ``None`` builds a small ``input_ids`` batch for Hugging Face text models. ``dtypes`` restricts the dtypes
     ``infer`` tries at each site. ``progress``: True shows a status line on stderr, a callable receives the
     messages, False is silent. ``call_timeout``: the longest one probe call of a site may run (seconds; 0: no
-    limit; default: ``infer``'s). The forward runs in evaluation mode under ``torch.no_grad()``.
+    limit; default: ``infer``'s). The forward runs in evaluation mode under ``torch.no_grad()``. ``restore``: put
+    the model back as it was afterwards — modes, parameters and buffers, from copies (False: left as the scan
+    leaves it, for a model built only to be read and thrown away).
     """
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"scan takes a torch.nn.Module; got a {type(model).__name__}")
@@ -577,13 +605,13 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
             # sequences in the position ids, which meta tensors do not have)
             kwargs["use_cache"], cache_added = True, True
     with progress_of(progress) as say:
-        with untouched(model):
+        with untouched(model) if restore else contextlib.nullcontext():
             model.eval()
             say("recording one forward")
             try:
                 try:
                     with torch.no_grad():
-                        trace, _ = record(model, lambda: model(*args, **kwargs))
+                        trace, _ = record(model, lambda: model(*args, **kwargs), judge=_judged_in_record)
                 except Exception:
                     if not cache_added:
                         raise
@@ -591,7 +619,7 @@ def scan(model, inputs=None, *, dtypes=None, progress: bool | Progress = True,
                     # Face's mask building refuses): the forward as the inputs give it
                     kwargs["use_cache"] = False
                     with torch.no_grad():
-                        trace, _ = record(model, lambda: model(*args, **kwargs))
+                        trace, _ = record(model, lambda: model(*args, **kwargs), judge=_judged_in_record)
             except NormscopeError:
                 raise
             except Exception as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,6 +114,9 @@ class ModuleCall:
     mixing: bool = False  # a mixing op ran inside this call (or inside a call it made)
     x: torch.Tensor | None = None  # copies of input and output for calls shaped like a normalization
     y: torch.Tensor | None = None
+    #: a large call shaped like a normalization judged by behaviour when it returned, and found no normalization:
+    #: what that judgement measured (its copies are not kept)
+    judged: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +165,22 @@ def _in_place(name: str) -> bool:
 #: ops a tensor stays held after its last use: an inline norm's statistics, and its output, lie within this many ops
 #: of its square root
 HELD_OPS = 64
+#: …or fewer, down to :data:`RECENT_OPS`, while the tensors held beyond the forward's use exceed this (bytes): a
+#: convolutional decoder at audio length makes a 30 MiB tensor at almost every op
+HELD_BYTES = 64 << 20
+RECENT_OPS = 8
+#: calls shaped like a normalization whose input is at least this large (bytes) are judged when they return
+JUDGED_BYTES = 1 << 20
 #: ops after a square root whose values are held to the end: the normalized output, scaled and shifted
 AFTER_ROOT = 16
 #: tensors whose memory is this small (bytes) are held to the end whatever their age (constants and scalars)
 SMALL = 16384
 #: producer steps walked back from a square root to the values its statistics read
 WALK = 32
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -189,7 +203,8 @@ class Trace:
     parameters.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, judge: Callable[[ModuleCall], tuple[bool, float]] | None = None):
+        self.judge = judge  # see record()
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.param_ids = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
         self.values: list[Value] = []
@@ -198,6 +213,7 @@ class Trace:
         self._current: dict[int, int] = {}  # id(tensor) → current value, while the tensor lives
         self._refs: dict[int, weakref.ref] = {}  # id(tensor) → a weak reference whose death frees the id
         self._held: collections.OrderedDict[int, torch.Tensor] = collections.OrderedDict()  # by last use
+        self._held_bytes = 0
         self._used: dict[int, int] = {}  # value → the op count at its last use
         self._kept: dict[int, torch.Tensor] = {}  # values held to the end (until release)
         self._weak: dict[int, weakref.ref] = {}  # values no longer held: their tensors while the forward keeps them
@@ -234,15 +250,19 @@ class Trace:
         if len(self.ops) <= self._keep_until or _small(t) or self.values[v].param:
             self._keep(v, t)
             return
-        self._held[v] = t
-        self._held.move_to_end(v)
+        if v in self._held:
+            self._held.move_to_end(v)
+        else:
+            self._held[v] = t
+            self._held_bytes += _bytes(t)
         self._used[v] = len(self.ops)
         self._weak.pop(v, None)
 
     def _keep(self, v: int, t: torch.Tensor) -> None:
         """Hold ``v``'s tensor to the end."""
         self._kept[v] = t
-        self._held.pop(v, None)
+        if self._held.pop(v, None) is not None:
+            self._held_bytes -= _bytes(t)
 
     def _held_tensor(self, v: int) -> torch.Tensor | None:
         t = self._kept.get(v)
@@ -253,13 +273,17 @@ class Trace:
         return t
 
     def _age(self) -> None:
-        """Let go of the values no op has used for :data:`HELD_OPS` ops, and of old ops' arguments."""
-        limit = len(self.ops) - HELD_OPS
+        """Let go of the values no op has used for :data:`HELD_OPS` ops (fewer while they hold more than
+        :data:`HELD_BYTES`), and of the arguments of ops as old."""
+        limit, recent = len(self.ops) - HELD_OPS, len(self.ops) - RECENT_OPS
         while self._held:
             v, t = next(iter(self._held.items()))
             if self._used[v] > limit:
-                break
+                if self._held_bytes <= HELD_BYTES or self._used[v] > recent:
+                    break
+                limit = self._used[v]
             del self._held[v]
+            self._held_bytes -= _bytes(t)
             self._weak[v] = weakref.ref(t)
         while self._replays and self._replays[0].index < limit:
             self._replays.popleft().raw = None
@@ -325,9 +349,12 @@ class Trace:
             c.kw_inputs = {k: self.value(v) for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)}
             if isinstance(output, torch.Tensor):
                 c.output = self.value(output)
-                if (c.x is not None and not c.mixing and c.tensor_kwargs == 0
+                if (c.x is not None and not c.mixing and c.tensor_kwargs == 0 and c.output != c.input
                         and tuple(output.shape) == tuple(c.x.shape) and output.is_floating_point()):
-                    c.y = output.detach().clone()
+                    if self._judged_none(c):  # judged before its output is copied: one copy fewer at a time
+                        c.x = None
+                    else:
+                        c.y = output.detach().clone()
                 else:
                     c.x = None
             else:
@@ -335,6 +362,18 @@ class Trace:
         finally:
             self.paused = False
         return None
+
+    def _judged_none(self, c: ModuleCall) -> bool:
+        """Whether a large call shaped like a normalization, with values, is judged now (see :func:`record`) to be
+        none (what the judgement measured goes in ``c.judged``)."""
+        x = c.x
+        if (self.judge is None or x.is_meta or _bytes(x) < JUDGED_BYTES or not x.is_floating_point()
+                or not bool(torch.isfinite(x).all())):
+            return False
+        verdict, measured = self.judge(c)
+        if not verdict:
+            c.judged = measured
+        return not verdict
 
     # ------------------------------------------------------------------ torch functions
     def record(self, func, args, kwargs):
@@ -419,6 +458,7 @@ class Trace:
         self._current.clear()
         self._refs.clear()
         self._held.clear()
+        self._held_bytes = 0
         self._kept.clear()
         self._weak.clear()
         self._replays.clear()
@@ -435,16 +475,28 @@ class _Mode(TorchFunctionMode):
         return self.trace.record(func, args, kwargs or {})
 
 
-def record(model: torch.nn.Module, call) -> tuple[Trace, Any]:
-    """Run ``call()`` (one forward of ``model``) under the recorder; returns the trace and the output."""
+def record(model: torch.nn.Module, call, judge: Callable[[ModuleCall], tuple[bool, float]] | None = None
+           ) -> tuple[Trace, Any]:
+    """Run ``call()`` (one forward of ``model``) under the recorder; returns the trace and the output. ``judge``
+    (the test by behaviour: whether a call is a normalization, and what it measured) is asked of each call of at
+    least :data:`JUDGED_BYTES` shaped like a normalization when it returns, unless it is a normalization class:
+    the copies of its input and output are kept only where it says yes (a decoder at audio length has dozens of
+    activations shaped like a norm, 30 MiB each)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-    trace = Trace(model)
+    trace = Trace(model, judge)
     handles = [register_module_forward_pre_hook(trace.pre_hook),
                register_module_forward_hook(trace.post_hook, with_kwargs=True, always_call=True)]
     try:
         with _Mode(trace):
             out = call()
+    except BaseException:
+        # the traceback keeps this frame, and with it the trace, while the caller handles the failure (often by
+        # running the forward again): what it held is let go now
+        trace.release()
+        trace.calls.clear()
+        trace.ops.clear()
+        raise
     finally:
         for h in handles:
             h.remove()

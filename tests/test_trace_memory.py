@@ -102,7 +102,7 @@ def test_large_calls_shaped_like_a_norm_are_judged_when_they_return():
     x = torch.randn(1, 16, 1 << 15)  # 2 MiB per activation
     assert x.numel() * 4 >= JUDGED_BYTES
     with torch.no_grad():
-        trace, _ = record(model, lambda: model(x), judge=lambda c: (False, 1.0))
+        trace, _ = record(model, lambda: model(x), judge=lambda c: 1.0)
     acts = [c for c in trace.calls if isinstance(c.module, torch.nn.ELU)]
     assert acts and all(c.x is None and c.y is None and c.judged == 1.0 for c in acts)
     trace.release()

@@ -258,6 +258,9 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
         # row, past its text and audio tokens): built with the whole vocabulary
         real, config, reduced, full, how = _built_with_values(model, full, size, why_values, meta_error, False,
                                                                config_path, label)
+    def read(inputs: dict):  # a model built only to be read: no undo copies of its weights
+        return scan(real, inputs, dtypes="float32", progress=False, restore=False)
+
     try:  # the forward the scan runs shows whether the inputs need more (a forward of real size is costly)
         with multiplied_in_pieces(real):
             plain = default_inputs(real, needed=False)
@@ -265,13 +268,13 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
             smaller = _smaller_inputs(plain)
             if smaller is not None:
                 try:  # the norms see the same widths; a forward that needs the config's size fails, read at it
-                    result = scan(real, smaller[0], dtypes="float32", progress=False, restore=False)
+                    result = read(smaller[0])
                     how += f"; {smaller[1]}, which it also takes"
                 except NormscopeError:
                     pass
             if result is None:
                 try:
-                    result = scan(real, plain, dtypes="float32", progress=False, restore=False)
+                    result = read(plain)
                 except NormscopeError as exc:
                     # kept without its traceback: its frames hold the failed forward's tensors
                     failure = _bare(exc)
@@ -279,7 +282,7 @@ def _read_one(model, config_path: Path, label: str, shape_failures: set[str]):
                 completed = default_inputs(real)
                 if _shapes(completed) == _shapes(plain):
                     raise failure
-                result = scan(real, completed, dtypes="float32", progress=False, restore=False)
+                result = read(completed)
     except NormscopeError as exc:
         raise InputError(f"{config_path}: the {label} architecture could not be scanned "
                          f"({_first_line(exc, limit=600)})") from None

@@ -291,10 +291,14 @@ def _functional_maker(op: Op) -> Callable[[], torch.nn.Module]:
     return make
 
 
-def _judged_in_record(c: ModuleCall) -> tuple[bool, float]:
-    """The test by behaviour as the record asks it of a large call when it returns (see :func:`.trace.record`): a
-    normalization class is kept whatever it measures."""
-    return (True, 0.0) if known_class(c.module) else _scale_invariant(c)
+def _judged_in_record(c: ModuleCall) -> float | None:
+    """The test by behaviour as the record asks it of a large call when it returns (see :func:`.trace.record`):
+    what it measured where the call is no normalization; None for a normalization class (kept whatever it
+    measures), an input the test cannot judge (not finite, not floating) and a call that passes."""
+    if known_class(c.module) or not c.x.is_floating_point() or not _finite(c.x):
+        return None
+    verdict, measured = _scale_invariant(c)
+    return None if verdict else measured
 
 
 #: elements of the outputs compared at a time in float64

@@ -203,7 +203,7 @@ class Trace:
     parameters.
     """
 
-    def __init__(self, model: torch.nn.Module, judge: Callable[[ModuleCall], tuple[bool, float]] | None = None):
+    def __init__(self, model: torch.nn.Module, judge: Callable[[ModuleCall], float | None] | None = None):
         self.judge = judge  # see record()
         self.paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
         self.param_ids = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
@@ -366,14 +366,10 @@ class Trace:
     def _judged_none(self, c: ModuleCall) -> bool:
         """Whether a large call shaped like a normalization, with values, is judged now (see :func:`record`) to be
         none (what the judgement measured goes in ``c.judged``)."""
-        x = c.x
-        if (self.judge is None or x.is_meta or _bytes(x) < JUDGED_BYTES or not x.is_floating_point()
-                or not bool(torch.isfinite(x).all())):
+        if self.judge is None or c.x.is_meta or _bytes(c.x) < JUDGED_BYTES:
             return False
-        verdict, measured = self.judge(c)
-        if not verdict:
-            c.judged = measured
-        return not verdict
+        c.judged = self.judge(c)
+        return c.judged is not None
 
     # ------------------------------------------------------------------ torch functions
     def record(self, func, args, kwargs):
@@ -475,12 +471,12 @@ class _Mode(TorchFunctionMode):
         return self.trace.record(func, args, kwargs or {})
 
 
-def record(model: torch.nn.Module, call, judge: Callable[[ModuleCall], tuple[bool, float]] | None = None
+def record(model: torch.nn.Module, call, judge: Callable[[ModuleCall], float | None] | None = None
            ) -> tuple[Trace, Any]:
     """Run ``call()`` (one forward of ``model``) under the recorder; returns the trace and the output. ``judge``
-    (the test by behaviour: whether a call is a normalization, and what it measured) is asked of each call of at
-    least :data:`JUDGED_BYTES` shaped like a normalization when it returns, unless it is a normalization class:
-    the copies of its input and output are kept only where it says yes (a decoder at audio length has dozens of
+    (the test by behaviour: what it measured where a call is no normalization, None where it is one or cannot
+    tell) is asked of each call of at least :data:`JUDGED_BYTES` shaped like a normalization when it returns: the
+    copies of its input and output are kept only where it answers None (a decoder at audio length has dozens of
     activations shaped like a norm, 30 MiB each)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 

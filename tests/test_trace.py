@@ -784,14 +784,17 @@ def test_gradients_recorded_before_clipping_and_hooks_only_at_recorded_steps(tmp
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # in place, after the backward
             opt.step()
             opt.zero_grad()
-            if step == 0:
-                got, want = dict(tr.gradients.stats), raw
+            if step == 0:  # each parameter's gradient as summarised (its row of the parameter table)
+                grads = tr.gradients
+                rows = {id(p): grads.table.index[id(p)] for p in model.parameters()}
+                got = {k: float(grads.stats.sumsq[i]) for k, i in rows.items() if grads.seen[i]}
+                want = raw
             tr.step(step)
     assert hooks[1] == hooks[3] == 0 and hooks[0] > 0 and hooks[2] == hooks[0]
     assert len(model._forward_pre_hooks) == 0
     assert set(got) == set(want)
     for k, ss in want.items():
-        assert got[k]["sumsq"] == pytest.approx(ss, rel=1e-4, abs=1e-20)
+        assert got[k] == pytest.approx(ss, rel=1e-4, abs=1e-20)
     assert diagnose(tmp_path / "run").steps == [0, 2]
 
 
@@ -874,27 +877,30 @@ def test_one_read_statistics_match_torch_and_brute_force(monkeypatch):
         monkeypatch.setattr(fused, "_kernels", lambda: None)  # torch's reductions
         assert rec.act_stats(x) == pytest.approx(got, rel=1e-5)
         monkeypatch.undo()
-    assert fused.sums([torch.ones(3, dtype=torch.float64), torch.ones(0)]) == [None, None]
+    assert fused.sum_columns([torch.ones(3, dtype=torch.float64), torch.ones(0)])[0] == []
     # one call for a batch: the smallest row Σx² over the last dimension, ineligible tensors left to torch
     x = torch.randn(6, 10, 33, generator=g)
     x[2, 4] *= 1e-3
-    got = fused.sums([x, torch.ones(2, dtype=torch.float64), x.transpose(0, 1), torch.ones(3)], rows=True)
-    assert got[1] is None and got[2] is None
-    assert got[0].min_row_sumsq == pytest.approx(float((x.double() ** 2).sum(-1).min()), rel=1e-9)
-    assert got[0].sumsq == pytest.approx(float((x.double() ** 2).sum()), rel=1e-9) and got[3].max == 1.0
-    assert fused.sums([x])[0].min_row_sumsq == fused.sums([x])[0].sumsq  # rows=False: one row
+    take, sumsq, bits, low = fused.sum_columns([x, torch.ones(2, dtype=torch.float64), x.transpose(0, 1),
+                                                torch.ones(3)], rows=True)
+    assert take == [0, 3]
+    assert low[0] == pytest.approx(float((x.double() ** 2).sum(-1).min()), rel=1e-9)
+    assert sumsq[0] == pytest.approx(float((x.double() ** 2).sum()), rel=1e-9)
+    assert fused.max_abs_values(bits)[1] == 1.0
+    _, one_sumsq, _, one_low = fused.sum_columns([x])
+    assert one_low[0] == one_sumsq[0]  # rows=False: one row
     olds = [torch.randn(4096, generator=g), torch.randn(3, 5, generator=g), torch.randn(7, dtype=torch.float64)]
     news = [torch.randn(4096, generator=g), torch.randn(3, 5, generator=g), torch.randn(7, dtype=torch.float64)]
     kept = [o.clone() for o in olds]
-    got = fused.update_sums(olds, news)
+    take, sumsq, bits, sizes = fused.update_columns(olds, news)
     assert all(torch.equal(o, k) for o, k in zip(olds, kept, strict=True))  # neither copy is written
-    assert got[2] is None  # float64: torch's path
-    for (su, mx, sp), old, new in zip(got[:2], olds, news, strict=False):
+    assert take == [0, 1]  # float64: torch's path
+    for su, mx, sp, old, new in zip(sumsq, fused.max_abs_values(bits), sizes, olds, news, strict=False):
         want = old.double() - new.double()
         assert su == pytest.approx(float((want ** 2).sum()), rel=1e-6) and mx == float((old - new).abs().max())
         assert sp == pytest.approx(float((new.double() ** 2).sum()), rel=1e-9)
     olds[0][5] = math.nan
-    assert fused.update_sums(olds, news)[0][1] == math.inf  # a non-finite difference: the caller's exact path
+    assert fused.max_abs_values(fused.update_columns(olds, news)[2])[0] == math.inf  # not finite: the exact path
 
 
 def test_attention_calls_of_one_forward_are_summarised_together_with_the_numbers_of_each():
@@ -1053,8 +1059,8 @@ def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
         for n in (1, 2):
             torch.set_num_threads(n)
             fused._Kernels()  # compiles or loads, and launches each kernel once
-            fused.sums([torch.randn(50_000)])
-            fused.update_sums([torch.randn(50_000)], [torch.randn(50_000)])
+            fused.sum_columns([torch.randn(50_000)])
+            fused.update_columns([torch.randn(50_000)], [torch.randn(50_000)])
             assert torch.get_num_threads() == n
     finally:
         torch.set_num_threads(before)
@@ -1067,8 +1073,8 @@ def test_a_forked_child_summarises_on_its_own_thread():
     from normscope.tracing import fused
 
     x = torch.randn(1 << 18)
-    want = fused.sums([x])[0].sumsq  # the parent launches its kernels first
-    got = in_forked_child(lambda: repr(fused.sums([x])[0].sumsq).encode()).decode()
+    want = fused.sum_columns([x])[1][0]  # the parent launches its kernels first
+    got = in_forked_child(lambda: repr(float(fused.sum_columns([x])[1][0])).encode()).decode()
     assert float(got) == pytest.approx(want, rel=1e-12)
 
 
@@ -1119,7 +1125,7 @@ def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_it
     base = torch.randn(1 << 16)
     view = base[1000:5096]
     base.untyped_storage().resize_(0)
-    assert not fused.eligible(view) and fused.sums([view]) == [None]
+    assert not fused.eligible(view) and fused.sum_columns([view])[0] == []
     with pytest.raises(RuntimeError):
         rec.batch_stats([view])  # torch's own path refuses it: the tracer's guard takes over from here
     model = GPT(layers=2)

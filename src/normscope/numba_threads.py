@@ -100,5 +100,21 @@ def launch(parallel, serial, *args, elements: int | None = None) -> None:
     if elements is not None and elements < SERIAL_BELOW:
         serial(*args)
         return
+    if not parallel_allowed():
+        serial(*args)
+        return
+    import numba
+
+    n = torch.get_num_threads()
+    if n <= 1:  # one thread either way: the serial build, with no thread count to set and restore
+        serial(*args)
+        return
+    if numba.get_num_threads() == min(n, numba.config.NUMBA_NUM_THREADS):  # already matched: nothing to restore
+        try:
+            parallel(*args)
+        finally:
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+        return
     with matched():
-        (parallel if parallel_allowed() else serial)(*args)
+        parallel(*args)

@@ -135,7 +135,10 @@ class ActivationBatch:
                     rows = rows[torch.isfinite(rows)]
                     if rows.numel():
                         st["min_row_rms"] = float(rows.min())
-            merge(acc[key], st)
+            if acc[key]:
+                merge(acc[key], st)
+            else:  # the entry's first statistics (a forward's, as a rule): the dict as it is
+                acc[key] = st
 
 
 _IN_PLACE = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",

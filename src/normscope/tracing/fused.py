@@ -15,7 +15,6 @@ machine where numba cannot compile, gets torch's reductions (:func:`available` s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -72,7 +71,7 @@ def eligible(x: torch.Tensor) -> bool:
 def _extent(x: torch.Tensor, contiguous: bool) -> int | None:
     """The element count of a CPU float32 tensor the kernels may read by address (contiguous, or with a contiguous
     last dimension and no negative stride, as asked), else None."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or not x.is_cpu:
         return None
     n = x.numel()
     if n == 0:
@@ -104,23 +103,12 @@ def absmax(x: torch.Tensor, dim=None) -> torch.Tensor:
     return torch.maximum(torch.amax(x, dim=dim), -torch.amin(x, dim=dim)).float()
 
 
-def _max_abs(bits: int) -> float:
-    return math.inf if bits >= INF_BITS else float(np.int32(bits).view(np.float32))
-
-
-class Sums:
-    """Σx², max |x| (inf when the tensor holds a NaN or an infinity) and the smallest Σx² over its rows (the
-    last dimension)."""
-
-    __slots__ = ("sumsq", "max", "min_row_sumsq")
-
-    def __init__(self, sumsq: float, max_abs: float, min_row_sumsq: float):
-        self.sumsq, self.max, self.min_row_sumsq = sumsq, max_abs, min_row_sumsq
-
-
-def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | None:
-    """:class:`Sums` of each tensor, in one read each and one call for all; None for a tensor this path does not
-    take (the caller uses torch), None for the whole batch without numba. ``rows=False``: the whole tensor is one
+def sum_columns(xs: Sequence[torch.Tensor], rows: bool = False
+                ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray] | None:
+    """Σx², max |x| and the smallest Σx² over its rows (the last dimension) of each tensor this path takes, in one
+    read each and one call for all, as columns: the indices of the tensors taken (the others are the caller's, on
+    torch's path), and per taken tensor its Σx² (float64), max |x| as float32 bits (``INF_BITS`` or above: the tensor
+    holds a NaN or an infinity) and smallest row Σx²; None without numba. ``rows=False``: the whole tensor is one
     row (its smallest row Σx² is Σx²), which keeps the loop vectorised when the last dimension is short."""
     k = _kernels()
     if k is None:
@@ -133,41 +121,43 @@ def sums(xs: Sequence[torch.Tensor], rows: bool = False) -> list[Sums | None] | 
             addresses.append(x.data_ptr())
             sizes.append(n)
             row_sizes.append(x.shape[-1] if rows and x.dim() else n)
-    out: list[Sums | None] = [None] * len(xs)
-    for i, (a, b, c) in zip(take, _run_batch(k.sums, addresses, sizes, row_sizes), strict=True):
-        out[i] = Sums(a, _max_abs(b), c)
-    return out
+    return (take, *_run_batch(k.sums, addresses, sizes, row_sizes))
 
 
-def update_sums(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> list[tuple[float, float, float] | None]:
-    """Per pair: (Σ(old - new)², max |old - new|, Σnew²) in one read of both (neither is written); max is inf when
-    a difference is not finite. None for a pair this path does not take (and for all without numba)."""
-    out: list[tuple[float, float, float] | None] = [None] * len(olds)
+def update_columns(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor]
+                   ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """Per pair, in one read of both (neither is written): Σ(old - new)², max |old - new| as float32 bits (at or
+    above ``INF_BITS`` when a difference is not finite) and Σnew², as columns over the pairs this path took (their
+    indices first; none without numba). Each old is the caller's own contiguous copy of its new (same shape and
+    dtype, made with :class:`.buffers.Buffers`): only the new is checked."""
     k = _kernels()
-    if k is None:
-        return out
     take, a, b, sizes = [], [], [], []
+    if k is None:
+        return take, np.empty(0), np.empty(0, np.int32), np.empty(0)
     for i, (o, w) in enumerate(zip(olds, news, strict=True)):  # the caller's lists keep them alive
         n = _extent(w, True)
-        if n is not None and o.shape == w.shape and _extent(o, True) is not None:
+        if n is not None:
             take.append(i)
             a.append(o.data_ptr())
             b.append(w.data_ptr())
             sizes.append(n)
-    for i, (x, y, z) in zip(take, _run_batch(k.update_sums, a, b, sizes), strict=True):
-        out[i] = (x, _max_abs(y), z)
-    return out
+    return (take, *_run_batch(k.update_sums, a, b, sizes))
 
 
-def _run_batch(kernel, *columns: list[int]) -> list[tuple[float, int, float]]:
-    """Run a batch kernel on int64 columns (addresses, sizes, one entry per tensor); per tensor, its three results
-    (a float64 sum, an int32 bit pattern, a float64 sum). Nothing to run for an empty batch."""
+def max_abs_values(bits: np.ndarray) -> np.ndarray:
+    """max |x| from a column of float32 bit patterns (sign cleared): float64 values, inf where the bits are those of
+    a NaN or an infinity."""
+    return np.where(bits >= INF_BITS, np.inf, bits.view(np.float32).astype(np.float64))
+
+
+def _run_batch(kernel, *columns: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run a batch kernel on int64 columns (addresses, sizes, one entry per tensor); its three result columns (a
+    float64 sum, an int32 bit pattern, a float64 sum). Nothing to run for an empty batch."""
     m = len(columns[0])
-    if not m:
-        return []
     first, bits, third = np.empty(m), np.empty(m, np.int32), np.empty(m)
-    kernel(*(np.array(c, np.int64) for c in columns), first, bits, third)
-    return list(zip(first.tolist(), bits.tolist(), third.tolist(), strict=True))
+    if m:
+        kernel(*(np.array(c, np.int64) for c in columns), first, bits, third)
+    return first, bits, third
 
 
 def mask_array(masked: torch.Tensor, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -237,10 +227,10 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
     kern.attention_summary(q.data_ptr(), np.array(qs[:3], np.int64), k.data_ptr(), np.array(ks[:3], np.int64), dims,
                            np.float32(scale), b, *mask, stride, *out)
-    top, full, samples, ent, rows = (a.tolist() for a in out)
-    if max(top) >= INF_BITS:
+    if (out[0] >= INF_BITS).any():
         return None
-    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "masked_samples": samples,
+    full, samples, ent, rows = (a.tolist() for a in out[1:])
+    return {"max_logit": max_abs_values(out[0]).tolist(), "masked_rows": full, "masked_samples": samples,
             "entropy_sum": ent, "entropy_rows": rows}
 
 
@@ -260,10 +250,10 @@ def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:
     kern.logits_summary(logits.data_ptr(), np.array(logits.stride()[:3], np.int64),
                         np.array([n, h, tq, tk], np.int64), stride,
                         np.float32(torch.finfo(torch.float32).min / 2), *out)
-    top, full, samples, ent, rows = (a.tolist() for a in out)
-    if max(top) >= INF_BITS:
+    if (out[0] >= INF_BITS).any():
         return None
-    return {"max_logit": [_max_abs(b) for b in top], "masked_rows": full, "masked_samples": samples,
+    full, samples, ent, rows = (a.tolist() for a in out[1:])
+    return {"max_logit": max_abs_values(out[0]).tolist(), "masked_rows": full, "masked_samples": samples,
             "rows": [n * tq] * h, "entropy_sum": ent, "entropy_rows": rows, "nonfinite": 0, "nonfinite_heads": [0] * h}
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .discovery import Layout
-from .statistics import batch_stats, merge
+from .params import Columns, ParamTable, columns
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -27,10 +28,13 @@ def local(t: torch.Tensor) -> torch.Tensor:
 class GradientCollector:
     def __init__(self, layout: Layout, guard: Callable, recording: Callable[[], bool], disabled: set[str]):
         self.layout, self.guard, self.recording, self.disabled = layout, guard, recording, disabled
+        self.table = ParamTable(layout)
         self.reset()
 
     def reset(self) -> None:
-        self.stats: dict[int, dict[str, float]] = {}  # id(parameter) -> its gradient's statistics
+        m = len(self.table.params)
+        self.stats = Columns(m)  # per parameter, its gradient's statistics (where ``seen``)
+        self.seen = np.zeros(m, bool)
         self.batch: dict[int, torch.Tensor] = {}  # parameters whose gradient is final, not yet summarised
         self.order: dict[tuple, None] = {}  # parameter groups in the order the backward finished them
         self.queued = False
@@ -55,8 +59,11 @@ class GradientCollector:
         self.guard("grad", self._summarise, [p for p in batch.values() if p.grad is not None])
 
     def _summarise(self, params: list[torch.Tensor]) -> None:
-        for p, st in zip(params, batch_stats([local(p.grad) for p in params]), strict=True):
-            self.stats[id(p)] = st  # the accumulated gradient: the last backward wins
+        rows = np.array([self.table.index[id(p)] for p in params], np.int64)
+        got = columns([local(p.grad) for p in params])
+        for name in Columns.__slots__:  # the accumulated gradient: the last backward wins
+            getattr(self.stats, name)[rows] = getattr(got, name)
+        self.seen[rows] = True
 
     def entries(self) -> list[dict[str, Any]]:
         """One entry per parameter group, in backward order: as the backward finished each group's first gradient
@@ -64,17 +71,14 @@ class GradientCollector:
         reaches later); groups it did not report, last layer first."""
         if self.batch:  # a backward whose end-callback did not run
             self.flush()
-        grads: dict[tuple, dict[str, Any]] = {}
-        for p in self.layout.params:
-            st = self.stats.get(id(p))
-            if st is not None:
-                g = self.layout.param_group[id(p)]
-                if g in grads:
-                    merge(grads[g], st)
-                else:
-                    grads[g] = dict(st)
+        rows = np.flatnonzero(self.seen)
+        cols = Columns(0)
+        for name in Columns.__slots__:
+            setattr(cols, name, getattr(self.stats, name)[rows])
+        groups = self.table.groups
+        sums = {groups[j]: st for j, st in self.table.by_group(rows, cols).items()}
         out = []
         for g in [*self.order, *reversed(self.layout.param_order)]:
-            if g in grads:
-                out.append({"stage": "grad", "layer": g[0], "site": g[1], **grads.pop(g)})
+            if g in sums:
+                out.append({"stage": "grad", "layer": g[0], "site": g[1], **sums.pop(g)})
         return out

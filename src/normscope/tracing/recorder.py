@@ -74,41 +74,72 @@ def _model_inputs(args, kwargs) -> tuple[torch.Tensor | None, list[tuple[str, to
     return first, more
 
 
+_PLAIN, _SDPA, _SOFTMAX, _NORM, _EMBEDDING, _ADD, _TRANSPARENT, _MIXING = range(8)
+
+
+def _kind(func) -> tuple[str, int, bool]:
+    """What the mode does with ``func``: its name, its kind, and whether its name says it writes in place."""
+    name = getattr(func, "__name__", "")
+    if func is F.scaled_dot_product_attention:
+        kind = _SDPA
+    elif func in NORM_FUNCTIONS:
+        kind = _NORM
+    elif name in SOFTMAX:
+        kind = _SOFTMAX
+    elif name in EMBEDDING:
+        kind = _EMBEDDING
+    elif name in ADDS:
+        kind = _ADD
+    elif name in TRANSPARENT:
+        kind = _TRANSPARENT
+    elif name in ("conv1d", "pad"):
+        kind = _MIXING
+    else:
+        kind = _PLAIN
+    return name, kind, writes_in_place(name, (), {})
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tr = tracer
+        self.kinds: dict[Any, tuple[str, int, bool]] = {}  # func -> _kind(func), looked up once per function
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tr
-        stream = tr.stream
         if tr._busy:
             return func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if tr.activations.items and writes_in_place(name, args, kwargs):
+        known = self.kinds.get(func)
+        if known is None:
+            known = self.kinds[func] = _kind(func)
+        name, kind, in_place = known
+        stream = tr.stream
+        if tr.activations.items and (in_place or writes_in_place("", args, kwargs)):
             tr._flush()
-        if func is F.scaled_dot_product_attention and "attention" not in tr.disabled:
-            tr._guard("attention", tr._attention_sdpa, args, kwargs)
-        elif name in SOFTMAX and "attention" not in tr.disabled and args and isinstance(args[0], torch.Tensor):
+        if kind == _SDPA:
+            if "attention" not in tr.disabled:
+                tr._guard("attention", tr._attention_sdpa, args, kwargs)
+        elif kind == _SOFTMAX and "attention" not in tr.disabled and args and isinstance(args[0], torch.Tensor):
             tr._guard("attention", tr._attention_softmax, func, args, kwargs)
-        if func in NORM_FUNCTIONS and "norms" not in tr.disabled and not tr._in_norm:
+        if kind == _NORM and "norms" not in tr.disabled and not tr._in_norm:
             out = func(*args, **kwargs)
             tr._guard("norms", tr._functional_norm, func, args, kwargs, out)
-        elif name in EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
+        elif kind == _EMBEDDING and tr._ids is not None and args and _same_ids(args[0], tr._ids):
             out = func(*args, **kwargs)
             tr._guard("data", tr._embedding, out)
-        elif name in ADDS and stream.scopes and "residual" not in tr.disabled:
+        elif kind == _ADD and stream.scopes and "residual" not in tr.disabled:
             add = tr._guard("residual", stream.before_add, name, args)
             out = func(*args, **kwargs)
             if add is not None:
                 tr._guard("residual", stream.after_add, add, out)
         else:
             out = func(*args, **kwargs)
-            if name in TRANSPARENT and stream.scopes and args and isinstance(out, torch.Tensor):
-                stream.follow(args[0], out)
-            elif name in ("conv1d", "pad") and stream.scopes:
-                stream.mixing(name, args, kwargs)
+            if stream.scopes:
+                if kind == _TRANSPARENT and args and isinstance(out, torch.Tensor):
+                    stream.follow(args[0], out)
+                elif kind == _MIXING:
+                    stream.mixing(name, args, kwargs)
         if stream.scopes and stream.scopes[-1]["lineage"] is not None:
             stream.derive(args, out)
         return out
@@ -160,6 +191,7 @@ class Tracer:
                 setattr(self, name, torch.compiler.disable(getattr(self, name), recursive=True))
         # the collectors, each owning one kind of statistic, and the writer
         self.buffers = Buffers()
+        self._unmasked_groups: dict[tuple, attention.Group] = {}  # SDPA calls without a mask tensor, by shape
         self.entries = StepEntries()  # the forward's entries (activations, attention) of the step being recorded
         self.activations = ActivationBatch(self.entries, self._guard, self.disabled, self._left_out)
         self.gradients = GradientCollector(self.layout, self._guard, self._recording, self.disabled)
@@ -220,6 +252,7 @@ class Tracer:
         self._open = False
         self._detach()
         self.buffers.clear()
+        self._unmasked_groups.clear()
         self._exit_mode()
         self.writer.close({"kind": "end", "time": time.time(), "last_step": self._last_step,
                            "disabled": sorted(self.disabled), "errors": self.errors})
@@ -396,9 +429,12 @@ class Tracer:
         """The logits are recomputed now, while q and k are in cache, with the mask the forward's other calls of the
         same shapes share."""
         call = attention.SdpaCall(args, kwargs)
-        group = self._attention_groups.get(call.group)
+        # a call without a mask tensor (causal or none) depends on its shapes and scale alone: its group is kept from
+        # step to step; one with a mask tensor shares its group within this forward, while that tensor is held
+        groups = self._unmasked_groups if call.mask is None else self._attention_groups
+        group = groups.get(call.group)
         if group is None:
-            group = self._attention_groups[call.group] = attention.Group(self.buffers)
+            group = groups[call.group] = attention.Group(self.buffers)
         self.entries.add(*self._logits_key(), group.stats(call))
 
     def _attention_softmax(self, func, args, kwargs) -> None:
@@ -436,8 +472,9 @@ class Tracer:
             self._reset()
             if recorded:  # the record's writing counts towards the next recorded step
                 self._cost, self._written = self._written, 0.0
-            if not self.recording:
+            if not self.recording:  # memory kept only while steps in a row are recorded
                 self.buffers.clear()
+                self._unmasked_groups.clear()
             if self._open:
                 try:
                     self._attach() if self.recording else self._detach()

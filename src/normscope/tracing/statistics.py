@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import fused
@@ -32,16 +33,30 @@ def batch_stats(xs: list[torch.Tensor], max_abs: bool = True, rows: bool = False
     gave it and every entry is finite.
     """
     out: list[dict[str, float] | None] = [None] * len(xs)
-    ts = [x.detach() if x.is_floating_point() else x.detach().float() for x in xs]
-    one = fused.sums(ts, rows=rows) or [None] * len(ts)  # CPU float32 with numba: all in one read each
+    xs = [x if x.is_floating_point() else x.detach().float() for x in xs]
+    got = fused.sum_columns(xs, rows=rows)  # CPU float32 with numba: all in one read each, one call
+    if got is not None:
+        take, sumsq, bits, low = got
+        tops = fused.max_abs_values(bits)
+        fine = (bits < fused.INF_BITS) & np.isfinite(sumsq)
+        for i, ss, mx, lo, ok in zip(take, sumsq.tolist(), tops.tolist(), low.tolist(), fine.tolist(), strict=True):
+            if ok:  # every entry finite: the sums as they are
+                st = {"sumsq": ss, "n": xs[i].numel(), "max": mx, "nonfinite": 0}
+                if not max_abs:
+                    del st["max"]
+                if rows:
+                    st["min_row_sumsq"] = lo
+                out[i] = st
+            else:  # the exact path, which counts and leaves out the non-finite entries
+                out[i] = _finish(xs[i].detach(), ss, *((-mx, mx) if max_abs else (None, None)))
     todo: dict[tuple, list[int]] = {}
-    for i, (x, f) in enumerate(zip(ts, one, strict=True)):
+    ts: dict[int, torch.Tensor] = {}
+    for i, x in enumerate(xs):
+        if out[i] is not None:
+            continue
+        x = ts[i] = x.detach()
         if x.numel() == 0:
             out[i] = {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0}
-        elif f is not None:
-            out[i] = _finish(x, f.sumsq, *((-f.max, f.max) if max_abs else (None, None)))
-            if rows and not out[i]["nonfinite"]:
-                out[i]["min_row_sumsq"] = f.min_row_sumsq
         else:
             todo.setdefault((x.device, x.dtype), []).append(i)
     for ids in todo.values():

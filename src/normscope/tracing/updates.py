@@ -10,33 +10,65 @@ update. Under FSDP2 each rank measures its shards.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import fused
 from .buffers import Buffers
 from .discovery import Layout
 from .gradients import local
-from .statistics import batch_stats, merge
+from .params import Columns, ParamTable
+from .statistics import _most, batch_stats, merge
+
+
+class _Plan:
+    """One optimizer's parameters as the table sees them: built at its first recorded step and kept while its
+    parameter groups hold the same parameters."""
+
+    def __init__(self, table: ParamTable, optimizer):
+        self.ids = _ids(optimizer)
+        self.own: list[torch.Tensor] = []  # the parameters it steps that the table holds, in its order
+        self.covers: list[list[int]] = []  # per optimizer group, the table's groups it steps
+        for g in optimizer.param_groups:
+            own = [p for p in g["params"] if id(p) in table.index]
+            self.own.extend(own)
+            self.covers.append(sorted({int(table.group[table.index[id(p)]]) for p in own}))
+        rows = np.array([table.index[id(p)] for p in self.own], np.int64)
+        self.order = np.argsort(rows, kind="stable")  # the table's (model) order, in which groups are summed
+        self.rows = rows[self.order]
+        self.sizes = np.array([p.numel() for p in self.own], np.int64)
+        self.sharded = any(callable(getattr(p, "to_local", None)) for p in self.own)
+
+    def values(self) -> list[torch.Tensor]:
+        """The parameters' values now (each rank's shard of a sharded one)."""
+        return [local(p.detach()) for p in self.own] if self.sharded else self.own
+
+
+def _ids(optimizer) -> list[int]:
+    return [id(p) for g in optimizer.param_groups for p in g["params"]]
 
 
 class UpdateCollector:
     def __init__(self, layout: Layout, guard: Callable, recording: Callable[[], bool], buffers: Buffers):
         self.layout, self.guard, self.recording, self.buffers = layout, guard, recording, buffers
+        self.table = ParamTable(layout)
+        self.plans: dict[int, _Plan] = {}  # id(optimizer) -> its plan
         self.reset()
 
     def reset(self) -> None:
         self.stats: dict[tuple, dict[str, float]] = {}  # (layer, group) -> the update's statistics
-        self.old: dict[int, torch.Tensor] = {}  # id(parameter) -> its value before the step
-        self.lrs: dict[int, float] = {}  # id(parameter) -> the learning rate of its optimizer group at this step
+        self.old: dict[int, list[torch.Tensor]] = {}  # id(optimizer) -> its parameters' values before the step
+        self.lrs: dict[int, dict[int, float]] = {}  # id(optimizer) -> table group -> the largest learning rate
         self.depth: dict[int, int] = {}  # id(optimizer) -> nesting of its step() calls in flight
 
-    def _own(self, optimizer) -> list[torch.Tensor]:
-        ids = self.layout.param_group
-        return [p for g in optimizer.param_groups for p in g["params"] if id(p) in ids]
+    def _plan(self, optimizer) -> _Plan:
+        plan = self.plans.get(id(optimizer))
+        if plan is None or plan.ids != _ids(optimizer):
+            plan = self.plans[id(optimizer)] = _Plan(self.table, optimizer)
+        return plan
 
     def pre(self, optimizer, args, kwargs) -> None:
         depth = self.depth.get(id(optimizer), 0)
@@ -50,61 +82,77 @@ class UpdateCollector:
             self.depth[id(optimizer)] = depth
             return
         self.depth.pop(id(optimizer), None)
-        if self.old:
+        if id(optimizer) in self.old:
             try:
                 self.guard("update", self._measure, optimizer)
             finally:
-                self.old.clear()
+                self.old.pop(id(optimizer), None)
 
     def _keep(self, optimizer) -> None:
         """Before the step: the learning rates, and the parameters' values in one batched copy."""
         with torch.no_grad():
-            own = self._own(optimizer)
-            for g in optimizer.param_groups:  # the learning rate each parameter is stepped with
-                lr = g.get("lr")
+            plan = self._plan(optimizer)
+            lrs: dict[int, float] = {}
+            for g, covers in zip(optimizer.param_groups, plan.covers, strict=True):
+                lr = g.get("lr")  # the learning rate this group's parameters are stepped with
                 if isinstance(lr, torch.Tensor):
                     lr = float(lr)
                 if isinstance(lr, int | float) and not isinstance(lr, bool):
-                    for p in g["params"]:
-                        self.lrs[id(p)] = float(lr)
-            if own:
-                values = [local(p.detach()) for p in own]
-                bufs = [self.buffers(id(p), v.shape, v.dtype, v.device) for p, v in zip(own, values, strict=True)]
+                    for j in covers:
+                        lrs[j] = float(lr) if j not in lrs else _most(max, lrs[j], float(lr))
+            self.lrs[id(optimizer)] = lrs
+            if plan.own:
+                values = plan.values()
+                bufs = [self.buffers(id(p), v.shape, v.dtype, v.device) for p, v in zip(plan.own, values, strict=True)]
                 torch._foreach_copy_(bufs, values)
-                self.old.update(zip(map(id, own), bufs, strict=True))
+                self.old[id(optimizer)] = bufs
 
     def _measure(self, optimizer) -> None:
         """After the step: the change of each parameter against its kept value, summed per parameter group."""
         with torch.no_grad():
-            own = [p for p in self._own(optimizer) if id(p) in self.old]
-            if not own:
+            plan = self._plan(optimizer)
+            olds, news = self.old[id(optimizer)], plan.values()
+            if len(olds) != len(news):  # the optimizer's parameters changed within its step
                 return
-            stats: list[tuple[torch.Tensor, dict[str, Any]]] = []
-            rest: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-            olds, news = [self.old[id(p)] for p in own], [local(p.detach()) for p in own]
+            m = len(news)
+            change, size = Columns(m), np.zeros(m)
             # the change and its sums in one read of both copies, one call for all parameters
-            for p, d, w, one in zip(own, olds, news, fused.update_sums(olds, news), strict=True):
-                if one is not None and all(map(math.isfinite, one)):
-                    stats.append((p, {"sumsq": one[0], "n": d.numel(), "max": one[1], "nonfinite": 0,
-                                      "param_sumsq": one[2]}))
-                else:
-                    # old - new, in place in the copy: the update, negated; an element that is not finite before or
-                    # after the step makes its change not finite, so the change's count is the group's (adding the
-                    # parameter's count too counted such an element twice: a NaN group read "nonfinite 2")
-                    d.sub_(w)
-                    rest.append((p, d, w))
+            take, sumsq, bits, sizes = fused.update_columns(olds, news)
+            fine = np.zeros(m, bool)
+            if take:
+                idx = np.array(take, np.int64)
+                ok = (bits < fused.INF_BITS) & np.isfinite(sumsq) & np.isfinite(sizes)
+                idx = idx[ok]
+                fine[idx] = True
+                change.sumsq[idx], change.max[idx], size[idx] = sumsq[ok], fused.max_abs_values(bits[ok]), sizes[ok]
+            change.n[:] = plan.sizes if not plan.sharded else [v.numel() for v in news]
+            rest = np.flatnonzero(~fine).tolist()
             if rest:  # torch's reductions, batched; the exact path where a number is not finite
-                moves = batch_stats([d for _, d, _ in rest])
-                sizes = batch_stats([w for _, _, w in rest], max_abs=False)
-                for (p, _, _), us, ps in zip(rest, moves, sizes, strict=True):
-                    stats.append((p, {"sumsq": us["sumsq"], "n": us["n"], "max": us["max"],
-                                      "nonfinite": us["nonfinite"], "param_sumsq": ps["sumsq"]}))
-            for p, st in stats:
-                if id(p) in self.lrs:
-                    st["max_lr"] = self.lrs[id(p)]
-                g = self.layout.param_group[id(p)]
-                acc = self.stats.setdefault(g, {"sumsq": 0.0, "n": 0, "max": 0.0, "nonfinite": 0, "param_sumsq": 0.0})
-                merge(acc, st)
+                # old - new, in place in the copy: the update, negated; an element that is not finite before or after
+                # the step makes its change not finite, so the change's count is the group's (adding the parameter's
+                # count too counted such an element twice: a NaN group read "nonfinite 2")
+                for i in rest:
+                    olds[i].sub_(news[i])
+                moves = batch_stats([olds[i] for i in rest])
+                params = batch_stats([news[i] for i in rest], max_abs=False)
+                for i, us, ps in zip(rest, moves, params, strict=True):
+                    change.sumsq[i], change.n[i], change.max[i] = us["sumsq"], us["n"], us["max"]
+                    change.nonfinite[i], size[i] = us["nonfinite"], ps["sumsq"]
+            for name in Columns.__slots__:  # in the table's order, as it sums
+                setattr(change, name, getattr(change, name)[plan.order])
+            sums = self.table.by_group(plan.rows, change, start_max=0.0)
+            param_sumsq = np.bincount(self.table.group[plan.rows], weights=size[plan.order],
+                                      minlength=len(self.table.groups)).tolist()
+            lrs = self.lrs.get(id(optimizer), {})
+            for j, st in sums.items():
+                st["param_sumsq"] = param_sumsq[j]
+                if j in lrs:
+                    st["max_lr"] = lrs[j]
+                g = self.table.groups[j]
+                if g in self.stats:  # a second optimizer stepping the same group
+                    merge(self.stats[g], st)
+                else:
+                    self.stats[g] = st
 
     def entries(self) -> list[dict[str, Any]]:
         return [{"stage": "update", "layer": g[0], "site": g[1], **self.stats[g]} for g in self.layout.param_order

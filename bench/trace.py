@@ -16,8 +16,11 @@ eager attention, its default dropout): attention through an eager softmax instea
 tracer's statistics read every activation, gradient and parameter once or twice, work that grows with width × tokens
 and with the parameters, while a step's arithmetic grows with width² × tokens, so its share falls as models and
 batches grow.
+``--fixed`` measures only the cost per recorded step that does not grow with the model (the issue's fixed cost):
+the decoder at width 8, vocabulary 64, 16 tokens, batch 1, where the statistics' reads are negligible, with the
+floors of the design measured beside it.
 Run: .venv/bin/python bench/trace.py [--model decoder|gpt2] [--rounds 8] [--pairs 30] [--threads 1 --clock thread]
-     [--width 256] [--batch 8]
+     [--width 256] [--batch 8] [--fixed]
 """
 
 from __future__ import annotations
@@ -105,6 +108,89 @@ class HookCache:
         self.cache.clear()
 
 
+def fixed_cost(rounds: int) -> None:
+    """The tracer's cost that does not grow with the model: the bench decoder shrunk until its reads are negligible
+    (width 8, vocabulary 64, 16 tokens, batch 1), one thread, the training thread's CPU clock; traced and untraced
+    steps in interleaved blocks. Beside it, two floors of the design measured in the same run: an empty
+    ``TorchFunctionMode`` around the forward (the dispatch every op of a recorded forward pays) and ``json.dumps`` of
+    one step's record (the text of its numbers)."""
+    import json
+
+    from torch.overrides import TorchFunctionMode
+
+    global D, V, T, B
+    D, V, T, B = 8, 64, 16, 1
+    torch.set_num_threads(1)
+    clock = time.thread_time
+    torch.manual_seed(0)
+    model = Decoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    calls = [0]
+
+    class Empty(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    def step(tr=None, s=0, mode=None):
+        if mode is not None:
+            with mode:
+                out = model(idx)
+        else:
+            out = model(idx)
+        loss = F.cross_entropy(out.flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if tr is not None:
+            tr.step(s, loss=loss.item())
+
+    tmp = tempfile.mkdtemp(prefix="normscope-bench-fixed-")
+    tr = trace(model, tmp)
+    tr.open()
+    tr._detach()
+    for _ in range(20):
+        step()
+    times: dict[str, list[float]] = {"untraced": [], "traced": [], "empty mode": []}
+    n = 0
+    for r in range(rounds):
+        for name in list(times)[r % 3:] + list(times)[:r % 3]:
+            if name == "traced":
+                tr._attach()
+            t0 = clock()
+            for _ in range(10):
+                if name == "traced":
+                    step(tr, n)
+                    n += 1
+                else:
+                    step(mode=Empty() if name == "empty mode" else None)
+            times[name].append((clock() - t0) / 10)
+            if name == "traced":
+                tr._detach()
+    tr.close()
+    records = read_run(tmp)[1]
+    own = statistics.median(r["tracer_ms"] for r in records[5:]) / 1e3
+    rec = {k: v for k, v in records[-1].items()}
+    t0 = time.perf_counter()
+    for _ in range(200):
+        json.dumps(rec, separators=(",", ":"))
+    dump = (time.perf_counter() - t0) / 200
+    ops = calls[0] // (10 * rounds)
+    base = statistics.median(times["untraced"])
+    traced = statistics.median(times["traced"])
+    empty = statistics.median(times["empty mode"]) - base
+    print(f"fixed cost: {L}-layer {D}-wide decoder, vocabulary {V}, {T} tokens, batch {B}, 1 thread, thread clock, "
+          f"{rounds} rounds of 10-step blocks; load average {os.getloadavg()[0]:.1f}")
+    print(f"  untraced {base * 1e3:.2f} ms/step, traced {traced * 1e3:.2f} ms/step: +{(traced - base) * 1e3:.2f} ms "
+          f"(ratio {traced / base:.2f})")
+    print(f"  tracer's own time per recorded step (median of tracer_ms): {own * 1e3:.2f} ms  target ≤ 2 ms: "
+          f"{'met' if own <= 2e-3 else 'MISSED'}")
+    print(f"  floors of this design, same run: an empty function mode {empty * 1e3:.2f} ms/step ({ops} ops, "
+          f"{empty / max(ops, 1) * 1e6:.1f} µs each); json.dumps of one record ({len(rec['entries'])} entries) "
+          f"{dump * 1e3:.2f} ms")
+
+
 def main():
     global D, B
     ap = argparse.ArgumentParser()
@@ -118,7 +204,12 @@ def main():
                     help="thread: CPU time of the training thread, insensitive to other load (needs --threads 1)")
     ap.add_argument("--width", type=int, default=D, help=f"model width (default {D}; a multiple of {H} heads)")
     ap.add_argument("--batch", type=int, default=B, help=f"sequences of {T} tokens per step (default {B})")
+    ap.add_argument("--fixed", action="store_true",
+                    help="only the fixed cost per recorded step, on the decoder shrunk until its reads are negligible")
     args = ap.parse_args()
+    if args.fixed:
+        fixed_cost(args.rounds * 2)
+        return
     if args.width <= 0 or args.width % H or args.batch <= 0:
         ap.error(f"--width must be a positive multiple of {H} and --batch positive")
     D, B = args.width, args.batch

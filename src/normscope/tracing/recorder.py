@@ -24,6 +24,7 @@ disabled; training never sees it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -77,8 +78,9 @@ def _model_inputs(args, kwargs) -> tuple[torch.Tensor | None, list[tuple[str, to
 _PLAIN, _SDPA, _SOFTMAX, _NORM, _EMBEDDING, _ADD, _TRANSPARENT, _MIXING = range(8)
 
 
-def _kind(func) -> tuple[str, int, bool]:
-    """What the mode does with ``func``: its name, its kind, and whether its name says it writes in place."""
+def _kind(func) -> tuple[str, int, bool, bool]:
+    """What the mode does with ``func``: its name, its kind, whether its name says it writes in place, and whether
+    it takes an ``inplace`` flag (``F.relu(x, True)``: a positional ``True`` may ask for it)."""
     name = getattr(func, "__name__", "")
     if func is F.scaled_dot_product_attention:
         kind = _SDPA
@@ -96,14 +98,18 @@ def _kind(func) -> tuple[str, int, bool]:
         kind = _MIXING
     else:
         kind = _PLAIN
-    return name, kind, writes_in_place(name, (), {})
+    try:
+        flag = "inplace" in inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a builtin: its in-place forms are named with a trailing underscore
+        flag = False
+    return name, kind, writes_in_place(name, (), {}), flag
 
 
 class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tr = tracer
-        self.kinds: dict[Any, tuple[str, int, bool]] = {}  # func -> _kind(func), looked up once per function
+        self.kinds: dict[Any, tuple[str, int, bool, bool]] = {}  # func -> _kind(func), looked up once per function
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -113,9 +119,10 @@ class _Mode(TorchFunctionMode):
         known = self.kinds.get(func)
         if known is None:
             known = self.kinds[func] = _kind(func)
-        name, kind, in_place = known
+        name, kind, in_place, flag = known
         stream = tr.stream
-        if tr.activations.items and (in_place or writes_in_place("", args, kwargs)):
+        if tr.activations.items and (in_place or (kwargs and writes_in_place("", (), kwargs))
+                                     or (flag and writes_in_place("", args, kwargs))):
             tr._flush()
         if kind == _SDPA:
             if "attention" not in tr.disabled:

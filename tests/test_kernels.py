@@ -379,40 +379,43 @@ def test_norm_auto_backend_uses_the_kernel_where_it_can_and_the_reference_elsewh
 
 def test_the_numba_kernels_use_torchs_thread_count_and_leave_it_as_it_was():
     """numba's OpenMP layer can share torch's OpenMP runtime, where a launch on numba's own count (every core) set
-    torch's thread count: the kernels run on torch's count and leave both counts as the user made them (numba's
-    was left at torch's before)."""
+    torch's thread count: the kernels run on torch's count — on one torch thread their serial build, on the calling
+    thread — and leave both counts as the user made them."""
     import numba
 
     from normscope import numba_threads
+    from normscope.kernels import numba_host
 
     before = torch.get_num_threads()
     x = torch.randn(256, 128, requires_grad=True)  # large enough for the parallel build (SERIAL_BELOW)
-    seen = []
-    original = numba_threads.matched
+    ran = []
+    original = numba_host.launch
 
-    def spying():
-        cm = original()
+    def spying(parallel, serial, *args, **kwargs):
+        def spy(kernel, which):
+            def run(*a):
+                ran.append((which, numba.get_num_threads()))
+                return kernel(*a)
+            return run
 
-        class Spy:
-            def __enter__(self):
-                out = cm.__enter__()
-                seen.append(numba.get_num_threads())
-                return out
-
-            def __exit__(self, *exc):
-                return cm.__exit__(*exc)
-
-        return Spy()
+        return original(spy(parallel, "parallel"), spy(serial, "serial"), *args, **kwargs)
 
     try:
+        numba_host.launch = spying
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # numba's default: all of its threads
         torch.set_num_threads(1)
-        numba_threads.matched = spying
         norm(x, NormSpec.preset("torch_layernorm"), backend="numba").sum().backward()
-        assert seen and set(seen) == {1}  # the kernels ran on torch's count
+        assert ran and {which for which, _ in ran} == {"serial"}  # one torch thread: the calling thread's build
         assert torch.get_num_threads() == 1 and numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+        if numba.config.NUMBA_NUM_THREADS >= 2 and numba_threads.parallel_allowed():
+            ran.clear()
+            numba.set_num_threads(1)
+            torch.set_num_threads(2)
+            norm(x, NormSpec.preset("torch_layernorm"), backend="numba").sum().backward()
+            assert ran and set(ran) == {("parallel", 2)}  # the kernels ran on torch's count
+            assert torch.get_num_threads() == 2 and numba.get_num_threads() == 1
     finally:
-        numba_threads.matched = original
+        numba_host.launch = original
         torch.set_num_threads(before)
 
 

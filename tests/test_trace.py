@@ -1078,6 +1078,34 @@ def test_a_forked_child_summarises_on_its_own_thread():
     assert float(got) == pytest.approx(want, rel=1e-12)
 
 
+def test_a_causal_attentions_prepared_mask_is_kept_between_steps_for_the_lengths_in_use(tmp_path):
+    """Calls without a mask tensor (here causal) keep their group's prepared mask from one recorded step to the next;
+    a length no call of the last step used is let go (batches of varying lengths do not pile masks up); the
+    attention entries are those of a tracer that prepares every mask afresh."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    batches = [torch.randint(0, 64, (2, t)) for t in (16, 16, 12, 16)]
+    kept = []
+    with trace(model, tmp_path / "kept") as tr:
+        for step, idx in enumerate(batches):
+            model(idx).float().pow(2).mean().backward()
+            tr.step(step)
+            kept.append({key[0][2]: group for key, group in tr._unmasked_groups.items()})  # query length -> group
+    assert list(kept[0]) == [16] and kept[1][16] is kept[0][16]  # one group, kept and reused
+    assert list(kept[2]) == [12]  # the step used length 12 only: 16's mask let go
+    assert list(kept[3]) == [16] and kept[3][16] is not kept[0][16]
+
+    def attention(run):
+        return [[e for e in rec["entries"] if e["stage"] == "attention_logits"] for rec in read_run(run).records]
+
+    for step, idx in enumerate(batches):  # each step alone, by a tracer of its own
+        with trace(model, tmp_path / f"fresh{step}") as tr:
+            model(idx).float().pow(2).mean().backward()
+            tr.step(step)
+    fresh = [attention(tmp_path / f"fresh{step}")[0] for step in range(len(batches))]
+    assert attention(tmp_path / "kept") == fresh and all(fresh)
+
+
 def test_sdpa_causal_mask_is_aligned_as_sdpa_aligns_it():
     """is_causal with fewer queries than keys: query i sees keys 0..i (SDPA's top-left alignment)."""
     g = torch.Generator().manual_seed(0)

@@ -199,6 +199,7 @@ class Tracer:
         # the collectors, each owning one kind of statistic, and the writer
         self.buffers = Buffers()
         self._unmasked_groups: dict[tuple, attention.Group] = {}  # SDPA calls without a mask tensor, by shape
+        self._groups_used: set[tuple] = set()  # the keys of those used since the last step
         self.entries = StepEntries()  # the forward's entries (activations, attention) of the step being recorded
         self.activations = ActivationBatch(self.entries, self._guard, self.disabled, self._left_out)
         self.gradients = GradientCollector(self.layout, self._guard, self._recording, self.disabled)
@@ -293,6 +294,9 @@ class Tracer:
     # ------------------------------------------------------------------ the step's state
     def _reset(self) -> None:
         self.entries.clear()
+        # prepared masks kept for the shapes the step used: lengths that vary from batch to batch do not pile up
+        self._unmasked_groups = {k: g for k, g in self._unmasked_groups.items() if k in self._groups_used}
+        self._groups_used = set()
         self._samples: dict[str, dict[str, list]] = {}
         self._counters: dict[tuple, int] = {}  # (attention, layer, scope) → its calls this forward
         self.stream.reset()
@@ -439,6 +443,8 @@ class Tracer:
         # a call without a mask tensor (causal or none) depends on its shapes and scale alone: its group is kept from
         # step to step; one with a mask tensor shares its group within this forward, while that tensor is held
         groups = self._unmasked_groups if call.mask is None else self._attention_groups
+        if call.mask is None:
+            self._groups_used.add(call.group)
         group = groups.get(call.group)
         if group is None:
             group = groups[call.group] = attention.Group(self.buffers)

@@ -128,6 +128,38 @@ def test_hidden_sizes_match_the_reference(preset, n):
     assert np.abs(y.double().numpy() - want).max() <= 1e-5 * max(1.0, np.sqrt(n) / 8)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("spec", [NormSpec.preset("llama_rmsnorm"), NormSpec.preset("torch_layernorm"),
+                                  NormSpec.preset("torch_layernorm").replace(variance_algorithm="one_pass")],
+                         ids=["rms", "ln-two-pass", "ln-one-pass"])
+def test_a_rows_output_does_not_depend_on_the_rows_around_it(monkeypatch, spec, stream):
+    """The float32 forward and backward take a row's sums in the loop that writes an earlier row, and the first
+    rows of each parallel chunk behind rows of zeros: a row's y, h and dx are the same bits alone, first or last in
+    a chunk, or anywhere between, with and without the fused add and streaming stores."""
+    from normscope.kernels import streaming
+
+    monkeypatch.setattr(streaming, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
+    g = torch.Generator().manual_seed(11)
+    x, r = torch.randn(37, 1000, generator=g) * 3 + 1, torch.randn(37, 1000, generator=g)
+    gamma, beta = _random_params(spec, 1000)
+    dy = torch.randn(37, 1000, generator=g)
+
+    def dx(rows):  # the backward's dx of those rows, computed with nothing else
+        xg = x[rows].clone().requires_grad_()
+        norm(xg, spec, gamma, beta).backward(dy[rows])
+        return xg.grad
+
+    y = norm(x, spec, gamma, beta)  # 37 000 elements: the parallel build, in chunks of a few rows
+    y_res, h = norm(x, spec, gamma, beta, residual=r)
+    dx_all = dx(slice(None))
+    for i in range(37):
+        assert torch.equal(norm(x[i:i + 1], spec, gamma, beta), y[i:i + 1]), i
+        alone, h_alone = norm(x[i:i + 1], spec, gamma, beta, residual=r[i:i + 1])
+        assert torch.equal(alone, y_res[i:i + 1]) and torch.equal(h_alone, h[i:i + 1]), i
+        assert torch.equal(dx(slice(i, i + 1)), dx_all[i:i + 1]), i
+    assert torch.equal(norm(x[5:], spec, gamma, beta), y[5:])  # other chunk boundaries
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_strided_rows_are_read_in_place_and_match_contiguous(dtype):
     spec = NormSpec.preset("torch_layernorm")

@@ -154,40 +154,26 @@ def _finish_stats(h, n, s, ss, center, one_pass, unbiased, eps, placement):
             var = var * (np.float32(n) / np.float32(n - 1))
         if var < np.float32(0.0):
             var = np.float32(0.0)
-    if placement == 0:
-        denom = np.sqrt(var + eps)
-    elif placement == 1:
-        denom = np.sqrt(var) + eps
-    elif placement == 2:
-        r = np.sqrt(var)
-        denom = eps if r < eps else r  # a NaN variance stays NaN
-    else:
-        denom = np.sqrt(var)
-    return mean, var, denom
+    return mean, var, _denominator(var, eps, placement)
 
 
 @njit(**_OPTS)
-def _row_affine(h, out, n, mean, denom, scale, shift, has_scale, has_shift):
-    """out = affine((h − mean) / denom), float32 rows (16-bit rows: ``_affine_16``, ``_affine_cast_16``)."""
-    inv = np.float32(1.0) / denom
-    if has_scale and has_shift:
-        for j in range(n):
-            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
-    elif has_scale:
-        for j in range(n):
-            out[j] = (h[j] - mean) * inv * scale[j]
-    elif has_shift:
-        for j in range(n):
-            out[j] = (h[j] - mean) * inv + shift[j]
-    else:
-        for j in range(n):
-            out[j] = (h[j] - mean) * inv
+def _denominator(var, eps, placement):
+    """The denominator of the contract's ε placement (0 inside the √, 1 outside, 2 a clamp, 3 none)."""
+    if placement == 0:
+        return np.sqrt(var + eps)
+    if placement == 1:
+        return np.sqrt(var) + eps
+    if placement == 2:
+        r = np.sqrt(var)
+        return eps if r < eps else r  # a NaN variance stays NaN
+    return np.sqrt(var)
 
 
 @njit(**_OPTS)
 def _affine_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, fmt):
-    """``_row_affine`` (scale then cast), the rounding to the storage format and the encoding in one pass: out gets
-    the 16-bit patterns."""
+    """The affine step (scale then cast; float32 rows: ``_write_row_sum_next``), the rounding to the storage format
+    and the encoding in one pass: out gets the 16-bit patterns."""
     inv = np.float32(1.0) / denom
     if has_scale and has_shift:
         for j in range(n):
@@ -223,55 +209,166 @@ def _affine_cast_16(h, out, n, mean, denom, scale, shift, has_scale, has_shift, 
 
 
 # ------------------------------------------------------------------------------------------- forward
+# A float32 row's statistics (loads) and then its output (stores) took turns on the memory bus. The forward
+# instead writes each row in the loop that reads the next one: a row's sums are taken while the row before it
+# is written, and under a two-pass variance its squared deviations one row later still, so every loop over
+# memory both loads and stores. Every row's sums come from the same loop, wherever the row stands in the batch
+# (the first rows of a chunk go through it behind rows of zeros), so a row's output does not depend on the rows
+# around it. γ absent: a row of ones (x · 1 is exact), which halves the loops to write; each remaining case
+# (β, the fused add) is a loop of its own, as in the 16-bit affine loops, so that none branches per element.
+
+
 @njit(**_OPTS)
-def _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                     center, one_pass, unbiased, eps, placement, stream):
-    yr = y[i * n:(i + 1) * n]
-    xr = x[i * x_rs:i * x_rs + n]
-    if has_res:
-        # h = x + residual and its sums in one pass over row slices (flat indices did not vectorize; a separate
-        # pass for the sums ran at two thirds of the speed)
-        rr = res[i * res_rs:i * res_rs + n]
-        hr = np.empty(n, np.float32) if stream else h_out[i * n:(i + 1) * n]
-        s = np.float32(0.0)
-        ss = np.float32(0.0)
+def _write_row_sum_next(h, out, n, mean, inv, scale, shift, has_shift, nx, nr, has_res, nh):
+    """``out`` = (h − mean) · inv · γ [+ β], and the sums (s, ss) of the next row ``nx`` (``nx + nr`` when
+    ``has_res``, stored in ``nh``), in one loop."""
+    s = np.float32(0.0)
+    ss = np.float32(0.0)
+    if has_res and has_shift:
         for j in range(n):
-            v = xr[j] + rr[j]
-            hr[j] = v
+            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
+            v = nx[j] + nr[j]
+            nh[j] = v
             s += v
             ss += v * v
-        mean, var, denom = _finish_stats(hr, n, s, ss, center, one_pass, unbiased, eps, placement)
-        if stream:
-            stream_row(h_out[i * n:(i + 1) * n], hr, n)
+    elif has_res:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j]
+            v = nx[j] + nr[j]
+            nh[j] = v
+            s += v
+            ss += v * v
+    elif has_shift:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
+            s += nx[j]
+            ss += nx[j] * nx[j]
     else:
-        hr = xr
-        mean, var, denom = _row_stats(hr, n, center, one_pass, unbiased, eps, placement)
-    stats[i, 0] = mean
-    stats[i, 1] = var
-    stats[i, 2] = denom
-    out = np.empty(n, np.float32) if stream else yr  # streamed: computed in a scratch row, which stays in L1
-    _row_affine(hr, out, n, mean, denom, scale, shift, has_scale, has_shift)
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j]
+            s += nx[j]
+            ss += nx[j] * nx[j]
+    return s, ss
+
+
+@njit(**_OPTS)
+def _write_row_deviate_next_sum_after(h, out, n, mean, inv, scale, shift, has_shift, h1, mean1, nx, nr, has_res,
+                                      nh):
+    """``_write_row_sum_next`` one row further on, for a two-pass variance: this row's output, the next row's
+    (``h1``, mean ``mean1``) squared deviations and the sum of the row after it (``nx [+ nr]``, stored in ``nh``)
+    in one loop: (Σ(h1 − mean1)², s)."""
+    css = np.float32(0.0)
+    s = np.float32(0.0)
+    if has_res and has_shift:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
+            d = h1[j] - mean1
+            css += d * d
+            v = nx[j] + nr[j]
+            nh[j] = v
+            s += v
+    elif has_res:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j]
+            d = h1[j] - mean1
+            css += d * d
+            v = nx[j] + nr[j]
+            nh[j] = v
+            s += v
+    elif has_shift:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j] + shift[j]
+            d = h1[j] - mean1
+            css += d * d
+            s += nx[j]
+    else:
+        for j in range(n):
+            out[j] = (h[j] - mean) * inv * scale[j]
+            d = h1[j] - mean1
+            css += d * d
+            s += nx[j]
+    return css, s
+
+
+@njit(**_OPTS)
+def _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
+                       has_shift, center, one_pass, unbiased, eps, placement, stream):
+    """Rows ``c·per … (c+1)·per`` of ``forward_f32``, pipelined as the section's comment says: a row is written
+    ``depth`` loops after the loop that took its sums (1; 2 for a two-pass variance)."""
+    per = (rows + chunks - 1) // chunks
+    lo = c * per
+    hi = min(rows, lo + per)
+    if lo >= hi:
+        return
+    two_pass = center and not one_pass
+    depth = 2 if two_pass else 1
+    n_var = np.float32(n - 1) if unbiased else np.float32(n)
+    zeros = np.zeros(n, np.float32)
+    sc = scale if has_scale else np.ones(n, np.float32)
+    scratch = np.empty(n, np.float32)  # the output of a row of zeros; streamed: each row's output before its stores
+    # what is stored past the last row: never an array the loop reads (overlapping arrays send a loop to its
+    # unvectorized version, whose sums are added in another order)
+    sink = np.empty(n if has_res else 0, np.float32)
+    h_scratch = np.empty((3, n if (has_res and stream) else 0), np.float32)  # streamed h: rows i, i + 1, i + 2
+    h0, mean0, inv0 = zeros, np.float32(0.0), np.float32(0.0)  # the row written in this loop
+    h1, mean1 = zeros, np.float32(0.0)  # two-pass: the row whose deviations this loop sums
+    for i in range(lo - depth, hi):
+        out = scratch if (i < lo or stream) else y[i * n:(i + 1) * n]
+        k = i + depth  # the row whose sums this loop takes
+        nx, nr, nh = zeros, zeros, sink  # past the last row: zeros
+        if k < hi:
+            nx = x[k * x_rs:k * x_rs + n]
+            if has_res:
+                nr = res[k * res_rs:k * res_rs + n]
+                nh = h_scratch[k % 3] if stream else h_out[k * n:(k + 1) * n]
+        if two_pass:
+            css, s = _write_row_deviate_next_sum_after(h0, out, n, mean0, inv0, sc, shift, has_shift, h1, mean1,
+                                                       nx, nr, has_res, nh)
+            ss = np.float32(0.0)
+        else:
+            s, ss = _write_row_sum_next(h0, out, n, mean0, inv0, sc, shift, has_shift, nx, nr, has_res, nh)
+            css = np.float32(0.0)
+        if i >= lo and stream:
+            stream_row(y[i * n:(i + 1) * n], out, n)
+        hk = nh if has_res else nx
+        if k < hi and has_res and stream:
+            stream_row(h_out[k * n:(k + 1) * n], hk, n)
+        if two_pass:
+            if lo <= i + 1 < hi:  # row i + 1's deviations are complete
+                var = css / n_var
+                denom = _denominator(var, eps, placement)
+                stats[i + 1, 0] = mean1
+                stats[i + 1, 1] = var
+                stats[i + 1, 2] = denom
+                h0, mean0, inv0 = h1, mean1, np.float32(1.0) / denom
+            h1, mean1 = hk, s / np.float32(n)
+        elif k < hi:
+            mean, var, denom = _finish_stats(hk, n, s, ss, center, one_pass, unbiased, eps, placement)
+            stats[k, 0] = mean
+            stats[k, 1] = var
+            stats[k, 2] = denom
+            h0, mean0, inv0 = hk, mean, np.float32(1.0) / denom
     if stream:
-        stream_row(yr, out, n)
         store_fence()
 
 
 @njit(parallel=True, **_OPTS)
-def forward_f32(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
-                center, one_pass, unbiased, eps, placement, stream):
+def forward_f32(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
+                has_shift, center, one_pass, unbiased, eps, placement, stream):
     """float32 rows: y = norm(x [+ res]); h_out gets x + res when ``has_res``; stats[i] = (mean, var, denom).
-    ``stream``: y and h_out written with streaming stores (:mod:`.streaming`)."""
-    for i in prange(rows):
-        _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                         center, one_pass, unbiased, eps, placement, stream)
+    The rows run in ``chunks`` parallel chunks; ``stream``: y and h_out written with streaming stores
+    (:mod:`.streaming`)."""
+    for c in prange(chunks):
+        _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift,
+                           has_scale, has_shift, center, one_pass, unbiased, eps, placement, stream)
 
 
 @njit(**_OPTS)
-def forward_f32_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
+def forward_f32_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
                        has_shift, center, one_pass, unbiased, eps, placement, stream):
-    for i in range(rows):
-        _forward_f32_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                         center, one_pass, unbiased, eps, placement, stream)
+    for c in range(chunks):
+        _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift,
+                           has_scale, has_shift, center, one_pass, unbiased, eps, placement, stream)
 
 
 @njit(**_OPTS)
@@ -323,24 +420,11 @@ def forward_16_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, s
 
 # ------------------------------------------------------------------------------------------- backward
 @njit(**_OPTS)
-def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_pass, unbiased, eps, placement,
-                  dgamma, dbeta, want_dgamma, want_dbeta):
-    """dx of one row from dy (``g``, float32), accumulating dγ and dβ; mirrors ``reference.backward``."""
+def _dx_coefficients(s_gdev, s_g, s_dev, n, var, denom, center, one_pass, unbiased, eps, placement):
+    """(inv, c, sub) of a row's dx = g·γ·inv + c·(h − mean) − sub, from its sums Σ g·γ·(h − mean), Σ g·γ and
+    Σ (h − mean); mirrors ``reference.backward``."""
     inv = np.float32(1.0) / denom
     n_var = np.float32(n - 1) if unbiased else np.float32(n)
-    s_gdev = np.float32(0.0)
-    s_g = np.float32(0.0)
-    s_dev = np.float32(0.0)
-    for j in range(n):
-        dev = h[j] - mean
-        gj = g[j] * scale[j] if has_scale else g[j]
-        if want_dgamma:
-            dgamma[j] += g[j] * (dev * inv)
-        if want_dbeta:
-            dbeta[j] += g[j]
-        s_gdev += gj * dev
-        s_g += gj
-        s_dev += dev
     r = np.sqrt(var)
     if placement == 0:
         d_denom = np.float32(0.5) / denom
@@ -355,29 +439,102 @@ def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_p
     sub = np.float32(0.0)
     if center:
         sub = (s_g * inv + c * s_dev) / np.float32(n)
+    return inv, c, sub
+
+
+@njit(**_OPTS)
+def _row_backward(h, g, dx, n, mean, var, denom, scale, has_scale, center, one_pass, unbiased, eps, placement,
+                  dgamma, dbeta, want_dgamma, want_dbeta):
+    """dx of one row from dy (``g``, float32), accumulating dγ and dβ (16-bit rows; float32 rows:
+    ``_write_dx_sum_next``)."""
+    inv = np.float32(1.0) / denom
+    s_gdev = np.float32(0.0)
+    s_g = np.float32(0.0)
+    s_dev = np.float32(0.0)
+    for j in range(n):
+        dev = h[j] - mean
+        gj = g[j] * scale[j] if has_scale else g[j]
+        if want_dgamma:
+            dgamma[j] += g[j] * (dev * inv)
+        if want_dbeta:
+            dbeta[j] += g[j]
+        s_gdev += gj * dev
+        s_g += gj
+        s_dev += dev
+    inv, c, sub = _dx_coefficients(s_gdev, s_g, s_dev, n, var, denom, center, one_pass, unbiased, eps, placement)
     for j in range(n):
         gj = g[j] * scale[j] if has_scale else g[j]
         dx[j] = gj * inv + c * (h[j] - mean) - sub
 
 
 @njit(**_OPTS)
+def _write_dx_sum_next(h, g, dh, has_dh, dx, n, mean, inv, c, sub, scale, h1, g1, mean1, inv1, dgamma, dbeta):
+    """The float32 backward's rows in a pipeline, as the forward's: this row's dx (``_row_backward``'s last loop,
+    plus ``dh`` when ``has_dh``) and the next row's sums (``h1``, ``g1``; its dγ and dβ accumulated) in one loop:
+    (Σ g·γ·dev, Σ g·γ, Σ dev) of the next row. γ absent: a row of ones."""
+    s_gdev = np.float32(0.0)
+    s_g = np.float32(0.0)
+    s_dev = np.float32(0.0)
+    if has_dh:
+        for j in range(n):
+            dx[j] = g[j] * scale[j] * inv + c * (h[j] - mean) - sub + dh[j]
+            dev = h1[j] - mean1
+            gj = g1[j] * scale[j]
+            dgamma[j] += g1[j] * (dev * inv1)
+            dbeta[j] += g1[j]
+            s_gdev += gj * dev
+            s_g += gj
+            s_dev += dev
+    else:
+        for j in range(n):
+            dx[j] = g[j] * scale[j] * inv + c * (h[j] - mean) - sub
+            dev = h1[j] - mean1
+            gj = g1[j] * scale[j]
+            dgamma[j] += g1[j] * (dev * inv1)
+            dbeta[j] += g1[j]
+            s_gdev += gj * dev
+            s_g += gj
+            s_dev += dev
+    return s_gdev, s_g, s_dev
+
+
+@njit(**_OPTS)
 def _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale, has_scale, want_dgamma,
                         want_dbeta, center, one_pass, unbiased, eps, placement, dgamma_part, dbeta_part, stream):
+    """Rows ``c·per … (c+1)·per`` of ``backward_f32``: row i's dx written in the loop that sums row i + 1; the
+    chunk starts behind a row of zeros, and what the loop past the last row would accumulate goes to scratch rows
+    (never into an array the same loop reads: see the forward)."""
     per = (rows + chunks - 1) // chunks
-    dg = dgamma_part[c]
-    db = dbeta_part[c]
-    scratch = np.empty(n if stream else 0, np.float32)
-    for i in range(c * per, min(rows, (c + 1) * per)):
-        dxr = scratch if stream else dx[i * n:(i + 1) * n]
-        _row_backward(h[i * n:(i + 1) * n], dy[i * n:(i + 1) * n], dxr, n, stats[i, 0], stats[i, 1],
-                      stats[i, 2], scale, has_scale, center, one_pass, unbiased, eps, placement, dg, db,
-                      want_dgamma, want_dbeta)
-        if has_dh:
-            dhr = dh[i * n:(i + 1) * n]
-            for j in range(n):
-                dxr[j] += dhr[j]
-        if stream:
-            stream_row(dx[i * n:(i + 1) * n], dxr, n)
+    lo = c * per
+    hi = min(rows, lo + per)
+    if lo >= hi:
+        return
+    zeros = np.zeros(n, np.float32)
+    sc = scale if has_scale else np.ones(n, np.float32)
+    dg = dgamma_part[c] if want_dgamma else np.zeros(n, np.float32)
+    db = dbeta_part[c] if want_dbeta else np.zeros(n, np.float32)
+    sink = np.zeros((2, n), np.float32)  # dγ, dβ past the last row
+    scratch = np.empty(n, np.float32)  # the dx of the row of zeros; streamed: each row's dx before its stores
+    h0, g0, dh0 = zeros, zeros, zeros
+    mean0, inv0, c0, sub0 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    for i in range(lo - 1, hi):
+        out = scratch if (i < lo or stream) else dx[i * n:(i + 1) * n]
+        k = i + 1
+        h1, g1, dg1, db1 = zeros, zeros, sink[0], sink[1]
+        mean1, inv1 = np.float32(0.0), np.float32(0.0)
+        if k < hi:
+            h1, g1, dg1, db1 = h[k * n:(k + 1) * n], dy[k * n:(k + 1) * n], dg, db
+            mean1, inv1 = stats[k, 0], np.float32(1.0) / stats[k, 2]
+        s_gdev, s_g, s_dev = _write_dx_sum_next(h0, g0, dh0, has_dh, out, n, mean0, inv0, c0, sub0, sc, h1, g1,
+                                                mean1, inv1, dg1, db1)
+        if i >= lo and stream:
+            stream_row(dx[i * n:(i + 1) * n], out, n)
+        if k < hi:
+            inv0, c0, sub0 = _dx_coefficients(s_gdev, s_g, s_dev, n, stats[k, 1], stats[k, 2], center, one_pass,
+                                              unbiased, eps, placement)
+            h0, g0, mean0 = h1, g1, mean1
+            if has_dh:
+                dh0 = dh[k * n:(k + 1) * n]
     if stream:
         store_fence()
 

@@ -28,6 +28,12 @@ def _streamed(out: torch.Tensor) -> bool:
     return out.numel() * out.element_size() >= streaming.STREAM_MIN_BYTES
 
 
+def _chunks(rows: int) -> int:
+    """How many parallel chunks a kernel cuts its rows into: four per torch thread (a late chunk evens out the
+    threads' finishing times), at most 64."""
+    return max(1, min(rows, 4 * torch.get_num_threads(), 64))
+
+
 _EMPTY_F32 = np.zeros(1, np.float32)
 _EMPTY_U16 = np.zeros(1, np.uint16)
 
@@ -50,7 +56,7 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
               np.float32(rc.eps), rc.placement)
     if fmt == 0:
         launch(k.forward_f32, k.forward_f32_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y, 0), hs,
-               stats.numpy(), *common, _streamed(y), elements=rows * n)
+               stats.numpy(), rows, n, _chunks(rows), *common[2:], _streamed(y), elements=rows * n)
     else:
         launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y, fmt), hs,
                stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y), elements=rows * n)
@@ -61,7 +67,7 @@ def backward(h2, dy2, dh2, stats, scale, rc: RowContract, fmt: int, want_dg: boo
     rows, n = h2.shape
     d = h2.dtype
     dx = torch.empty((rows, n), dtype=d)
-    chunks = max(1, min(rows, 4 * torch.get_num_threads(), 64))
+    chunks = _chunks(rows)
     dg = np.zeros((chunks if want_dg else 1, n if want_dg else 1), np.float32)
     db = np.zeros((chunks if want_db else 1, n if want_db else 1), np.float32)
     if rows and n:

@@ -1,10 +1,12 @@
-"""Streaming (non-temporal) stores for the CPU row kernels: a row computed in a small scratch buffer is written
-to its output without the output's cache lines being read first.
+"""Streaming (non-temporal) stores for the CPU row kernels, off unless ``NORMSCOPE_STREAMING_STORES=1``: a row
+computed in a small scratch buffer is written to its output without the output's cache lines being read first.
 
-An ordinary store of a line that is not in cache reads the line before it writes it, so a kernel that reads x and
-writes y moves three tensors' worth of bytes where an allocating copy (``x.clone()``, whose ``memcpy`` streams
-large copies) moves two. Streaming stores take the third away; they also leave nothing of y in cache, so they pay
-only when y is too large to stay there anyway (:data:`STREAM_MIN_BYTES`).
+An ordinary store of a line that is not in cache may read the line before it writes it, so a kernel that reads x
+and writes y can move three tensors' worth of bytes where an allocating copy (``x.clone()``) moves two. Streaming
+stores take the third away; they also leave nothing of y in cache, so they could pay only when y is too large to
+stay there anyway (:data:`LAST_LEVEL_CACHE_BYTES`). Measured on an otherwise idle machine, the kernels ran 5–20 %
+slower with them than with ordinary stores at float32 and bfloat16, forward and backward (docs/kernels.md), so
+they are an opt-in for machines where a benchmark shows otherwise (``bench/kernel_bandwidth.py`` prints their gain).
 
 The store is LLVM's ``!nontemporal`` hint on 32-byte vector stores (``vmovntps`` on x86-64; where a target has
 no such store, an ordinary one). Such a store needs an aligned address: :func:`stream_row` writes a row's
@@ -30,9 +32,13 @@ def _l3_bytes() -> int:
         return 0
 
 
-#: Outputs at least this large are streamed: the last-level cache (32 MiB where it cannot be read), below which
-#: the output may still be in cache for whatever reads it next.
-STREAM_MIN_BYTES = _l3_bytes() or 32 << 20
+#: The last-level cache (32 MiB where it cannot be read): an output smaller than this may still be in cache for
+#: whatever reads it next, so it is never streamed.
+LAST_LEVEL_CACHE_BYTES = _l3_bytes() or 32 << 20
+
+#: Outputs at least this large are streamed: never, unless ``NORMSCOPE_STREAMING_STORES=1`` (then
+#: :data:`LAST_LEVEL_CACHE_BYTES`). Read at each kernel call.
+STREAM_MIN_BYTES = LAST_LEVEL_CACHE_BYTES if os.environ.get("NORMSCOPE_STREAMING_STORES") == "1" else 1 << 62
 
 
 @intrinsic

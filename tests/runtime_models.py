@@ -9,6 +9,20 @@ SIZE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=64)
 
 
+def skip_without_mlx() -> None:
+    """At a test module's top: skip it where the ``mlx`` extra (MLX's CPU build and mlx-lm) or transformers is
+    missing; Hugging Face offline and quiet."""
+    import os
+
+    import pytest
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("mlx.core", reason="the mlx extra is not installed: pip install 'normscope[mlx]'")
+    pytest.importorskip("mlx_lm", reason="the mlx extra is not installed: pip install 'normscope[mlx]'")
+    transformers.logging.set_verbosity_error()
+
+
 def tiny_causal_lm(family: str):
     """``family``: llama, qwen3 or gemma3 (one sliding and one global layer, as mlx-lm reads the pattern)."""
     import transformers

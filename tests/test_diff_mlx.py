@@ -4,24 +4,20 @@ Tiny random-weight Hugging Face models (Llama, Gemma 3, Qwen 3) ported by mlx-lm
 — the port people deploy to Apple silicon, run here by MLX's CPU device. The clean ports pass with every norm site
 judged on its own error; a fault put into the port (ε changed in an MLX norm, Gemma's ``1 + w`` applied twice, a
 port that loses Gemma's embedding scale) is the first divergence, at its site, with the contract difference named.
+Quantized ports (``mlx.nn.quantize``, 4 and 8 bits) are judged against the reference run with their own dequantized
+weights, and the same faults are named among the quantization noise.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from runtime_models import tiny_causal_lm, token_ids
+from runtime_models import skip_without_mlx, tiny_causal_lm, token_ids
 
 from normscope import diff
 from normscope.errors import InputError
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("mlx.core", reason="the mlx extra is not installed: pip install 'normscope[mlx]'")
-pytest.importorskip("mlx_lm", reason="the mlx extra is not installed: pip install 'normscope[mlx]'")
-transformers.logging.set_verbosity_error()
+skip_without_mlx()
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 
 from normscope.divergence.runtimes.mlx import port  # noqa: E402
@@ -141,14 +137,113 @@ def test_cli_diff_against_mlx(tmp_path, capsys):
     assert "Writing model shards" not in err, err  # the port's own save_pretrained is normscope's, kept quiet
 
 
-def test_a_quantized_mlx_port_is_refused_with_the_reason():
+# ------------------------------------------------------------------------------------------ quantized ports
+def _quantized(model, bits=4, predicate=None):
     import mlx.nn as mnn
 
-    model = _model("llama")
     port_ = port(model)
-    mnn.quantize(port_, group_size=32, bits=8)
-    with pytest.raises(InputError, match="quantized layers"):
-        diff(model, port_, _ids(), progress=False)
+    mnn.quantize(port_, group_size=32, bits=bits, class_predicate=predicate)
+    return port_
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_a_quantized_port_passes_with_its_error_explained_by_its_own_dequantized_weights(family, bits):
+    """Every site is judged against the reference run with the candidate's dequantized weights: the quantization
+    explains nearly all of each projection's error, what it does not explain stays within float rounding, and the
+    logits, far beyond any float bound, are accounted for."""
+    model = _model(family)
+    d = diff(model, _quantized(model, bits), _ids(), progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert f"quantized: {bits}-bit, group 32" in d.candidate
+    assert any(n.startswith("quantized candidate: ") for n in d.notes), d.notes
+    projections = [s for s in d.sites if s.beyond_twin is not None and s.kind == "leaf"]
+    assert len(projections) >= 14  # 7 per layer, the embedding and (untied) the logits
+    least = 0.03 if bits == 4 else 2e-3  # 4-bit affine groups of 32: ~8 %; 8-bit: ~0.5 %
+    for s in projections:
+        if s.status == "regrouped":  # Gemma's embedding scale, applied after the module by mlx-lm (as unquantized)
+            assert family == "gemma3" and s.name == "model.embed_tokens" and s.factor == pytest.approx(1 / 8)
+            continue
+        assert s.twin > least and s.beyond_twin <= s.bound < 1e-4 and s.status == "within", s
+    norms = [s for s in d.sites if s.kind == "norm"]
+    assert norms and all(s.status == "within" and s.elementwise for s in norms)  # float γ: the contract judges them
+    assert d.site("(model)").propagated["normalized"] > 100 * max(s.bound for s in projections)
+
+
+@pytest.mark.parametrize("fault", ["eps", "rope_base", "gamma_twice", "scales_swapped"])
+def test_a_fault_in_a_quantized_port_is_named_at_its_site_among_the_quantization_noise(fault):
+    family = "gemma3" if fault == "gamma_twice" else "llama"
+    model = _model(family)
+    port_ = _quantized(model)
+    layers = port_.model.layers
+    if fault == "eps":
+        layers[1].post_attention_layernorm.eps = 1e-2
+        site = "model.layers.1.post_attention_layernorm"
+    elif fault == "rope_base":  # a wrong rotary base in one layer's attention
+        layers[0].self_attn.rope.base = 2 * layers[0].self_attn.rope.base
+        site = "model.layers.0.self_attn"
+    elif fault == "gamma_twice":  # a norm that kept its float weights, with Gemma's 1 + w applied twice
+        norm = layers[0].pre_feedforward_layernorm
+        norm.weight = 1 + norm.weight
+        site = "model.layers.0.pre_feedforward_layernorm"
+    else:  # a conversion that mixed up two tensors' scales: the weights are no longer the reference's, quantized
+        a, b = layers[0].mlp.down_proj, layers[1].mlp.down_proj
+        a.scales, b.scales = b.scales, a.scales
+        site = "model.layers.0.mlp.down_proj"
+    d = diff(model, port_, _ids(), progress=False)
+    assert d.verdict == "fail" and d.first_divergence == site, d.summary()
+    reason = d.divergence["reason"]
+    if fault == "eps":
+        assert "expected ε=1e-05; found ε=0.01" in d.divergence["differences"]
+    elif fault == "gamma_twice":
+        assert "effective γ differs" in d.divergence["parameter_differences"][0]
+    elif fault == "rope_base":
+        s = d.site(site)
+        assert "dequantized weights explain" in reason and s.twin > 100 * s.beyond_twin > 100 * s.bound, reason
+    else:
+        assert "not the reference's, quantized" in reason and "one quantization step" in reason, reason
+    earlier = [s for s in d.sites if s.order < d.site(site).order and s.own is not None]
+    assert earlier and all(s.status in ("within", "regrouped") for s in earlier)
+
+
+def test_a_tensor_quantized_otherwise_than_its_peers_is_named():
+    model = _model("llama")
+    odd = "model.layers.1.self_attn.q_proj"
+
+    def predicate(path, module):
+        return hasattr(module, "to_quantized") and ({"group_size": 32, "bits": 8} if path == odd else True)
+
+    d = diff(model, _quantized(model, 4, predicate), _ids(), progress=False)
+    assert d.verdict == "pass", d.summary()
+    named = [n for n in d.notes if n.startswith(odd)]
+    assert named == [f"{odd} quantized at 8-bit, group 32 where the 1 other model.layers.*.self_attn.q_proj are at "
+                     "4-bit, group 32"], d.notes
+    assert d.site(odd).twin < 0.2 * d.site("model.layers.0.self_attn.q_proj").twin  # 8 bits err ~16× less
+
+
+def test_cli_diff_against_a_quantized_port_and_an_mlx_lm_directory(tmp_path, capsys):
+    """``mlx:4bit`` quantizes the port as ``mlx_lm.convert -q`` does; a directory mlx-lm wrote for a quantized model
+    is read as it is; both pass, the table showing what the quantization explains."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from normscope.cli import main
+
+    model = _model("llama")
+    model.save_pretrained(tmp_path / "llama")
+    capsys.readouterr()
+    code = main(["diff", str(tmp_path / "llama"), "mlx:4bit"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert "quantized: 4-bit, group 64" in out and "beyond" in out and "PASS" in out
+
+    port_ = port(model)
+    port_, config = quantize_model(port_, port_.args.__dict__ | {"model_type": "llama"}, group_size=32, bits=8)
+    save_model(tmp_path / "mlx8", port_)
+    save_config(config, tmp_path / "mlx8" / "config.json")
+    code = main(["diff", str(tmp_path / "llama"), str(tmp_path / "mlx8"), "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert "quantized: 8-bit, group 32" in out and str(tmp_path / "mlx8") in out
 
 
 def test_a_bf16_port_that_loses_the_embedding_scale_is_not_a_pass():

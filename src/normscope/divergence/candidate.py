@@ -94,6 +94,10 @@ class Candidate:
     torch_modules = True  # its records' modules are torch modules (their parameters tell their dtype)
     model: torch.nn.Module | None = None
     twin: torch.nn.Module | None = None  # the reference's modules at the candidate's dtype (None: not needed)
+    # a quantized candidate's modules by path → their quantization in words; its twin is the reference with the
+    # candidate's dequantized weights, and each site is judged against the twin's output (empty: not quantized)
+    quantized: dict[str, str] = {}
+    weight_faults: dict[str, str] = {}  # quantized modules whose weights are not the reference's, quantized: why
     torch_dtype: torch.dtype | None = None  # what the reference's inputs are cast to before a candidate call
     ac = Autocast(None, "cpu")
     bound_suffix = ""
@@ -150,6 +154,24 @@ class Candidate:
             self._twin_modules = dict(self.twin.named_modules(remove_duplicate=False)) if self.twin is not None else {}
         return self._twin_modules
 
+    def twin_output(self, path: str, r: Record, args, kw, memo: Memo, kids: list[Kid] = (), state=None
+                    ) -> tuple[torch.Tensor | None, float | None]:
+        """The twin's module on the reference's inputs (its judged children replayed as in the candidate's run),
+        and the largest error of what its code handed them; (None, None) where it cannot run."""
+        try:
+            ready = restored(args, kw, state)
+            if isinstance(ready, str):
+                return None, None
+            replay = Replay(list(kids), lambda kid: self.twin_modules.get(kid.path))
+            with torch.no_grad(), self.ac(), replay.installed():
+                yt = primary(self.twin_modules[path](*memo.cast(ready[0], self.torch_dtype),
+                                                     **memo.cast(ready[1], self.torch_dtype, True)))
+        except Exception:
+            return None, None
+        if not isinstance(yt, torch.Tensor):
+            return None, None
+        return yt, (replay.feeds[0] if replay.feeds is not None else None)
+
     def twin_error(self, path: str, r: Record, site_dtype: str, ref_dtype: str, own_error: float, args, kw,
                    y: torch.Tensor, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[float | None, str | None]:
         """The reference's module at the candidate's dtype on the same inputs (its judged children replayed as in
@@ -159,19 +181,10 @@ class Candidate:
         if self.twin is self.model and r.module is self.twin_modules[path]:
             tw = own_error
         else:
-            try:
-                ready = restored(args, kw, state)
-                if isinstance(ready, str):
-                    return None, None
-                replay = Replay(list(kids), lambda kid: self.twin_modules.get(kid.path))
-                with torch.no_grad(), self.ac(), replay.installed():
-                    yt = primary(self.twin_modules[path](*memo.cast(ready[0], self.torch_dtype),
-                                                         **memo.cast(ready[1], self.torch_dtype, True)))
-                tw = metrics.errors(yt, y).get("normalized") if isinstance(yt, torch.Tensor) else None
-                if tw is not None and replay.feeds is not None:
-                    tw = max(tw, replay.feeds[0])
-            except Exception:
-                tw = None
+            yt, fed = self.twin_output(path, r, args, kw, memo, kids, state)
+            tw = metrics.errors(yt, y).get("normalized") if yt is not None else None
+            if tw is not None and fed is not None:
+                tw = max(tw, fed)
         if tw is not None and not math.isfinite(tw):
             return None, "the reference's module at the candidate's dtype is not finite here"
         return tw, None

@@ -43,7 +43,9 @@ def add_parser(subparsers) -> Any:
                    help="the same forms, an .onnx file, an OpenVINO IR .xml, or 'openvino' (REFERENCE converted by "
                         "openvino.convert_model and run by OpenVINO on the CPU; pip install 'normscope[openvino]'), "
                         "or 'mlx' (REFERENCE, a Hugging Face model, ported by mlx-lm and run by MLX on the CPU; "
-                        "pip install 'normscope[mlx]'), a .gguf or 'llama.cpp' (REFERENCE written as a GGUF) run by "
+                        "pip install 'normscope[mlx]'; 'mlx:4bit' or 'mlx:8bit': that port quantized as mlx_lm.convert "
+                        "-q does, judged against REFERENCE with its own dequantized weights; or a directory "
+                        "mlx_lm.convert -q wrote), a .gguf or 'llama.cpp' (REFERENCE written as a GGUF) run by "
                         "llama.cpp on the CPU (pip install 'normscope[llamacpp]': builds llama.cpp, minutes); omit "
                         "with --candidate-dtype or --autocast")
     p.add_argument("--inputs", help=INPUTS_HELP)

@@ -98,8 +98,11 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
                                              or s.name == d.first_divergence or s.own_missing]
     prefix = "" if all_sites else _common_prefix([s.name for s in shown])
     # under autocast each site runs at its own dtype: the column says which one it was judged at
+    # a quantized candidate: what its dequantized weights explain of each site's error, beside what they do not
+    quantized = any(s.beyond_twin is not None for s in d.sites)
     cols = (("#", "site", "class") if all_sites else ("site",)) + (("ran at",) if d.autocast else ()) + (
-        "own err", "bound", "propagated") + (("SQNR dB",) if all_sites else ()) + ("status",)
+        ("quantized", "beyond") if quantized else ("own err",)) + ("bound", "propagated") + (
+        ("SQNR dB",) if all_sites else ()) + ("status",)
     rows = []
     for s in shown:
         style = _STYLE.get(s.status, "")
@@ -110,10 +113,14 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
             _pair(s.elementwise["worst_error"], s.elementwise["worst_bound"])
         ran = ((_SHORT.get(s.dtype, s.dtype or "—"),) if d.autocast else ())
         own = "n/a" if s.own_missing else _e(s.judged_error)
+        if quantized:  # a norm keeps its float weights: its row is judged on its contract, as ever
+            own = (_e(s.twin) if s.beyond_twin is not None else "—", own)
+        else:
+            own = (own,)
         head = (str(s.order), s.name, escape(s.cls)) if all_sites else (s.name[len(prefix):],)
-        rows.append((*head, *ran, own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
+        rows.append((*head, *ran, *own, bound, _e(s.propagated_error), *((_db(s.propagated),) if all_sites else ()),
                      f"[{style}]{status}[/]" if style else status))
-    t = _table(console, cols, rows, {"#", "own err", "bound", "propagated", "SQNR dB"})
+    t = _table(console, cols, rows, {"#", "own err", "quantized", "beyond", "bound", "propagated", "SQNR dB"})
     if prefix:
         console.print(f"[dim]sites under {escape(prefix)}[/]")
     console.print(t)
@@ -126,6 +133,10 @@ def _render_forward(d: Diff, console: Console, all_sites: bool) -> None:
                       "the reference's input; propagated = the candidate's own forward; at norm sites the bound column "
                       "is a/b: the worst element's distance a from the site contract's float64 value, and its bound b "
                       "under that contract's error model[/]")
+    if quantized:
+        console.print("[dim]quantized = ‖t − r‖/‖r‖, t the reference's module run with the candidate's own dequantized "
+                      "weights on the reference's input: the error its quantization explains; beyond = ‖c − t‖/‖t‖, "
+                      "what it does not explain, held to the bound[/]")
     for s in [s for s in d.sites if s.status == "regrouped"][:3]:
         console.print(f"[cyan]regrouped:[/] {escape(s.name)}: {escape(s.note)}")
     for n in d.notes[:5]:

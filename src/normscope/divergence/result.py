@@ -67,6 +67,10 @@ class SiteDiff:
     own: dict[str, Any] | None = None  # candidate's module on the reference's input vs the reference's output
     propagated: dict[str, Any] | None = None  # candidate's own forward vs the reference's output
     twin: float | None = None  # normalised error of the reference's module at the candidate's dtype
+    # a quantized candidate: its own output against the twin's (the reference with the candidate's dequantized
+    # weights), ‖c − t‖/‖t‖ — the error its quantization does not explain, which the bound judges; ``twin`` is then
+    # what the quantization (and the dtype) explain
+    beyond_twin: float | None = None
     bound: float | None = None
     bound_rule: str = ""
     note: str = ""
@@ -98,9 +102,12 @@ class SiteDiff:
     @property
     def judged_error(self) -> float | None:
         """The number its bound was held to: the largest of its own error, what its code handed its children
-        (``feeds``) and its other outputs' errors (None without an own error)."""
+        (``feeds``) and its other outputs' errors (None without an own error); at a quantized candidate's site, its
+        error beyond the twin (``beyond_twin``)."""
         if self.own_error is None:
             return None
+        if self.beyond_twin is not None:
+            return self.beyond_twin
         others = [v for v in (self.feeds, *self.outputs.values()) if v is not None]
         return max([self.own_error, *others])
 

@@ -156,6 +156,15 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
         reason = (f"own error at element {tuple(v['worst'])}: |Δ| = {sig(v['worst_error'])} > bound "
                   f"{sig(v['worst_bound'])}{faithful} ({v['outside']} of {v['total']} elements outside; "
                   f"‖Δ‖/‖r‖ = {sig(s.own['normalized'])}) [{s.bound_rule}]")
+    elif s.beyond_twin is not None and s.note:  # its weights are not the reference's, quantized
+        reason = (f"{s.note} [{s.bound_rule}]; its output errs by ‖Δ‖/‖r‖ = {sig(s.own['normalized'])}, the same "
+                  f"module with those weights by {sig(s.twin)}")
+    elif s.beyond_twin is not None:
+        reason = (f"own error ‖Δ‖/‖r‖ = {sig(s.own['normalized'])}, of which the candidate's dequantized weights "
+                  f"explain {sig(s.twin)}: its output departs from the reference run with them by "
+                  f"{sig(s.beyond_twin)} > bound {sig(s.bound)} [{s.bound_rule}]")
+        if s.kind == "module":
+            reason += "; " + between_children(s)
     else:
         which, m = ("own", s.own) if s.own is not None else ("propagated", s.propagated)
         other = {k: v for k, v in s.outputs.items() if v is not None and v > s.bound}

@@ -55,13 +55,17 @@ class Walk:
         self.site_contracts = contracts.Contracts()
         self.model_inputs = model_inputs  # the model's own arguments: their error is known (none)
         # sites whose candidate output is the reference's times a constant: (their output, the site, its consumers)
-        self.scaled: list[tuple[torch.Tensor, SiteDiff, list[tuple[SiteDiff, str, float | None]]]] = []
+        # a site whose output the candidate scaled: the reference's output (what its consumers take), the site, its
+        # consumers, and what a consumer's input is compared with (the reference's output; a quantized candidate's
+        # twin output)
+        self.scaled: list[tuple[torch.Tensor, SiteDiff, list[tuple[SiteDiff, str, float | None]], torch.Tensor]] = []
 
     # ------------------------------------------------------------------ hook callbacks
     def pre(self, module, path, number, a, kw=None) -> None:
         # a call that will write to a state object (a KV cache): its state before the call, for teacher forcing
-        state = snapshot(a, kw) if self.cand.replays_children and not (stateless(a) and stateless(kw or {})) \
-            else None
+        # (of the candidate's module, or of a quantized candidate's twin)
+        state = snapshot(a, kw) if (self.cand.replays_children or self.cand.quantized) and not (
+            stateless(a) and stateless(kw or {})) else None
         self.frames.enter(a, state)
 
     def post(self, module, path, number, a, kw, output) -> None:
@@ -260,6 +264,9 @@ class Walk:
                 if s.status == "diverged":
                     self._remember(s, module, cand_ref, args, y, yc)
                 return
+        if self.cand.quantized:
+            self._judge_quantized(s, module, path, r, cand_ref, f, kw, y, yc, site_dtype, n)
+            return
         own = max(s.own["normalized"], s.feeds or 0.0)
         tw, note = self.cand.twin_error(path, r, site_dtype, self.ref_dtype, own, args, kw, y, self.memo,
                                         f["kids"], f["state"])
@@ -272,7 +279,34 @@ class Walk:
             factor = metrics.constant_factor(yc, y, s.bound)
             if factor is not None:
                 s.factor = factor
-                self.scaled.append((y, s, []))
+                self.scaled.append((y, s, [], y))
+
+    def _judge_quantized(self, s, module, path, r, cand_ref, f, kw, y, yc, site_dtype, n) -> None:
+        """A quantized candidate's site: its own output against the reference's module run with the candidate's
+        dequantized weights at its dtype (the twin), held to float rounding at that dtype; the twin's error against
+        the reference is what the quantization explains."""
+        yt = None
+        if path in self.cand.twin_modules:
+            yt, _ = self.cand.twin_output(path, r, f["args"], kw, self.memo, f["kids"], f["state"])
+        if yt is None or tuple(yt.shape) != tuple(yc.shape):  # not judged: it counts against the coverage
+            s.own, s.own_missing = None, "the reference with the candidate's dequantized weights could not run here"
+            return
+        s.twin = metrics.errors(yt, y).get("normalized")
+        beyond = metrics.errors(yc, yt)
+        s.beyond_twin = beyond.get("normalized")
+        s.bound, s.bound_rule = metrics.bound(site_dtype, site_dtype, None, n)
+        s.bound_rule += " beyond the reference run with the candidate's dequantized weights" + self.cand.bound_suffix
+        s.status = "diverged" if s.beyond_twin is None or not s.beyond_twin <= s.bound else "within"
+        fault = self.cand.weight_faults.get(path)
+        if fault is not None:  # computing faithfully with weights that are not the reference's
+            s.status, s.note = "diverged", fault
+            s.bound_rule = "each element of its dequantized weight within one quantization step of the reference's"
+        if s.status == "diverged":
+            self._remember(s, module, cand_ref, f["args"], y, yc)
+            factor = metrics.constant_factor(yc, yt, s.bound) if fault is None else None
+            if factor is not None:  # a scale applied in another module, as in ``_judge_own``
+                s.factor = factor
+                self.scaled.append((y, s, [], yt))
 
     def _other_outputs(self, s: SiteDiff, cand_out, ref_out) -> None:
         """A module with several floating outputs (an attention's weights beside its output, a model's pooled
@@ -295,11 +329,11 @@ class Walk:
     def _consumes(self, s: SiteDiff, r, args, kw) -> None:
         """When this call takes the output of a site the candidate scaled: how far the candidate's own input here
         (when its record keeps it) is from the reference's, else this site's propagated error (judged later)."""
-        for out, _, consumers in self.scaled:
+        for out, _, consumers, target in self.scaled:
             if not any(a is out for a in (*args, *kw.values())):
                 continue
             xc = self.cand.recorded_input(r)
-            err = metrics.errors(xc, out).get("normalized") if xc is not None else None
+            err = metrics.errors(xc, target).get("normalized") if xc is not None else None
             consumers.append((s, "input" if err is not None else "output", err))
 
     def regroup(self) -> None:
@@ -308,7 +342,7 @@ class Walk:
         of the reference's — is a scale the candidate applies elsewhere (an mlx-lm port scales Gemma's embedding
         after the embedding): ``regrouped``, not a divergence. Without a consumer that agrees, it stays diverged (a
         scale lost, not moved)."""
-        for _, s, consumers in self.scaled:
+        for _, s, consumers, _ in self.scaled:
             judged = [(c, what, err if what == "input" else (c.propagated or {}).get("normalized"))
                       for c, what, err in consumers if what == "input" or c.propagated is not None]
             if not judged or not all(isinstance(e, float) and e <= s.bound for _, _, e in judged):
@@ -334,7 +368,7 @@ class Walk:
     def _remember(self, s: SiteDiff, ref_module, cand_module, args, y, yc) -> None:
         """The first divergent site's modules (and, with ``keep``, its tensors), for its explanation; sites before it
         that may turn out to be a regrouping (:meth:`regroup`) do not count as the first yet."""
-        if any(name not in {site.name for _, site, _ in self.scaled} for name in self.first):
+        if any(name not in {site.name for _, site, _, _ in self.scaled} for name in self.first):
             return
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         self.first[s.name] = {"ref": ref_module, "cand": cand_module, "shape": tuple(x.shape) if x is not None else None,

@@ -14,6 +14,8 @@ took a stateful argument (a KV cache object) is not run again.
 
 from __future__ import annotations
 
+import json
+import re
 import tempfile
 import warnings
 from collections import defaultdict
@@ -35,8 +37,31 @@ _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 
+#: ``mlx``, or ``mlx:4bit`` / ``mlx:8bit``: the reference ported by mlx-lm, quantized as ``mlx_lm.convert -q`` does
+_PORT = re.compile(r"mlx(?::(\d+)bit)?")
+
+
+def port_bits(obj) -> tuple[bool, int | None]:
+    """Whether ``obj`` asks for the reference ported by mlx-lm, and at how many bits (None: not quantized)."""
+    m = _PORT.fullmatch(obj) if isinstance(obj, str) else None
+    return (m is not None, int(m.group(1)) if m and m.group(1) else None)
+
+
+def is_mlx_directory(obj) -> bool:
+    """A directory mlx-lm wrote for a quantized model (``mlx_lm.convert -q``): its config.json has a
+    ``quantization`` entry with the bits and group size, which a Hugging Face checkpoint does not."""
+    if not isinstance(obj, str | Path):
+        return False
+    config = Path(obj) / "config.json"
+    try:
+        q = json.loads(config.read_text()).get("quantization") if config.is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(q, dict) and "bits" in q
+
+
 def is_mlx(obj) -> bool:
-    return (isinstance(obj, str) and obj == "mlx") or is_mlx_module(obj)
+    return port_bits(obj)[0] or is_mlx_module(obj) or is_mlx_directory(obj)
 
 
 def dtype_of(value) -> str | None:
@@ -56,23 +81,140 @@ def model_dtype(model) -> str:
     return "float32"
 
 
-def refuse_quantized(model) -> None:
-    """An MLX model with quantized layers (``nn.quantize``, a 4-bit mlx-lm port) is refused with the reason: the
-    rounding of a quantized block has no bound in the error model, so no site could be judged against one."""
-    quantized = sorted({type(m).__name__ for _, m in model.named_modules() if type(m).__name__.startswith("Quantized")
-                        or hasattr(m, "bits") and hasattr(m, "group_size")})
-    if quantized:
-        raise InputError(f"the MLX model has quantized layers ({', '.join(quantized)}): a quantized weight's rounding "
-                         "has no bound in normscope's error model, so no site could be judged against one; diff a "
-                         "float port (float32, float16 or bfloat16) of the same model")
+def quantized_layers(model) -> dict[str, Any]:
+    """The MLX model's quantized modules by path (``nn.quantize``, an mlx-lm 4- or 8-bit port): each holds its
+    packed ``weight`` with ``scales`` (and ``biases`` in affine mode), ``group_size`` and ``bits``."""
+    return {p: m for p, m in model.named_modules()
+            if hasattr(m, "bits") and hasattr(m, "group_size") and "scales" in m and "weight" in m}
 
 
-def port(reference: torch.nn.Module):
-    """The reference as mlx-lm ports it: its config and weights written as a Hugging Face checkpoint, loaded by
-    ``mlx_lm.utils.load_model``. Raises InputError when the reference is not a Hugging Face model mlx-lm has a
-    port of."""
+def quantization_of(module) -> str:
+    """A quantized module's type in words: "4-bit, group 64" (its mode after it where not affine)."""
+    mode = getattr(module, "mode", "affine")
+    return f"{module.bits}-bit, group {module.group_size}" + ("" if mode in (None, "affine") else f", {mode}")
+
+
+def dequantized_weight(module) -> torch.Tensor:
+    """The weight a quantized MLX module multiplies by, dequantized by MLX from its own packed values, scales and
+    biases, at the scales' dtype."""
+    mx = require("mlx.core", "mlx")
+    kw = {"group_size": module.group_size, "bits": module.bits}
+    if getattr(module, "mode", None) is not None:
+        kw["mode"] = module.mode
+    with mx.stream(cpu_stream()):
+        w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), **kw)
+    return floating(w)
+
+
+def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
+    """None when every element of a quantized module's dequantized weight is within one quantization step (its
+    group's scale) of the reference's weight, with the rounding of the scales' dtype on top; else where and by how
+    much it is not — the weights are not the reference's, quantized (a conversion that scaled, swapped or
+    mis-packed a tensor). A step, not half of one: MLX's affine quantization keeps zero exact, which costs up to a
+    step. Checked for affine quantization (scales and biases stored as floats); None for other modes."""
+    from ...dtypes import UNIT_ROUNDOFF
+
+    if getattr(module, "mode", "affine") not in (None, "affine") or "biases" not in module:
+        return None
+    scales, biases = floating(module["scales"]), floating(module["biases"])
+    if scales is None or biases is None:
+        return None
+    w = dequantized_weight(module).double()
+    r = reference_weight.detach().double()
+    g = module.group_size
+    step = scales.double().abs().repeat_interleave(g, dim=-1)[..., :w.shape[-1]]
+    bias = biases.double().abs().repeat_interleave(g, dim=-1)[..., :w.shape[-1]]
+    u = UNIT_ROUNDOFF.get(str(scales.dtype).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
+    allowed = step * (1 + 2 ** module.bits * u) + u * (bias + r.abs()) + 1e-30
+    off = (w - r).abs() > allowed
+    if not bool(off.any()):
+        return None
+    excess = torch.where(off, (w - r).abs() / allowed, torch.zeros_like(w))
+    at = tuple(int(i) for i in torch.unravel_index(torch.argmax(excess), w.shape))
+    return (f"its dequantized weight is not the reference's, quantized: {int(off.sum())} of {w.numel()} elements "
+            f"further than one quantization step from the reference's (largest at {at}: {w[at].item():.4g} against "
+            f"{r[at].item():.4g}, step {step[at].item():.3g}; ‖Δ‖/‖r‖ of the weight "
+            f"{float((w - r).norm() / max(float(r.norm()), 1e-30)):.3g})")
+
+
+def dequantized_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: str
+                     ) -> tuple[torch.nn.Module, dict[str, str]]:
+    """A private copy of the reference at ``dtype`` whose weight at each quantized path is the candidate's own,
+    dequantized: what a faithful quantized candidate computes, up to float rounding; and, by path, the quantized
+    modules whose weights are not the reference's quantized (:func:`weight_fault`). Raises InputError naming a
+    quantized module the reference has no weight of that shape for (the port is not of this model)."""
+    twin = private_copy(reference, dtype=_TORCH[dtype])
+    modules = dict(twin.named_modules())
+    ref_modules = dict(reference.named_modules())
+    faults: dict[str, str] = {}
+    for path, m in layers.items():
+        w = dequantized_weight(m)
+        target = getattr(modules.get(path), "weight", None)
+        if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape):
+            have = "no module" if path not in modules else (
+                "no weight" if not isinstance(target, torch.Tensor) else f"weight {list(target.shape)}")
+            raise InputError(f"the MLX model's quantized {path} ({quantization_of(m)}, dequantized {list(w.shape)}) "
+                             f"has no counterpart in the reference ({have} at {path!r}): its dequantized weights "
+                             "cannot be compared with the reference's module")
+        fault = weight_fault(m, ref_modules[path].weight)
+        if fault is not None:
+            faults[path] = fault
+        with torch.no_grad():
+            target.copy_(w.to(target.dtype))
+    return twin, faults
+
+
+def role(path: str) -> str:
+    """A module path with its layer indices taken out (``model.layers.3.self_attn.q_proj`` →
+    ``model.layers.*.self_attn.q_proj``): the same module in every layer has one role."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def quantization_notes(layers: dict[str, Any]) -> list[str]:
+    """What the candidate's quantization is, and each module quantized otherwise than every other module of its
+    role (one layer's projection at 2 bits where the rest are at 4): named, since a recipe may mean it, never a
+    verdict by itself."""
+    kinds: dict[str, int] = defaultdict(int)
+    by_role: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path, m in layers.items():
+        q = quantization_of(m)
+        kinds[q] += 1
+        by_role[role(path)][q].append(path)
+    what = ", ".join(f"{n} at {q}" for q, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    notes = [f"quantized candidate: {len(layers)} modules ({what}); each site is judged against the reference run "
+             "with the candidate's own dequantized weights at the candidate's dtype (what quantization explains), "
+             "within float rounding"]
+    for r, types in by_role.items():
+        if len(types) < 2:
+            continue
+        common = max(types, key=lambda q: (len(types[q]), kinds[q]))  # a tie: the model's most common type
+        for q, paths in types.items():
+            if q != common:
+                notes.append(f"{', '.join(paths[:3])}{' …' if len(paths) > 3 else ''} quantized at {q} where the "
+                             f"{len(types[common])} other {r} are at {common}")
+    return notes
+
+
+def load_directory(path) -> Any:
+    """An mlx-lm model directory (:func:`is_mlx_directory`) as ``mlx_lm.utils.load_model`` reads it."""
     require("mlx_lm", "mlx")
     from mlx_lm.utils import load_model
+
+    try:
+        model, _ = load_model(Path(path))
+    except Exception as exc:
+        raise InputError(f"mlx-lm could not load the model in {path}: {type(exc).__name__}: {exc}") from None
+    require("mlx.core", "mlx").eval(model.parameters())
+    return model
+
+
+def port(reference: torch.nn.Module, bits: int | None = None):
+    """The reference as mlx-lm ports it: its config and weights written as a Hugging Face checkpoint, loaded by
+    ``mlx_lm.utils.load_model``; with ``bits``, quantized by ``mlx_lm.utils.quantize_model`` as ``mlx_lm.convert
+    -q`` does (mlx-lm's default group size). Raises InputError when the reference is not a Hugging Face model
+    mlx-lm has a port of."""
+    require("mlx_lm", "mlx")
+    from mlx_lm.utils import load_model, quantize_model
 
     from ...sources import quiet_libraries
 
@@ -85,11 +227,17 @@ def port(reference: torch.nn.Module):
         with quiet_libraries():  # transformers' "Writing model shards" bar: normscope's doing, not the user's
             reference.save_pretrained(tmp, safe_serialization=True)
         try:
-            model, _ = load_model(Path(tmp))
+            model, mlx_config = load_model(Path(tmp))
         except ValueError as exc:  # mlx-lm names an architecture it has no port of with a ValueError
             raise InputError(f"mlx-lm could not port model_type {config.model_type!r}: {exc}") from None
         except Exception as exc:
             raise TargetError(f"mlx-lm could not load the reference's weights: {type(exc).__name__}: {exc}") from None
+        if bits is not None:
+            try:
+                model, _ = quantize_model(model, mlx_config, group_size=None, bits=bits)
+            except Exception as exc:  # a width the group size does not divide, a bit width MLX has no kernel for
+                raise InputError(f"mlx-lm could not quantize the port at {bits} bits: {type(exc).__name__}: "
+                                 f"{exc}") from None
         require("mlx.core", "mlx").eval(model.parameters())  # read now: the directory goes away
     return model
 
@@ -252,7 +400,8 @@ class MlxCandidate(Candidate):
     """A model as MLX runs it on the CPU (this module): an ``mlx.nn.Module`` with the reference's module
     names (an mlx-lm port), or ``"mlx"``, the reference ported here by mlx-lm. Each site's own output is its MLX
     module called on the reference's input; at a dtype below the reference's, the twin is the reference's module
-    at that dtype."""
+    at that dtype. A quantized model's twin is the reference with the candidate's own weights, dequantized
+    (:func:`dequantized_twin`), and each site is judged against it (:attr:`Candidate.quantized`)."""
 
     runner = " on MLX"
     torch_modules = False
@@ -262,13 +411,26 @@ class MlxCandidate(Candidate):
         from ...extras import require
 
         mx = require("mlx.core", "mlx")
-        ported = isinstance(model, str)
-        self.mlx_model = port(reference) if ported else model
-        refuse_quantized(self.mlx_model)
+        ported, bits = port_bits(model)
+        if ported:
+            self.mlx_model = port(reference, bits)
+            what = "the reference ported by mlx-lm"
+        elif is_mlx_directory(model):
+            self.mlx_model, what = load_directory(model), f"mlx-lm's {model}"
+        else:
+            self.mlx_model, what = model, type(model).__name__
         dtype = model_dtype(self.mlx_model)
-        what = "the reference ported by mlx-lm" if ported else type(model).__name__
+        layers = quantized_layers(self.mlx_model)
+        if layers:
+            kinds = sorted({quantization_of(m) for m in layers.values()})
+            what += f"; quantized: {', '.join(kinds)}"
         super().__init__(f"MLX {mx.__version__} CPU ({what})", dtype)
-        if dtype != ref_dtype:
+        if layers:
+            self.quantized = {path: quantization_of(m) for path, m in layers.items()}
+            self.torch_dtype = getattr(torch, dtype)
+            self.twin, self.weight_faults = dequantized_twin(reference, layers, dtype)
+            self.notes.extend(quantization_notes(layers))
+        elif dtype != ref_dtype:
             self.torch_dtype = getattr(torch, dtype)
             self.twin = private_copy(reference, dtype=self.torch_dtype)
 
@@ -277,7 +439,8 @@ class MlxCandidate(Candidate):
         def record(path, number, call, out):
             self.records.append(Record(path, number, call, floating(output(out))))
 
-        self.error, self.failed, self.notes = run_candidate(self.mlx_model, args, kwargs, record)
+        self.error, self.failed, notes = run_candidate(self.mlx_model, args, kwargs, record)
+        self.notes.extend(notes)
         self.cache_bytes = kept_bytes(self.records)
 
     def recorded_input(self, r: Record) -> torch.Tensor | None:

@@ -4,7 +4,8 @@ Each kernel takes its rows as a flat buffer and a row stride (strided rows are r
 in parallel (``prange``; each also has a ``*_serial`` build on the calling thread, for a forked child or numba's
 ``workqueue`` layer), keeps every statistic in float32 and rounds each output to the storage dtype.
 numba has no 16-bit float type on the CPU, so bfloat16 and float16 arrays travel as their ``uint16`` bit
-patterns: a row is decoded into a float32 scratch row (bfloat16 by a shift, float16 by a 65536-entry table),
+patterns: a row is decoded into a float32 scratch row (bfloat16 by a shift, float16 by the CPU's own conversion
+where it has one — :data:`..numba_bits.HARDWARE_HALF` — else a 65536-entry table),
 computed there, rounded to nearest-even into the storage dtype and encoded back. The same row functions
 serve float32 rows, which are computed in place of the output row.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..numba_bits import as_float32, as_uint32
+from ..numba_bits import HARDWARE_HALF, as_float32, as_uint32, float32_to_half, half_to_float32
 from .streaming import store_fence, stream_row
 
 _FM = {"reassoc", "contract"}
@@ -72,6 +73,8 @@ def _bits_16(v, fmt):
     """A float32 value's nearest bfloat16 (fmt 1) or float16 (fmt 2) bit pattern."""
     if fmt == 1:
         return np.uint16(_bf16_rounded(as_uint32(v)) >> _U32(16))
+    if HARDWARE_HALF:
+        return float32_to_half(v)
     return _f16_bits(as_uint32(v))
 
 
@@ -80,6 +83,8 @@ def _rounded_16(v, fmt):
     """A float32 value rounded to the nearest bfloat16 (fmt 1) or float16 (fmt 2) value, as a float32."""
     if fmt == 1:
         return as_float32(_bf16_rounded(as_uint32(v)))
+    if HARDWARE_HALF:
+        return half_to_float32(float32_to_half(v))
     return _f16_value(_f16_bits(as_uint32(v)))
 
 
@@ -89,6 +94,9 @@ def _decode(src, start, n, fmt, table, buf, bits):
     if fmt == 1:
         for j in range(n):
             bits[j] = _U32(_U32(row[j]) << _U32(16))
+    elif HARDWARE_HALF:
+        for j in range(n):
+            buf[j] = half_to_float32(row[j])
     else:
         for j in range(n):
             buf[j] = table[row[j]]

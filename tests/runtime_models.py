@@ -3,10 +3,54 @@ with trained-looking γ (their initial value perturbed), and the token ids they 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 SIZE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedCase:
+    """One generated case of the quantized-candidate property: an architecture, a quantization scheme (``4bit``,
+    ``int8``…), a fault kind (``clean``: none). Each test module builds its own (``build``)."""
+
+    family: str
+    scheme: str
+    fault: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.family}-{self.scheme}-{self.fault}"
+
+    def build(self):
+        """The reference, its quantized candidate with the fault put in, the clean quantized candidate, and the
+        faulted module's path (None when clean)."""
+        raise NotImplementedError
+
+    def check(self, logits):
+        """The property on this case: a clean candidate is a PASS; a fault that moves the logits (``logits(model,
+        ids)``, float64 NumPy) away from the clean candidate's is a FAIL naming its module or an ancestor. Returns
+        the diff."""
+        import numpy as np
+
+        from normscope import diff
+
+        model, cand, clean, site = self.build()
+        ids = token_ids()
+        d = diff(model, cand, ids, progress=False)
+        text = f"{self.id}: {d.summary()} | {d.inconclusive}"
+        if site is None:
+            assert d.verdict == "pass", text
+            return d
+        a, b = logits(cand, ids), logits(clean, ids)
+        moved = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+        assert moved > 1e-4, f"the fault does not move the logits ({moved:.3g}): not a case"
+        assert d.verdict == "fail", f"moved {moved:.3g}; {text}"
+        named = d.first_divergence.split("#")[0]
+        assert named == site or site.startswith(named + "."), f"injected at {site}; {text}"
+        return d
 
 
 def skip_without_mlx() -> None:

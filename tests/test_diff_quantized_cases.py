@@ -10,12 +10,8 @@ attention: a module holding a ``rope``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
-from runtime_models import skip_without_mlx, tiny_causal_lm, token_ids
-
-from normscope import diff
+from runtime_models import QuantizedCase, skip_without_mlx, tiny_causal_lm
 
 skip_without_mlx()
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -40,15 +36,10 @@ def _at(port, path: str):
     return dict(port.named_modules())[path]
 
 
-@dataclass(frozen=True)
-class Case:
-    family: str
-    bits: int
-    fault: str
-
+class Case(QuantizedCase):
     @property
-    def id(self) -> str:
-        return f"{self.family}-{self.bits}bit-{self.fault}"
+    def bits(self) -> int:
+        return int(self.scheme.removesuffix("bit"))
 
     def build(self):
         """The reference, its quantized port with the fault put in, the clean quantized port, and the faulted
@@ -90,7 +81,7 @@ class Case:
         return model, cand, clean, site
 
 
-CASES = [Case(f, b, x) for f in FAMILIES for b in (4, 8) for x in FAULTS]
+CASES = [Case(f, f"{b}bit", x) for f in FAMILIES for b in (4, 8) for x in FAULTS]
 
 
 def _logits(port, ids):
@@ -102,18 +93,4 @@ def _logits(port, ids):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_diff_judges_a_quantized_candidate_by_what_its_quantization_explains(case: Case):
-    import numpy as np
-
-    model, cand, clean, site = case.build()
-    ids = token_ids()
-    d = diff(model, cand, ids, progress=False)
-    text = f"{case.id}: {d.summary()} | {d.inconclusive}"
-    if site is None:
-        assert d.verdict == "pass", text
-        return
-    a, b = _logits(cand, ids), _logits(clean, ids)
-    moved = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    assert moved > 1e-4, f"the fault does not move the logits ({moved:.3g}): not a case"
-    assert d.verdict == "fail", f"moved {moved:.3g}; {text}"
-    named = d.first_divergence.split("#")[0]
-    assert named == site or site.startswith(named + "."), f"injected at {site}; {text}"
+    case.check(_logits)

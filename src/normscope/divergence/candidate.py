@@ -23,7 +23,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..model import private_copy, untouched
-from . import metrics
+from . import metrics, quantized
 from .execution import (
     Autocast,
     Hooks,
@@ -290,8 +290,15 @@ class ModuleCandidate(TorchCandidate):
         others = sorted({dtype_name(str(t.dtype).replace("torch.", "")) for t in candidate.parameters()
                          if t.is_floating_point()} - {dtype})
         desc = type(candidate).__name__ + (f", partly {', '.join(others)}" if others else "")
+        layers = quantized.torch_quantized(candidate)
+        if layers:
+            desc += "; quantized: " + ", ".join(sorted({quantized.torch_kind(w) for w in layers.values()}))
         super().__init__(candidate.eval(), desc, dtype, ref_dtype)
-        if dtype != ref_dtype:
+        if layers:  # torchao's weight-only quantization: judged against the reference with the dequantized weights
+            self.quantized = {path: quantized.torch_kind(w) for path, w in layers.items()}
+            self.twin, self.weight_faults = quantized.torch_twin(reference, layers, getattr(torch, dtype))
+            self.notes.extend(quantized.notes(self.quantized))
+        elif dtype != ref_dtype:
             self.twin = private_copy(reference, dtype=getattr(torch, dtype))
 
 

@@ -102,14 +102,13 @@ class SiteDiff:
     @property
     def judged_error(self) -> float | None:
         """The number its bound was held to: the largest of its own error, what its code handed its children
-        (``feeds``) and its other outputs' errors (None without an own error); at a quantized candidate's site, its
-        error beyond the twin (``beyond_twin``)."""
+        (``feeds``) and its other outputs' errors (None without an own error); at a quantized candidate's site its
+        error beyond the twin (``beyond_twin``) stands for its own error (what it feeds its children, replayed with
+        the reference's outputs, meets no quantized weight: it is held to the reference's as ever)."""
         if self.own_error is None:
             return None
-        if self.beyond_twin is not None:
-            return self.beyond_twin
         others = [v for v in (self.feeds, *self.outputs.values()) if v is not None]
-        return max([self.own_error, *others])
+        return max([self.own_error if self.beyond_twin is None else self.beyond_twin, *others])
 
     @property
     def propagated_error(self) -> float | None:

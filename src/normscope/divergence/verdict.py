@@ -159,6 +159,9 @@ def explain(s: SiteDiff, info: dict[str, Any] | None, say) -> dict[str, Any]:
     elif s.beyond_twin is not None and s.note:  # its weights are not the reference's, quantized
         reason = (f"{s.note} [{s.bound_rule}]; its output errs by ‖Δ‖/‖r‖ = {sig(s.own['normalized'])}, the same "
                   f"module with those weights by {sig(s.twin)}")
+    elif s.beyond_twin is not None and s.feeds is not None and s.feeds > s.bound and not s.beyond_twin > s.bound:
+        reason = (f"own error: its code hands {s.feeds_to} an input that errs by ‖Δ‖/‖r‖ = {sig(s.feeds)} "
+                  f"(the reference's input to it, replayed) > bound {sig(s.bound)} [{s.bound_rule}]")
     elif s.beyond_twin is not None:
         reason = (f"own error ‖Δ‖/‖r‖ = {sig(s.own['normalized'])}, of which the candidate's dequantized weights "
                   f"explain {sig(s.twin)}: its output departs from the reference run with them by "

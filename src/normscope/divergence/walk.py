@@ -296,7 +296,7 @@ class Walk:
         s.beyond_twin = beyond.get("normalized")
         s.bound, s.bound_rule = metrics.bound(site_dtype, site_dtype, None, n)
         s.bound_rule += " beyond the reference run with the candidate's dequantized weights" + self.cand.bound_suffix
-        s.status = "diverged" if s.beyond_twin is None or not s.beyond_twin <= s.bound else "within"
+        s.status = "diverged" if s.beyond_twin is None or not s.judged_error <= s.bound else "within"
         fault = self.cand.weight_faults.get(path)
         if fault is not None:  # computing faithfully with weights that are not the reference's
             s.status, s.note = "diverged", fault

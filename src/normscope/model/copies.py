@@ -187,8 +187,7 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
             for p, req in grads:
                 p.requires_grad_(req)
             for p, saved in params:
-                if not torch.equal(p, saved):
-                    p.copy_(saved)
+                _restore(p, saved)
             for b, saved in buffers:
                 if b.shape == saved.shape and not torch.equal(b, saved):
                     b.copy_(saved)
@@ -197,6 +196,18 @@ def untouched(model: torch.nn.Module) -> Iterator[None]:
             if changed:
                 raise TargetError(f"the model's forward wrote to its parameters {', '.join(changed[:5])}; they are "
                                   "too large to have been copied, so the scan could not undo it")
+
+
+def _restore(t: torch.Tensor, saved: torch.Tensor) -> None:
+    """``t`` given back the values of ``saved`` (its clone) where they differ; a tensor subclass that wraps plain
+    tensors (a torchao quantized weight: its ``qdata``, ``scale``…) through each of them, since such a type
+    implements neither ``equal`` nor ``copy_`` as a whole."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        for name in t.__tensor_flatten__()[0]:
+            _restore(getattr(t, name), getattr(saved, name))
+        return
+    if not torch.equal(t, saved):
+        t.copy_(saved)
 
 
 def _storages(tensors) -> list[torch.Tensor]:

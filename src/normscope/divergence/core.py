@@ -158,6 +158,11 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         stack.enter_context(untouched(reference))
         reference.eval()
         cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
+        if grad and cand.quantized:
+            raise InputError("grad=True: a quantized candidate's forward is judged against its dequantized weights, "
+                             "but its backward (the gradients its quantized weights pass on, or their "
+                             "straight-through estimate) has no error model here, so no gradient could be judged; "
+                             "leave grad out (--grad), or compare the gradients of a float copy")
         say(f"running the candidate{cand.runner}")
         cand.run(args, kwargs)
         notes.extend(cand.notes)

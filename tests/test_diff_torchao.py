@@ -122,3 +122,10 @@ def test_gradients_of_a_quantized_candidate_are_refused_not_judged():
     model, cand, _, _ = Case("llama", "int8", "clean").build()
     with pytest.raises(InputError, match="backward .* has no error model"):
         diff(model, cand, token_ids(), progress=False, grad=True)
+
+
+def test_a_quantized_candidate_is_not_cast_or_autocast():
+    model, cand, _, _ = Case("llama", "int8", "clean").build()
+    for opts in ({"candidate_dtype": "bfloat16"}, {"autocast": "bfloat16"}):
+        with pytest.raises(InputError, match="weights are quantized"):
+            diff(model, cand, token_ids(), progress=False, **opts)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..dtypes import dtype_name
+from ..errors import InputError
 from ..model import private_copy, untouched
 from . import metrics, quantized
 from .execution import (
@@ -384,6 +385,10 @@ def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | 
     runtime = runtime_of(candidate)
     if runtime is not None:
         return runtime.candidate(candidate, reference, ref_dtype, stack)
+    if isinstance(candidate, torch.nn.Module) and (autocast or candidate_dtype) and quantized.torch_quantized(candidate):
+        raise InputError("the candidate's weights are quantized (torchao): it is judged as it runs, against its own "
+                         "dequantized weights; a copy cast to another dtype or run under autocast would be another "
+                         "model: leave --candidate-dtype and --autocast out")
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

@@ -230,3 +230,23 @@ def test_model_level_commands_have_a_timeout_and_refuse_inputs_beyond_memory(tmp
     assert "--tokens 2,512" in capsys.readouterr().err
     assert main(["scan", str(cfg), "--timeout", "-1"]) == 2
     assert "must be ≥ 0 seconds" in capsys.readouterr().err
+
+
+def test_a_failure_the_deadline_caused_is_reported_as_the_timeout():
+    """The timer interrupts Python wherever it is: work that turns the interruption into another error (a torch
+    function mode's stack left half popped raised RuntimeError, which the scan reported as a failed forward, exit 2)
+    is still late, exit 4."""
+    import time
+
+    from normscope.errors import TargetTimeout
+    from normscope.model_options import deadline
+
+    with pytest.raises(TargetTimeout, match="did not finish within"):
+        with deadline(0.01, "scan"):
+            try:
+                time.sleep(1)
+            except BaseException:
+                raise RuntimeError("trying to pop from empty mode stack") from None
+    with pytest.raises(ValueError, match="its own"):  # a failure before the deadline is the work's own
+        with deadline(5, "scan"):
+            raise ValueError("its own")

@@ -104,6 +104,10 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
             raise late
     except DeadlinePassed:
         raise late from None
+    except Exception:
+        if fired:  # the interruption left the work in a state that failed otherwise (a torch mode stack half popped)
+            raise late from None
+        raise
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -128,21 +128,23 @@ def test_hidden_sizes_match_the_reference(preset, n):
     assert np.abs(y.double().numpy() - want).max() <= 1e-5 * max(1.0, np.sqrt(n) / 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("spec", [NormSpec.preset("llama_rmsnorm"), NormSpec.preset("torch_layernorm"),
                                   NormSpec.preset("torch_layernorm").replace(variance_algorithm="one_pass")],
                          ids=["rms", "ln-two-pass", "ln-one-pass"])
-def test_a_rows_output_does_not_depend_on_the_rows_around_it(monkeypatch, spec, stream):
-    """The float32 forward and backward take a row's sums in the loop that writes an earlier row, and the first
-    rows of each parallel chunk behind rows of zeros: a row's y, h and dx are the same bits alone, first or last in
-    a chunk, or anywhere between, with and without the fused add and streaming stores."""
+def test_a_rows_output_does_not_depend_on_the_rows_around_it(monkeypatch, spec, stream, dtype):
+    """The forward (and the float32 backward) take a row's sums in the loop that writes an earlier row, and the
+    first rows of each parallel chunk behind rows of zeros: a row's y, h and dx are the same bits alone, first or
+    last in a chunk, or anywhere between, with and without the fused add and streaming stores."""
     from normscope.kernels import streaming
 
     monkeypatch.setattr(streaming, "STREAM_MIN_BYTES", 0 if stream else 1 << 62)
     g = torch.Generator().manual_seed(11)
     x, r = torch.randn(37, 1000, generator=g) * 3 + 1, torch.randn(37, 1000, generator=g)
-    gamma, beta = _random_params(spec, 1000)
-    dy = torch.randn(37, 1000, generator=g)
+    x, r = x.to(dtype), r.to(dtype)
+    gamma, beta = _random_params(spec, 1000, dtype)
+    dy = torch.randn(37, 1000, generator=g).to(dtype)
 
     def dx(rows):  # the backward's dx of those rows, computed with nothing else
         xg = x[rows].clone().requires_grad_()

@@ -299,14 +299,30 @@ def _write_row_deviate_next_sum_after(h, out, n, mean, inv, scale, shift, has_sh
     return css, s
 
 
+@njit(inline="always", **_OPTS)
+def _chunk_rows(c, chunks, rows):
+    """The rows [lo, hi) of parallel chunk ``c`` of ``chunks`` (empty past the last row)."""
+    per = (rows + chunks - 1) // chunks
+    return c * per, min(rows, c * per + per)
+
+
+@njit(**_OPTS)
+def _stored_stats(stats, k, h, n, s, ss, center, one_pass, unbiased, eps, placement):
+    """Row ``k``'s statistics from its sums (``_finish_stats``) stored in ``stats[k]``; its (mean, 1 / denominator)
+    for the loop that writes it."""
+    mean, var, denom = _finish_stats(h, n, s, ss, center, one_pass, unbiased, eps, placement)
+    stats[k, 0] = mean
+    stats[k, 1] = var
+    stats[k, 2] = denom
+    return mean, np.float32(1.0) / denom
+
+
 @njit(**_OPTS)
 def _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
                        has_shift, center, one_pass, unbiased, eps, placement, stream):
     """Rows ``c·per … (c+1)·per`` of ``forward_f32``, pipelined as the section's comment says: a row is written
     ``depth`` loops after the loop that took its sums (1; 2 for a two-pass variance)."""
-    per = (rows + chunks - 1) // chunks
-    lo = c * per
-    hi = min(rows, lo + per)
+    lo, hi = _chunk_rows(c, chunks, rows)
     if lo >= hi:
         return
     two_pass = center and not one_pass
@@ -352,11 +368,8 @@ def _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats
                 h0, mean0, inv0 = h1, mean1, np.float32(1.0) / denom
             h1, mean1 = hk, s / np.float32(n)
         elif k < hi:
-            mean, var, denom = _finish_stats(hk, n, s, ss, center, one_pass, unbiased, eps, placement)
-            stats[k, 0] = mean
-            stats[k, 1] = var
-            stats[k, 2] = denom
-            h0, mean0, inv0 = hk, mean, np.float32(1.0) / denom
+            mean0, inv0 = _stored_stats(stats, k, hk, n, s, ss, center, one_pass, unbiased, eps, placement)
+            h0 = hk
     if stream:
         store_fence()
 
@@ -409,22 +422,108 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
         store_fence()
 
 
-@njit(parallel=True, **_OPTS)
-def forward_16(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale, has_shift,
-               center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
-    """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics; ``stream`` as in
-    ``forward_f32``."""
-    for i in prange(rows):
-        _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
-                        center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
+@njit(inline="always", **_OPTS)
+def _value_16(u, fmt, table):
+    """The float32 value of a bfloat16 (fmt 1) or float16 (fmt 2) bit pattern (``_decode``'s, one value)."""
+    if fmt == 1:
+        return as_float32(_U32(_U32(u) << _U32(16)))
+    if HARDWARE_HALF:
+        return half_to_float32(u)
+    return table[u]
+
+
+@njit(inline="always", **_OPTS)
+def _affine_value_16(hj, mean, inv, g, b, has_shift, cast_then_scale, fmt):
+    """One value of ``_affine_16`` (``cast_then_scale``: of ``_affine_cast_16``) with γ = ``g`` (1 where the contract
+    has none: exact) and β = ``b``, as its 16-bit pattern."""
+    if cast_then_scale:
+        v = _rounded_16(_rounded_16((hj - mean) * inv, fmt) * g, fmt)
+        return _bits_16(v + b, fmt) if has_shift else _bits_16(v, fmt)
+    v = (hj - mean) * inv * g
+    return _bits_16(v + b, fmt) if has_shift else _bits_16(v, fmt)
 
 
 @njit(**_OPTS)
-def forward_16_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, scale, shift, has_scale,
-                      has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
-    for i in range(rows):
-        _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
+def _write_16_decode_next(h, out, n, mean, inv, scale, shift, has_shift, cast_then_scale, fmt, table, nx, nh):
+    """The 16-bit forward's rows in a pipeline, as the float32 one's (``_write_row_sum_next``): this row's output
+    computed, rounded and encoded, and the next row's bit patterns ``nx`` decoded into ``nh`` with their sums, in
+    one loop: (s, ss) of the next row."""
+    s = np.float32(0.0)
+    ss = np.float32(0.0)
+    for j in range(n):
+        out[j] = _affine_value_16(h[j], mean, inv, scale[j], shift[j], has_shift, cast_then_scale, fmt)
+        v = _value_16(nx[j], fmt, table)
+        nh[j] = v
+        s += v
+        ss += v * v
+    return s, ss
+
+
+@njit(**_OPTS)
+def _forward_16_chunk(c, chunks, x, x_rs, y, stats, rows, n, scale, shift, has_scale, has_shift, center, one_pass,
+                      unbiased, eps, placement, cast_then_scale, fmt, table, stream):
+    """Rows ``c·per … (c+1)·per`` of ``forward_16`` without a residual: each row decoded, summed and written in
+    the loop that writes the row before it, the chunk starting behind a row of zeros (every row's sums from the
+    same loop, as in the float32 forward)."""
+    lo, hi = _chunk_rows(c, chunks, rows)
+    if lo >= hi:
+        return
+    zeros16 = np.zeros(n, np.uint16)
+    sc = scale if has_scale else np.ones(n, np.float32)
+    sh = shift if has_shift else np.zeros(n, np.float32)
+    # the decoded row being written and the next one, in turn, and the row of zeros the chunk starts behind (never
+    # one the same loop writes: overlapping arrays send it to its unvectorized version, which sums in another order)
+    rows_f = np.zeros((3, n), np.float32)
+    scratch = np.empty(n, np.uint16)  # the output of the row of zeros; streamed: each row's output before its stores
+    h0 = rows_f[2]
+    mean0, inv0 = np.float32(0.0), np.float32(0.0)
+    for i in range(lo - 1, hi):
+        out = scratch if (i < lo or stream) else y[i * n:(i + 1) * n]
+        k = i + 1
+        nx = x[k * x_rs:k * x_rs + n] if k < hi else zeros16
+        nh = rows_f[k % 2]
+        s, ss = _write_16_decode_next(h0, out, n, mean0, inv0, sc, sh, has_shift, cast_then_scale, fmt, table, nx,
+                                      nh)
+        if i >= lo and stream:
+            stream_row(y[i * n:(i + 1) * n], out, n)
+        if k < hi:
+            mean0, inv0 = _stored_stats(stats, k, nh, n, s, ss, center, one_pass, unbiased, eps, placement)
+            h0 = nh
+    if stream:
+        store_fence()
+
+
+@njit(**_OPTS)
+def _forward_16_unit(u, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
+                     has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
+    """Unit ``u`` of ``forward_16``: a row with the fused add, else a pipelined chunk of rows."""
+    if has_res:
+        _forward_16_row(u, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale, shift, has_scale, has_shift,
                         center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
+    else:
+        _forward_16_chunk(u, chunks, x, x_rs, y, stats, rows, n, scale, shift, has_scale, has_shift, center,
+                          one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
+
+
+@njit(parallel=True, **_OPTS)
+def forward_16(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale, has_shift,
+               center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
+    """bfloat16 (fmt 1) / float16 (fmt 2) rows as uint16 patterns; float32 statistics; ``stream`` as in
+    ``forward_f32``. Without a residual the rows run in ``chunks`` pipelined chunks (``_forward_16_chunk``); the
+    fused add, one row at a time."""
+    units = rows if has_res else chunks  # (a conditional inside prange's bound keeps numba from parallelising it)
+    for u in prange(units):
+        _forward_16_unit(u, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
+                         has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
+
+
+@njit(**_OPTS)
+def forward_16_serial(x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
+                      has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream):
+    units = rows if has_res else chunks
+    for u in range(units):
+        _forward_16_unit(u, x, x_rs, res, res_rs, has_res, y, h_out, stats, rows, n, chunks, scale, shift, has_scale,
+                         has_shift, center, one_pass, unbiased, eps, placement, cast_then_scale, fmt, table, stream)
 
 
 # ------------------------------------------------------------------------------------------- backward
@@ -513,9 +612,7 @@ def _backward_f32_chunk(c, h, dy, dh, has_dh, dx, stats, rows, n, chunks, scale,
     """Rows ``c·per … (c+1)·per`` of ``backward_f32``: row i's dx written in the loop that sums row i + 1; the
     chunk starts behind a row of zeros, and what the loop past the last row would accumulate goes to scratch rows
     (never into an array the same loop reads: see the forward)."""
-    per = (rows + chunks - 1) // chunks
-    lo = c * per
-    hi = min(rows, lo + per)
+    lo, hi = _chunk_rows(c, chunks, rows)
     if lo >= hi:
         return
     zeros = np.zeros(n, np.float32)

@@ -59,7 +59,8 @@ def forward(x2, x_rs, r2, r_rs, scale, shift, rc: RowContract, fmt: int):
                stats.numpy(), rows, n, _chunks(rows), *common[2:], _streamed(y), elements=rows * n)
     else:
         launch(k.forward_16, k.forward_16_serial, xs, x_rs, rs, r_rs, r2 is not None, _np(y, fmt), hs,
-               stats.numpy(), *common, rc.cast_then_scale, fmt, k.F16_TABLE, _streamed(y), elements=rows * n)
+               stats.numpy(), rows, n, _chunks(rows), *common[2:], rc.cast_then_scale, fmt, k.F16_TABLE,
+               _streamed(y), elements=rows * n)
     return y, h, stats
 
 

@@ -10,6 +10,8 @@ weights, and the same faults are named among the quantization noise.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from runtime_models import skip_without_mlx, tiny_causal_lm, token_ids
@@ -235,15 +237,22 @@ def test_cli_diff_against_a_quantized_port_and_an_mlx_lm_directory(tmp_path, cap
     out, _ = capsys.readouterr()
     assert code == 0, out
     assert "quantized: 4-bit, group 64" in out and "beyond" in out and "PASS" in out
+    assert "the quantization explains" in out
+    code = main(["diff", str(tmp_path / "llama"), "mlx:4bit", "--json"])
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert json.loads(out)["verdict"] == "pass"  # stdout is the JSON alone (mlx-lm's line kept out)
 
     port_ = port(model)
     port_, config = quantize_model(port_, port_.args.__dict__ | {"model_type": "llama"}, group_size=32, bits=8)
     save_model(tmp_path / "mlx8", port_)
     save_config(config, tmp_path / "mlx8" / "config.json")
+    capsys.readouterr()  # mlx-lm's own lines, from the conversion made here
     code = main(["diff", str(tmp_path / "llama"), str(tmp_path / "mlx8"), "--json"])
     out, _ = capsys.readouterr()
     assert code == 0, out
-    assert "quantized: 8-bit, group 32" in out and str(tmp_path / "mlx8") in out
+    d = json.loads(out)
+    assert "quantized: 8-bit, group 32" in d["candidate"] and str(tmp_path / "mlx8") in d["candidate"]
 
 
 def test_a_bf16_port_that_loses_the_embedding_scale_is_not_a_pass():

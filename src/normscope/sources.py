@@ -304,25 +304,35 @@ def _transformers():
 
 @contextmanager
 def quiet_libraries() -> Iterator[None]:
-    """Silence transformers' progress bars ("Loading weights: 100%|███") and its logging while a model loads, so
-    they do not interleave with normscope's output; the user's settings come back afterwards. transformers is
-    touched only when it is installed."""
+    """Silence transformers' progress bars ("Loading weights: 100%|███") and its logging while a model loads (and the
+    warnings of the libraries it imports then), so they do not interleave with normscope's output; the user's
+    settings come back afterwards. transformers is touched only when it is installed."""
     from importlib.util import find_spec
 
     if find_spec("transformers") is None:
         yield
         return
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # libraries transformers imports on the way where they are installed (torchao: its optional C++ ops it cannot
+    # load here, and torch's pytree notes on the types it registers), at warning level, for the load only
+    others = {name: logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")}
+    levels = {name: lg.level for name, lg in others.items()}
+    for lg in others.values():
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+        for name, lg in others.items():
+            lg.setLevel(levels[name])
 
 
 def known_model_type(transformers, model_type: Any, where: str | Path) -> None:

@@ -216,8 +216,15 @@ class Diff(Verdict):
                 return (f"no divergence: {norms} norm sites within their contracts at {at}; the other sites are "
                         f"the reference's own operations, faithful by construction ({measured} own errors "
                         f"measured){most}")
+            quantized = [s for s in self.sites if s.beyond_twin is not None and s.twin is not None]
+            most = ""
+            if quantized:  # what the pass is made of: the quantization's share, and the rest within float rounding
+                top = max(quantized, key=lambda s: s.twin)
+                most = (f"; the quantization explains ‖Δ‖/‖r‖ up to {sig(top.twin)} ({top.name}), and "
+                        f"{sum(s.status == 'within' for s in quantized)} quantized sites are within float rounding "
+                        "of the reference run with their dequantized weights")
             return (f"no divergence: {measured} sites' own errors within the bound at {at} "
-                    f"({len(self.sites)} sites compared)")
+                    f"({len(self.sites)} sites compared){most}")
         return f"first divergence at {self.first_divergence}: {self.divergence.get('reason', '')}"
 
     def to_dict(self) -> dict[str, Any]:

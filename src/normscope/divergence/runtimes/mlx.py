@@ -14,6 +14,8 @@ took a stateful argument (a KV cache object) is not run again.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import tempfile
@@ -193,7 +195,8 @@ def port(reference: torch.nn.Module, bits: int | None = None):
             raise TargetError(f"mlx-lm could not load the reference's weights: {type(exc).__name__}: {exc}") from None
         if bits is not None:
             try:
-                model, _ = quantize_model(model, mlx_config, group_size=None, bits=bits)
+                with contextlib.redirect_stdout(io.StringIO()):  # its "[INFO] Quantized model with …" line
+                    model, _ = quantize_model(model, mlx_config, group_size=None, bits=bits)
             except Exception as exc:  # a width the group size does not divide, a bit width MLX has no kernel for
                 raise InputError(f"mlx-lm could not quantize the port at {bits} bits: {type(exc).__name__}: "
                                  f"{exc}") from None

@@ -129,3 +129,13 @@ def test_a_quantized_candidate_is_not_cast_or_autocast():
     for opts in ({"candidate_dtype": "bfloat16"}, {"autocast": "bfloat16"}):
         with pytest.raises(InputError, match="weights are quantized"):
             diff(model, cand, token_ids(), progress=False, **opts)
+
+
+def test_weights_packed_as_integers_by_another_library_are_refused_not_judged_against_float_bounds():
+    """A stand-in for bitsandbytes' Int8Params: an int8 weight diff has no dequantization for."""
+    model = tiny_causal_lm("llama")
+    cand = copy.deepcopy(model)
+    proj = cand.model.layers[0].mlp.down_proj
+    proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(InputError, match="quantized in a form diff does not dequantize.*down_proj"):
+        diff(model, cand, token_ids(), progress=False)

@@ -291,6 +291,12 @@ class ModuleCandidate(TorchCandidate):
         others = sorted({dtype_name(str(t.dtype).replace("torch.", "")) for t in candidate.parameters()
                          if t.is_floating_point()} - {dtype})
         desc = type(candidate).__name__ + (f", partly {', '.join(others)}" if others else "")
+        unread = quantized.undecodable(candidate)
+        if unread:
+            raise InputError(f"the candidate's weights are quantized in a form diff does not dequantize "
+                             f"({', '.join(unread[:2])}{' …' if len(unread) > 2 else ''}): held to float rounding "
+                             "every site would fail for its quantization alone; diff reads torchao's weight-only "
+                             "tensors and MLX's quantized layers (docs/diff.md, Quantized candidates)")
         layers = quantized.torch_quantized(candidate)
         if layers:
             desc += "; quantized: " + ", ".join(sorted({quantized.torch_kind(w) for w in layers.values()}))

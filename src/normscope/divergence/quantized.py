@@ -86,6 +86,19 @@ def torch_quantized(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def undecodable(model: torch.nn.Module) -> list[str]:
+    """The modules whose weight is stored as integers in a form :func:`torch_quantized` does not read
+    (bitsandbytes' ``Int8Params``/``Params4bit``, a quantization library's own packing): judged against float
+    bounds they would fail for their quantization alone, so the caller refuses them."""
+    out = []
+    for path, m in model.named_modules():
+        w = m.__dict__.get("_parameters", {}).get("weight")
+        if isinstance(w, torch.Tensor) and not w.is_floating_point() and not w.is_complex() \
+                and not (callable(getattr(w, "dequantize", None)) and hasattr(w, "qdata")):
+            out.append(f"{path} ({type(m).__name__}, {type(w).__name__} of {str(w.dtype).removeprefix('torch.')})")
+    return out
+
+
 def torch_kind(w: torch.Tensor) -> str:
     """A torchao weight's quantization in words: its type, the stored integer dtype and the scale's grouping."""
     groups = w.scale.numel() // max(w.shape[0], 1) if w.scale.dim() else 1

@@ -468,3 +468,30 @@ def test_a_forked_child_runs_the_numba_kernels_serially_with_the_same_numbers():
         return b"1" if torch.equal(yc, y) and torch.equal(gc, g) else b"0"
 
     assert in_forked_child(child) == b"1"
+
+
+def test_every_parallel_kernel_is_transformed_for_parallel_execution(monkeypatch):
+    """numba runs a ``prange`` it cannot transform as a plain loop, on one thread, and says so only with a warning
+    at compile time (a conditional in a ``prange`` bound once did this to the 16-bit forward): each parallel kernel,
+    compiled afresh (no cache) for the signatures the calls below give, compiles without that warning."""
+    import warnings
+
+    from numba import njit
+    from numba.core.errors import NumbaPerformanceWarning
+
+    from normscope import numba_threads
+    from normscope.kernels import numba_cpu as k
+
+    if not numba_threads.parallel_allowed():
+        pytest.skip("numba's threading layer here runs the serial builds only")
+    monkeypatch.setattr(numba_threads, "SERIAL_BELOW", 0)  # the parallel builds, even for these few rows
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(8, 64, dtype=dtype, requires_grad=True)
+        norm(x, NormSpec.preset("torch_layernorm"), torch.ones(64, dtype=dtype)).float().sum().backward()
+    for name in ("forward_f32", "forward_16", "backward_f32", "backward_16"):
+        kernel = getattr(k, name)
+        assert kernel.signatures, f"{name} was not called"
+        fresh = njit(parallel=True, fastmath=k._FM, error_model="numpy")(kernel.py_func)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", NumbaPerformanceWarning)
+            fresh.compile(kernel.signatures[0])

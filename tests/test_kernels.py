@@ -471,13 +471,9 @@ def test_a_forked_child_runs_the_numba_kernels_serially_with_the_same_numbers():
 
 
 def test_every_parallel_kernel_is_transformed_for_parallel_execution(monkeypatch):
-    """numba runs a ``prange`` it cannot transform as a plain loop, on one thread, and says so only with a warning
-    at compile time (a conditional in a ``prange`` bound once did this to the 16-bit forward): each parallel kernel,
-    compiled afresh (no cache) for the signatures the calls below give, compiles without that warning."""
-    import warnings
-
-    from numba import njit
-    from numba.core.errors import NumbaPerformanceWarning
+    """Each parallel kernel, compiled afresh for the signatures the calls below give, is transformed for parallel
+    execution (:mod:`parallel_kernels`)."""
+    from parallel_kernels import assert_transformed
 
     from normscope import numba_threads
     from normscope.kernels import numba_cpu as k
@@ -489,9 +485,4 @@ def test_every_parallel_kernel_is_transformed_for_parallel_execution(monkeypatch
         x = torch.randn(8, 64, dtype=dtype, requires_grad=True)
         norm(x, NormSpec.preset("torch_layernorm"), torch.ones(64, dtype=dtype)).float().sum().backward()
     for name in ("forward_f32", "forward_16", "backward_f32", "backward_16"):
-        kernel = getattr(k, name)
-        assert kernel.signatures, f"{name} was not called"
-        fresh = njit(parallel=True, fastmath=k._FM, error_model="numpy")(kernel.py_func)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", NumbaPerformanceWarning)
-            fresh.compile(kernel.signatures[0])
+        assert_transformed(getattr(k, name), **k._OPTS)

@@ -1049,6 +1049,23 @@ def test_the_attention_kernels_exp_is_accurate_and_defined_everywhere():
     assert out.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]  # underflow and NaN: 0; above the top: clamped to it
 
 
+def test_the_tracers_parallel_kernels_are_transformed_for_parallel_execution():
+    """As the norm kernels' (:mod:`parallel_kernels`): each of the tracer's parallel kernels, compiled afresh for the
+    signatures its warm-up gives, is transformed for parallel execution."""
+    from parallel_kernels import assert_transformed
+
+    from normscope.numba_threads import matched, parallel_allowed
+    from normscope.tracing import fused_kernels as fk
+
+    if not parallel_allowed():
+        pytest.skip("numba's threading layer here runs the serial builds only")
+    with matched():  # as the tracer warms them: torch's thread count left as it was
+        fk.warm_up(parallel=True)
+    for kernel in (fk.sums_parallel, fk.update_sums_parallel, fk.attention_summary_parallel,
+                   fk.logits_summary_parallel):
+        assert_transformed(kernel, **fk._JIT)
+
+
 def test_the_fused_kernels_leave_torchs_thread_count_as_it_was():
     """numba's OpenMP layer can share torch's OpenMP runtime, where a parallel launch sets the thread count: the
     kernels (their first launch included) must leave torch's setting as the user made it."""

@@ -1,7 +1,8 @@
 """Quantized candidates in ``diff``: what is common to every runtime's quantized weights.
 
 A quantized candidate's twin is the reference with the candidate's own weights, dequantized (each runtime reads its
-own packed form: :func:`.runtimes.mlx.dequantized_twin`, :func:`torch_twin` for torchao's weight tensors), and each
+own packed form: :func:`.runtimes.mlx.mlx_twin`, :func:`torch_twin` for torchao's weight tensors, both through
+:func:`dequantized_twin`), and each
 site is judged against the twin (``Walk._judge_quantized``). Here: the check that a dequantized weight is the
 reference's weight quantized (:func:`step_fault`), the notes that say what the quantization is and name a module
 quantized otherwise than its peers (:func:`notes`), and the torch side (torchao).
@@ -10,6 +11,7 @@ quantized otherwise than its peers (:func:`notes`), and the torch side (torchao)
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -113,12 +115,38 @@ def _activation_quantized(w: torch.Tensor) -> bool:
     return any(getattr(w, name, None) is not None for name in ("act_quant_kwargs", "input_quant_func"))
 
 
+def dequantized_twin(reference: torch.nn.Module, dtype: torch.dtype, weights: dict[str, tuple[torch.Tensor, str]],
+                     fault: Callable[[str, torch.Tensor, torch.Tensor], str | None]
+                     ) -> tuple[torch.nn.Module, dict[str, str]]:
+    """The twin of a quantized candidate: a private copy of the reference at ``dtype`` whose weight at each path of
+    ``weights`` (path → the candidate's weight there, dequantized by its runtime, and its quantization in words) is
+    that weight; and the paths whose weight is not the reference's, quantized (``fault(path, dequantized,
+    reference's weight)``: why, or None). Raises InputError naming a quantized module the reference has no weight of
+    that shape for (the candidate is not of this model)."""
+    twin = private_copy(reference, dtype=dtype)
+    modules = dict(twin.named_modules())
+    ref_modules = dict(reference.named_modules())
+    faults: dict[str, str] = {}
+    for path, (w, kind) in weights.items():
+        target = getattr(modules.get(path), "weight", None)
+        if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape):
+            have = "no module" if path not in modules else (
+                "no weight" if not isinstance(target, torch.Tensor) else f"weight {list(target.shape)}")
+            raise InputError(f"the candidate's quantized {path} ({kind}, dequantized {list(w.shape)}) has no "
+                             f"counterpart in the reference ({have} at {path!r}): its dequantized weights cannot be "
+                             "compared with the reference's module")
+        why = fault(path, w, ref_modules[path].weight.detach())
+        if why is not None:
+            faults[path] = why
+        with torch.no_grad():
+            target.copy_(w.to(target.dtype))
+    return twin, faults
+
+
 def torch_twin(reference: torch.nn.Module, layers: dict[str, torch.Tensor], dtype: torch.dtype
                ) -> tuple[torch.nn.Module, dict[str, str]]:
-    """A private copy of the reference at ``dtype`` whose weight at each quantized path is the candidate's,
-    dequantized by its own tensor type; and the modules whose dequantized weights are not the reference's, quantized
-    (:func:`step_fault`, one step being the tensor's ``scale``). Raises InputError for a weight the reference has no
-    counterpart of, or one that quantizes its activations too."""
+    """:func:`dequantized_twin` of torchao's weights, each dequantized by its own tensor type, one step of the weight
+    check being the tensor's ``scale``. Raises InputError for a weight that quantizes its activations too."""
     from ..dtypes import UNIT_ROUNDOFF
 
     moving = [p for p, w in layers.items() if _activation_quantized(w)]
@@ -127,23 +155,12 @@ def torch_twin(reference: torch.nn.Module, layers: dict[str, torch.Tensor], dtyp
                          f"{type(layers[moving[0]]).__name__} with an activation quantizer): diff models weight-only "
                          "quantization, whose matmul is the dequantized weight's; compare a weight-only "
                          "quantization of the model")
-    twin = private_copy(reference, dtype=dtype)
-    modules = dict(twin.named_modules())
-    ref_modules = dict(reference.named_modules())
-    faults: dict[str, str] = {}
-    for path, q in layers.items():
-        w = q.dequantize().detach()
-        target = getattr(modules.get(path), "weight", None)
-        if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape):
-            raise InputError(f"the candidate's quantized {path} ({torch_kind(q)}) has no counterpart in the reference "
-                             f"(no weight of shape {list(w.shape)} at {path!r})")
+
+    def fault(path: str, w: torch.Tensor, ref_w: torch.Tensor) -> str | None:
+        q = layers[path]
         step = per_element(q.scale.detach().abs(), w.shape)
         u = UNIT_ROUNDOFF.get(str(q.scale.dtype).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
-        ref_w = ref_modules[path].weight.detach()
-        allowed = step * (1 + 256 * u) + u * ref_w.double().abs() + 1e-30
-        fault = step_fault(w, ref_w, allowed, step)
-        if fault is not None:
-            faults[path] = fault
-        with torch.no_grad():
-            target.copy_(w.to(target.dtype))
-    return twin, faults
+        return step_fault(w, ref_w, step * (1 + 256 * u) + u * ref_w.double().abs() + 1e-30, step)
+
+    weights = {path: (q.dequantize().detach(), torch_kind(q)) for path, q in layers.items()}
+    return dequantized_twin(reference, dtype, weights, fault)

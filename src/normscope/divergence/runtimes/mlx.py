@@ -33,7 +33,7 @@ from ...model import private_copy
 from ...targets.mlx_target import cpu_stream, is_mlx_module, to_numpy
 from ..candidate import Candidate, NotMeasured, kept_bytes
 from ..execution import Memo, Record, input_of, stateless
-from ..quantized import notes, per_element, step_fault
+from ..quantized import dequantized_twin, notes, per_element, step_fault
 
 _PLAIN = (type(None), bool, int, float, str)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -109,11 +109,11 @@ def dequantized_weight(module) -> torch.Tensor:
     return floating(w)
 
 
-def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
-    """:func:`..quantized.step_fault` of a quantized MLX module: one step is its group's scale, and the rounding of
-    the scales' dtype (times the largest level) and of the biases comes on top. A step, not half of one: MLX's
-    affine quantization keeps zero exact, which costs up to a step. Checked for affine quantization (scales and
-    biases stored as floats); None for other modes."""
+def weight_fault(module, w: torch.Tensor, reference_weight: torch.Tensor) -> str | None:
+    """:func:`..quantized.step_fault` of a quantized MLX module, ``w`` its dequantized weight: one step is its
+    group's scale, and the rounding of the scales' dtype (times the largest level) and of the biases comes on top. A
+    step, not half of one: MLX's affine quantization keeps zero exact, which costs up to a step. Checked for affine
+    quantization (scales and biases stored as floats); None for other modes."""
     from ...dtypes import UNIT_ROUNDOFF
 
     if getattr(module, "mode", "affine") not in (None, "affine") or "biases" not in module:
@@ -121,7 +121,6 @@ def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
     scales, biases = floating(module["scales"]), floating(module["biases"])
     if scales is None or biases is None:
         return None
-    w = dequantized_weight(module)
     step = per_element(scales.abs(), w.shape)
     bias = per_element(biases.abs(), w.shape)
     u = UNIT_ROUNDOFF.get(str(scales.dtype).removeprefix("torch."), UNIT_ROUNDOFF["float32"])
@@ -129,31 +128,12 @@ def weight_fault(module, reference_weight: torch.Tensor) -> str | None:
     return step_fault(w, reference_weight, allowed, step)
 
 
-def dequantized_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: str
-                     ) -> tuple[torch.nn.Module, dict[str, str]]:
-    """A private copy of the reference at ``dtype`` whose weight at each quantized path is the candidate's own,
-    dequantized: what a faithful quantized candidate computes, up to float rounding; and, by path, the quantized
-    modules whose weights are not the reference's quantized (:func:`weight_fault`). Raises InputError naming a
-    quantized module the reference has no weight of that shape for (the port is not of this model)."""
-    twin = private_copy(reference, dtype=_TORCH[dtype])
-    modules = dict(twin.named_modules())
-    ref_modules = dict(reference.named_modules())
-    faults: dict[str, str] = {}
-    for path, m in layers.items():
-        w = dequantized_weight(m)
-        target = getattr(modules.get(path), "weight", None)
-        if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape):
-            have = "no module" if path not in modules else (
-                "no weight" if not isinstance(target, torch.Tensor) else f"weight {list(target.shape)}")
-            raise InputError(f"the MLX model's quantized {path} ({quantization_of(m)}, dequantized {list(w.shape)}) "
-                             f"has no counterpart in the reference ({have} at {path!r}): its dequantized weights "
-                             "cannot be compared with the reference's module")
-        fault = weight_fault(m, ref_modules[path].weight)
-        if fault is not None:
-            faults[path] = fault
-        with torch.no_grad():
-            target.copy_(w.to(target.dtype))
-    return twin, faults
+def mlx_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: str) -> tuple[torch.nn.Module, dict[str, str]]:
+    """:func:`..quantized.dequantized_twin` of an MLX model's quantized modules, each dequantized by MLX and checked
+    by :func:`weight_fault`."""
+    weights = {path: (dequantized_weight(m), quantization_of(m)) for path, m in layers.items()}
+    return dequantized_twin(reference, _TORCH[dtype], weights,
+                            lambda path, w, ref_w: weight_fault(layers[path], w, ref_w))
 
 
 def load_directory(path) -> Any:
@@ -363,7 +343,7 @@ class MlxCandidate(Candidate):
     names (an mlx-lm port), or ``"mlx"``, the reference ported here by mlx-lm. Each site's own output is its MLX
     module called on the reference's input; at a dtype below the reference's, the twin is the reference's module
     at that dtype. A quantized model's twin is the reference with the candidate's own weights, dequantized
-    (:func:`dequantized_twin`), and each site is judged against it (:attr:`Candidate.quantized`)."""
+    (:func:`mlx_twin`), and each site is judged against it (:attr:`Candidate.quantized`)."""
 
     runner = " on MLX"
     torch_modules = False
@@ -390,7 +370,7 @@ class MlxCandidate(Candidate):
         if layers:
             self.quantized = {path: quantization_of(m) for path, m in layers.items()}
             self.torch_dtype = getattr(torch, dtype)
-            self.twin, self.weight_faults = dequantized_twin(reference, layers, dtype)
+            self.twin, self.weight_faults = mlx_twin(reference, layers, dtype)
             self.notes.extend(notes(self.quantized))
         elif dtype != ref_dtype:
             self.torch_dtype = getattr(torch, dtype)

@@ -89,18 +89,25 @@ def _rounded_16(v, fmt):
     return _f16_value(_f16_bits(as_uint32(v)))
 
 
+@njit(inline="always", **_OPTS)
+def _value_16(u, fmt, table):
+    """The float32 value of a bfloat16 (fmt 1) or float16 (fmt 2) bit pattern (``_decode``'s, one value)."""
+    if fmt == 1:
+        return as_float32(_U32(_U32(u) << _U32(16)))
+    if HARDWARE_HALF:
+        return half_to_float32(u)
+    return table[u]
+
+
 @njit(**_OPTS)
 def _decode(src, start, n, fmt, table, buf, bits):
     row = src[start:start + n]  # a view indexed from 0: an offset index (src[start + j]) did not vectorize
     if fmt == 1:
         for j in range(n):
             bits[j] = _U32(_U32(row[j]) << _U32(16))
-    elif HARDWARE_HALF:
-        for j in range(n):
-            buf[j] = half_to_float32(row[j])
     else:
         for j in range(n):
-            buf[j] = table[row[j]]
+            buf[j] = _value_16(row[j], 2, table)
 
 
 @njit(**_OPTS)
@@ -306,15 +313,21 @@ def _chunk_rows(c, chunks, rows):
     return c * per, min(rows, c * per + per)
 
 
+@njit(inline="always", **_OPTS)
+def _store_stats(stats, k, mean, var, denom):
+    """Row ``k``'s (mean, var, denom) in ``stats[k]``; its 1 / denominator, for the loop that writes it."""
+    stats[k, 0] = mean
+    stats[k, 1] = var
+    stats[k, 2] = denom
+    return np.float32(1.0) / denom
+
+
 @njit(**_OPTS)
 def _stored_stats(stats, k, h, n, s, ss, center, one_pass, unbiased, eps, placement):
     """Row ``k``'s statistics from its sums (``_finish_stats``) stored in ``stats[k]``; its (mean, 1 / denominator)
     for the loop that writes it."""
     mean, var, denom = _finish_stats(h, n, s, ss, center, one_pass, unbiased, eps, placement)
-    stats[k, 0] = mean
-    stats[k, 1] = var
-    stats[k, 2] = denom
-    return mean, np.float32(1.0) / denom
+    return mean, _store_stats(stats, k, mean, var, denom)
 
 
 @njit(**_OPTS)
@@ -361,11 +374,8 @@ def _forward_f32_chunk(c, chunks, x, x_rs, res, res_rs, has_res, y, h_out, stats
         if two_pass:
             if lo <= i + 1 < hi:  # row i + 1's deviations are complete
                 var = css / n_var
-                denom = _denominator(var, eps, placement)
-                stats[i + 1, 0] = mean1
-                stats[i + 1, 1] = var
-                stats[i + 1, 2] = denom
-                h0, mean0, inv0 = h1, mean1, np.float32(1.0) / denom
+                inv0 = _store_stats(stats, i + 1, mean1, var, _denominator(var, eps, placement))
+                h0, mean0 = h1, mean1
             h1, mean1 = hk, s / np.float32(n)
         elif k < hi:
             mean0, inv0 = _stored_stats(stats, k, hk, n, s, ss, center, one_pass, unbiased, eps, placement)
@@ -406,9 +416,7 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
             hbuf[j] = _rounded_16(hbuf[j] + rbuf[j], fmt)
         _store_16(hbuf, n, fmt, h_out, i * n, stream)
     mean, var, denom = _row_stats(hbuf, n, center, one_pass, unbiased, eps, placement)
-    stats[i, 0] = mean
-    stats[i, 1] = var
-    stats[i, 2] = denom
+    _store_stats(stats, i, mean, var, denom)
     # computed, rounded and encoded in one pass (into a scratch row when streamed)
     yr = y[i * n:(i + 1) * n]
     out = np.empty(n, np.uint16) if stream else yr
@@ -420,16 +428,6 @@ def _forward_16_row(i, x, x_rs, res, res_rs, has_res, y, h_out, stats, n, scale,
         stream_row(yr, out, n)
     if stream:
         store_fence()
-
-
-@njit(inline="always", **_OPTS)
-def _value_16(u, fmt, table):
-    """The float32 value of a bfloat16 (fmt 1) or float16 (fmt 2) bit pattern (``_decode``'s, one value)."""
-    if fmt == 1:
-        return as_float32(_U32(_U32(u) << _U32(16)))
-    if HARDWARE_HALF:
-        return half_to_float32(u)
-    return table[u]
 
 
 @njit(inline="always", **_OPTS)

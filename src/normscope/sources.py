@@ -430,12 +430,20 @@ def _pretrained(folder: Path, text: str):
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
         return model_class(transformers, config).from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:
-        if type(exc).__module__.split(".")[0] == "safetensors":  # a truncated or corrupt weights file
-            raise InputError(f"could not read the weights in {text}: {exc} — the safetensors file is truncated or "
-                             "not one; copy or download it again") from None
-        if isinstance(exc, OSError | ValueError | KeyError):
-            raise TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}") from None
-        raise
+        error = load_error(exc, text)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def load_error(exc: Exception, text: str) -> Exception:
+    """What loading the model in ``text`` raising ``exc`` means for the user (``exc`` itself: a bug to report)."""
+    if type(exc).__module__.split(".")[0] == "safetensors":  # a truncated or corrupt weights file
+        return InputError(f"could not read the weights in {text}: {exc} — the safetensors file is truncated or not "
+                          "one; copy or download it again")
+    if isinstance(exc, OSError | ValueError | KeyError):
+        return TargetError(f"could not load the model in {text}: {type(exc).__name__}: {exc}")
+    return exc
 
 
 def _from_config(source: Source, layers: int, vocab: int):

@@ -57,6 +57,10 @@ def add_parser(subparsers) -> Any:
                         "dtype, each site judged at the dtype its ops ran at; excludes --candidate-dtype "
                         "(default: no autocast)")
     add_model_args(p, "the factories")
+    p.add_argument("--stream", action="store_true",
+                   help="read REFERENCE's (and CANDIDATE's) weights from their safetensors files at each module's "
+                        "call instead of loading them whole: a model larger than memory, compared block by block "
+                        "(default: only where a model directory's files take more than half the memory available)")
     p.add_argument("--grad", action="store_true",
                    help="also compare the gradients of the sum of the output, activation and parameter gradients "
                         "(default: forward only)")
@@ -72,7 +76,6 @@ def add_parser(subparsers) -> Any:
 
 def run(args, console: Console) -> int:
     from ..model_options import check_plot_path, deadline, model_inputs
-    from ..sources import load_model
     from .core import diff
     from .render import plot_diff, render_diff
     from .runtimes import runtime_of
@@ -82,13 +85,13 @@ def run(args, console: Console) -> int:
                          "that precision")
     if args.plot:
         check_plot_path(args.plot, "diff.png")
-    reference, origin = load_model(args.reference, args.args, args.kwargs, args.layers, args.vocab)
+    reference, origin = _load(args.reference, args, "REFERENCE")
     candidate = None
     if args.candidate is not None:
         if runtime_of(args.candidate) is not None:
             candidate = args.candidate
         else:
-            candidate, _ = load_model(args.candidate, args.args, args.kwargs, args.layers, args.vocab)
+            candidate, _ = _load(args.candidate, args, "CANDIDATE")
     inputs = model_inputs(args.inputs, reference, "diff")
     loss = getattr(args, "loss", None)
     if loss is not None and not getattr(args, "grad", False):
@@ -109,3 +112,25 @@ def run(args, console: Console) -> int:
         if args.plot:
             console.print(f"[dim]plot: {args.plot}[/]")
     return exit_code(result.verdict, fail=EXIT_DIVERGED)
+
+
+def _load(target: str, args, which: str):
+    """The model TARGET names: streamed from its files (--stream, or a model directory whose files take more than
+    half the memory available), else loaded whole (:func:`..sources.load_model`)."""
+    from ..model.streaming import checkpoint_bytes, memory_available, streamed
+    from ..sources import MODEL_FORMS, load_model, resolve
+
+    source = resolve(target, MODEL_FORMS)
+    folder = {"hf-dir": source.path, "safetensors": source.path.parent if source.path else None}.get(source.kind)
+    size = checkpoint_bytes(folder) if folder is not None else None
+    available = memory_available()
+    if getattr(args, "stream", False) or (size and available and size > available / 2):
+        if folder is None or not size:
+            raise InputError(f"--stream reads a Hugging Face model directory's safetensors files; {which} {target} "
+                             f"is {source.description}: leave --stream out")
+        from ..inputs import human_bytes
+
+        why = ("--stream" if getattr(args, "stream", False) else
+               f"its files ({human_bytes(size)}) take more than half the memory available ({human_bytes(available)})")
+        return streamed(folder), f"weights streamed from {source.text} ({why})"
+    return load_model(source, args.args, args.kwargs, args.layers, args.vocab)

@@ -35,6 +35,7 @@ from ..dtypes import dtype_name
 from ..errors import InputError, NormscopeError, TargetError
 from ..model import arguments, describe, untouched
 from ..model import progress as progress_of
+from ..model.streaming import Accounting
 from ..sites.dataflow import block_modules
 from . import verdict
 from .candidate import Candidate, candidate_for
@@ -151,10 +152,19 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
     """
     started = time.perf_counter()
     candidate_dtype, autocast = _checked(reference, candidate, candidate_dtype, autocast, grad, loss_fn)
-    args, kwargs = arguments(reference, inputs)
+    streamed = Accounting(reference, candidate if isinstance(candidate, torch.nn.Module) else None)
+    if grad and streamed.files:
+        raise InputError("grad=True: a streamed model reads each module's weights at its call and lets them go, "
+                         "but a backward needs every weight its forward used, so the whole model would be held; "
+                         "leave grad out (--grad), or compare gradients on a model that fits in memory")
     ref_dtype = model_dtype(reference)
     notes: list[str] = []
     with progress_of(progress) as say, contextlib.ExitStack() as stack:
+        if streamed.files:
+            streamed.say = say
+            stack.callback(lambda: notes.append(streamed.note()))
+            stack.enter_context(streamed)
+        args, kwargs = arguments(reference, inputs)
         stack.enter_context(untouched(reference))
         reference.eval()
         cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
@@ -199,7 +209,8 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                           if cand.self_copy else {}),
                        "own_measured": sum(s.own is not None for s in sites),
                        "children_replayed": sum(s.children_replayed for s in sites),
-                       "candidate_cache_bytes": int(cand.cache_bytes)},
+                       "candidate_cache_bytes": int(cand.cache_bytes),
+                       **({"streamed": streamed.stats} if streamed.files else {})},
                 **result)
 
 

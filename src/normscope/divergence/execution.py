@@ -15,6 +15,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..errors import InputError
+from ..model.streaming import weightless, weights_of
 
 SAFE = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Size)
 
@@ -466,8 +467,9 @@ class Replay:
         queue = self.queues[id(module)]
 
         def replayed_forward(*args, **kwargs):
-            if not queue:
-                return forward(*args, **kwargs)  # called more often than in the reference: its own output
+            if not queue:  # called more often than in the reference: its own output (a streamed module's weights read)
+                with weights_of(module):
+                    return forward(*args, **kwargs)
             kid = queue.pop(0)
             self.replayed += 1
             if kid.x is not None:
@@ -493,11 +495,13 @@ def forwards_replaced(modules, replacement):
     """While the block runs, each module's ``forward`` is ``replacement(module, its forward)``; after it, what the
     module had comes back (an instance ``forward`` of its own — another wrapper — included)."""
     saved = []
+    modules = list(modules)
     try:
         for m in modules:
             saved.append((m, vars(m).get("forward")))
             m.forward = replacement(m, m.forward)
-        yield
+        with weightless(modules):  # a streamed module replayed reads no weights
+            yield
     finally:
         for m, previous in saved:
             if previous is None:

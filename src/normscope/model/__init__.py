@@ -3,7 +3,9 @@ copies, leaving a model untouched, progress.
 
 Public names: :func:`.copies.on_meta`, :func:`.copies.private_copy`, :func:`.copies.untouched`, :func:`.copies.redrawn`,
 :func:`.copies.stored_params`, :func:`.inputs.arguments`, :func:`.inputs.default_inputs`, :func:`.inputs.describe`,
-:func:`.inputs.token_inputs`, :func:`.inputs.vocabulary_size`, :func:`.progress.progress`.
+:func:`.inputs.token_inputs`, :func:`.inputs.vocabulary_size`, :func:`.progress.progress`,
+:func:`.streaming.streamed` (a model larger than memory, read from its files at each module's call),
+:func:`.streaming.is_streamed`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from .copies import offloaded, on_meta, private_copy, redrawn, stored_params, untouched
 from .inputs import arguments, default_inputs, describe, token_inputs, vocabulary_size
 from .progress import Progress, progress
+from .streaming import is_streamed, streamed
 
-__all__ = ["Progress", "arguments", "default_inputs", "describe", "offloaded", "on_meta", "private_copy", "progress",
-           "redrawn", "stored_params", "token_inputs", "untouched", "vocabulary_size"]
+__all__ = ["Progress", "arguments", "default_inputs", "describe", "is_streamed", "offloaded", "on_meta",
+           "private_copy", "progress", "redrawn", "stored_params", "streamed", "token_inputs", "untouched",
+           "vocabulary_size"]

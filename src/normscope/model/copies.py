@@ -142,9 +142,12 @@ def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.d
         m = copy.deepcopy(module, _cast_memo(module, dtype) if dtype is not None else None)
     except Exception as exc:
         raise TargetError(f"could not copy {type(module).__name__} ({exc}); scan probes private copies") from exc
+    from .streaming import settle_copy
+
+    still_streamed = settle_copy(m, dtype)  # a streamed model's copy: read whole when small, else streamed
     if offloaded(module) and on_meta(m):
         _from_offload(module, m)
-    if on_meta(m):
+    if on_meta(m) and not still_streamed:
         m = _materialized(m)
     if dtype is not None:
         m._normscope_cast_state = _cast_plain_state(m, dtype)
@@ -154,7 +157,7 @@ def private_copy(module: torch.nn.Module, training: bool = False, dtype: torch.d
             d = getattr(sub, attr, None)
             if d is not None:
                 d.clear()
-    return m.cpu().train(training)
+    return (m if still_streamed else m.cpu()).train(training)  # meta parameters cannot move: streamed on the CPU
 
 
 @contextlib.contextmanager

@@ -234,8 +234,10 @@ class _Defaults:
         BROS's boxes), or the documented tensors its error names (LXMERT's ``visual_feats``) — kept where with
         them it runs. A forward that fails every way (one that reads values, on the meta device) keeps the tensors
         its error named where with them it fails elsewhere, no longer asking for them; else the inputs as they
-        were."""
-        if not self.needed:
+        were. A streamed model is not tried: one forward would read all its weights (its token inputs are given)."""
+        from .streaming import is_streamed
+
+        if not self.needed or is_streamed(self.model):
             return
         failure = self._failure(self._called(self.kwargs))
         if failure is None:
@@ -873,10 +875,13 @@ def _hw(size: Any) -> tuple[int, int] | None:
 def _device(model: torch.nn.Module) -> torch.device:
     """The model's device: the meta device where any of its parameters is there (a model built on the meta device
     whose weight-norm parametrizations were drawn on the CPU) and it is not offloaded, else its first parameter's
-    (an offloaded model's first one off the meta device)."""
+    (an offloaded model's first one off the meta device; a streamed one's, the CPU)."""
     from .copies import offloaded
+    from .streaming import is_streamed
 
     devices = [p.device for p in model.parameters()]
+    if is_streamed(model):  # its weights are read onto the CPU at each module's call
+        return torch.device("cpu")
     if offloaded(model):  # accelerate loads each module's weights for its call: the inputs go where it runs
         return next((d for d in devices if d.type != "meta"), torch.device("cpu"))
     if any(d.type == "meta" for d in devices):

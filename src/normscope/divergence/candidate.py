@@ -249,6 +249,26 @@ class TorchCandidate(Candidate):
     def parting(self, reference: torch.nn.Module) -> str | None:
         return None if self.model is reference else structure_parting(reference, self.model)
 
+    def teacher_forced(self, r: Record, args, kw, replay: Replay, context, laid_out: str = ""):
+        """The candidate's module ``r`` run on ``args``/``kw`` (the reference's inputs) with its judged children
+        replayed, under ``context``: its primary output and what ``context`` gave (``with context as given``)."""
+        before = versions(args)
+        try:
+            with torch.no_grad(), context as given, replay.installed():
+                self.own_output = r.module(*args, **kw)
+                yc = primary(self.own_output)
+        except Exception as exc:
+            # its own forward ran this module fine: on the reference's input it is another operation (or aligned
+            # wrongly), so nothing is compared here, and that is not a divergence
+            raise NotMeasured(f"own error not measured: the candidate's {type(r.module).__name__} raised on the "
+                              f"reference's input{laid_out} ({type(exc).__name__}: {exc}); its own forward ran "
+                              "it") from None
+        if not isinstance(yc, torch.Tensor):
+            raise NotMeasured("the candidate's module returned no tensor on the reference's input")
+        self.replay = replay
+        self.wrote_input = versions(args) != before
+        return yc, given
+
     def own(self, r: Record, args, kw, memo: Memo, kids: list[Kid] = (), state=None) -> tuple[torch.Tensor, str, Any]:
         self.replay, self.own_output = None, None
         ready = restored(args, kw, state)
@@ -259,22 +279,8 @@ class TorchCandidate(Candidate):
         x = input_of(args, kw)
         if dtype is None and x is not None and r.input_dtype is not None and r.input_dtype != x.dtype:
             dtype = r.input_dtype  # a module the candidate runs at another dtype (one layer cast to bfloat16)
-        replay = Replay(list(kids))
         args, kw = memo.cast(args, dtype), memo.cast(kw, dtype, True)
-        before = versions(args)
-        try:
-            with torch.no_grad(), self.ac.observe() as seen, replay.installed():
-                self.own_output = r.module(*args, **kw)
-                yc = primary(self.own_output)
-        except Exception as exc:
-            # its own forward ran this module fine: on the reference's input it is another operation (or aligned
-            # wrongly), so nothing is compared here, and that is not a divergence
-            raise NotMeasured(f"own error not measured: the candidate's {type(r.module).__name__} raised on the "
-                              f"reference's input ({type(exc).__name__}: {exc}); its own forward ran it") from None
-        if not isinstance(yc, torch.Tensor):
-            raise NotMeasured("the candidate's module returned no tensor on the reference's input")
-        self.replay = replay
-        self.wrote_input = versions(args) != before
+        yc, seen = self.teacher_forced(r, args, kw, Replay(list(kids)), self.ac.observe())
         # the dtype the candidate's module ran at: under autocast, the least precise one its ops produced
         site_dtype = (seen[0] or dtype_name(str(yc.dtype).replace("torch.", ""))) if seen else self.dtype
         return yc, site_dtype, r.module
@@ -395,6 +401,13 @@ def candidate_for(reference: torch.nn.Module, candidate, candidate_dtype: str | 
         raise InputError("the candidate's weights are quantized (torchao): it is judged as it runs, against its own "
                          "dequantized weights; a copy cast to another dtype or run under autocast would be another "
                          "model: leave --candidate-dtype and --autocast out")
+    from .sharded import ShardedCandidate, is_sharded
+
+    if isinstance(candidate, torch.nn.Module) and is_sharded(candidate):
+        if autocast or candidate_dtype:
+            raise InputError("a sharded candidate runs as its ranks hold it: a private copy at another dtype or "
+                             "autocast would be another model; leave candidate_dtype and autocast out")
+        return ShardedCandidate(candidate, reference, ref_dtype, stack)
     if autocast is not None:
         return AutocastCandidate(candidate, reference, autocast, ref_dtype, stack)
     if candidate_dtype is not None:

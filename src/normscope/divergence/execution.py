@@ -452,7 +452,10 @@ class Replay:
     no own error) runs as the candidate's module, so its error is the parent's. ``modules`` maps each kid to the
     module that stands for it on this side (the candidate's, or the twin's)."""
 
-    def __init__(self, kids: list[Kid], module_of=lambda kid: kid.module):
+    def __init__(self, kids: list[Kid], module_of=lambda kid: kid.module, view=None, gathered=None):
+        # a sharded candidate: ``view(kid, out)`` lays the reference's output out as the child's own was, and
+        # ``gathered(kid, xc)`` maps what the parent's code handed the child back to the full tensor
+        self.view, self.gathered = view, gathered
         self.queues: dict[int, list[Kid]] = {}
         self.modules: dict[int, torch.nn.Module] = {}
         for kid in kids:
@@ -476,11 +479,14 @@ class Replay:
                 from .metrics import errors
 
                 xc = input_of(args, kwargs, kid.x)
+                if self.gathered is not None and isinstance(xc, torch.Tensor):
+                    xc = self.gathered(kid, xc)
                 e = errors(xc, kid.x).get("normalized", float("inf")) if isinstance(xc, torch.Tensor) \
                     else float("inf")
                 if self.feeds is None or not e <= self.feeds[0]:
                     self.feeds = (e, kid.name)
-            return thawed(kid.out)
+            out = thawed(kid.out)
+            return self.view(kid, out) if self.view is not None else out
 
         return replayed_forward
 

@@ -205,9 +205,14 @@ def _restore(t: torch.Tensor, saved: torch.Tensor) -> None:
     """``t`` given back the values of ``saved`` (its clone) where they differ; a tensor subclass that wraps plain
     tensors (a torchao quantized weight: its ``qdata``, ``scale``…) through each of them, since such a type
     implements neither ``equal`` nor ``copy_`` as a whole."""
+    if type(t).__name__ == "DTensor":  # a shard of a parameter (tensor parallelism, FSDP2): this rank's piece
+        _restore(t.to_local(), saved.to_local())
+        return
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
         for name in t.__tensor_flatten__()[0]:
-            _restore(getattr(t, name), getattr(saved, name))
+            inner, kept = getattr(t, name), getattr(saved, name)
+            if isinstance(inner, torch.Tensor):
+                _restore(inner, kept)
         return
     if not torch.equal(t, saved):
         t.copy_(saved)

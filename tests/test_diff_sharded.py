@@ -1,0 +1,177 @@
+"""``diff`` against a candidate run sharded over the ranks of a gloo process group on the CPU: tensor parallelism
+with DTensor (``parallelize_module``: query/key/value/gate/up column-wise, output/down row-wise) and FSDP2
+(``fully_shard`` per decoder layer and at the root), every rank holding the single-process reference.
+
+The property over generated cases (architectures × sharding × faults): a clean sharded run is a PASS — every
+site's output mapped back from the ranks' pieces, every module's own error within float rounding though the
+collectives sum in another order — and a fault is named at its site: a norm whose statistics cover this rank's
+half of the features (its γ sharded with them), an ε changed in one norm, a weight scaled in one projection. The
+two ranks are started by the test, as the tracer's distributed tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available in this build", allow_module_level=True)
+
+ARCHITECTURES = ("llama", "qwen3")
+CASES = [("tp", "clean"), ("tp", "local_stats"), ("tp", "norm_eps"), ("tp", "weight"),
+         ("fsdp", "clean"), ("fsdp", "norm_eps"), ("fsdp", "weight")]
+
+RANK = textwrap.dedent("""
+    import copy, json, os, sys
+    import torch, torch.distributed as dist
+    rank, world, out, port = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import normscope
+
+    mesh = init_device_mesh("cpu", (world,))
+    SIZE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    CONFIGS = {"llama": lambda: transformers.LlamaConfig(**SIZE),
+               "qwen3": lambda: transformers.Qwen3Config(**SIZE, head_dim=8)}
+
+
+    class LocalStats(torch.nn.Module):
+        '''An RMSNorm whose γ is sharded with the features and whose statistics cover this rank's half of them.'''
+
+        def __init__(self, norm):
+            super().__init__()
+            self.weight = torch.nn.Parameter(distribute_tensor(norm.weight.detach(), mesh, [Shard(0)]))
+            self.eps = norm.variance_epsilon
+
+        def forward(self, x):
+            xs = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(-1)])
+            xs = xs.to_local()
+            y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to_local()
+            return DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
+    def tensor_parallel(model):
+        plan = {}
+        for i, _ in enumerate(model.model.layers):
+            p = f"model.layers.{i}."
+            plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                         p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                         p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                         p + "mlp.down_proj": RowwiseParallel()})
+        return parallelize_module(model, mesh, plan)
+
+
+    def fsdp(model):
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+
+    results = []
+    for arch in sys.argv[4].split(","):
+        torch.manual_seed(0)
+        ref = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch](), attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+        for sharding, fault in json.loads(sys.argv[5]):
+            cand, site = copy.deepcopy(ref), None
+            layer = cand.model.layers[1]
+            if fault == "norm_eps":
+                layer.input_layernorm.variance_epsilon = 0.5
+                site = "model.layers.1.input_layernorm"
+            elif fault == "weight":
+                with torch.no_grad():
+                    layer.mlp.up_proj.weight[:8].mul_(1.5)
+                site = "model.layers.1.mlp.up_proj"
+            (tensor_parallel if sharding == "tp" else fsdp)(cand)
+            if fault == "local_stats":
+                layer.post_attention_layernorm = LocalStats(layer.post_attention_layernorm)
+                site = "model.layers.1.post_attention_layernorm"
+            d = normscope.diff(ref, cand, {"input_ids": ids}, progress=False)
+            results.append({"arch": arch, "sharding": sharding, "fault": fault, "site": site,
+                            "verdict": d.verdict, "first": d.first_divergence, "summary": d.summary(),
+                            "candidate": d.candidate, "own": sum(s.own is not None for s in d.sites),
+                            "sites": len(d.sites), "notes": d.notes,
+                            "max_own": max((s.own["normalized"] for s in d.sites
+                                            if s.own and s.status == "within"), default=0.0)})
+    # what a sharded candidate refuses, the same on every rank
+    errors = {}
+    cand = tensor_parallel(copy.deepcopy(ref))
+    other = copy.deepcopy(ref)
+    with torch.no_grad():
+        other.lm_head.weight.add_(rank)  # rank 1's reference is another model
+    for what, call in (("grad", lambda: normscope.diff(ref, cand, {"input_ids": ids}, grad=True, progress=False)),
+                       ("dtype", lambda: normscope.diff(ref, cand, {"input_ids": ids}, candidate_dtype="bfloat16",
+                                                        progress=False)),
+                       ("reference", lambda: normscope.diff(other, cand, {"input_ids": ids}, progress=False))):
+        try:
+            call()
+            errors[what] = None
+        except normscope.NormscopeError as exc:
+            errors[what] = str(exc)
+    results.append({"errors": errors})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
+""")
+
+
+def _two_ranks(out: Path, archs, cases) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(out), port, ",".join(archs), json.dumps(cases)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(err[-3000:] for _, err in logs)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _two_ranks(tmp_path_factory.mktemp("sharded") / "results.json", ARCHITECTURES, CASES)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize(("sharding", "fault"), CASES)
+def test_sharded_candidate_property(results, arch, sharding, fault):
+    r = next(r for r in results if (r.get("arch"), r.get("sharding"), r.get("fault")) == (arch, sharding, fault))
+    assert f"sharded over 2 ranks ({'tensor parallel' if sharding == 'tp' else 'FSDP2'})" in r["candidate"]
+    if r["site"] is None:
+        assert r["verdict"] == "pass", r["summary"]
+        assert r["own"] >= 0.8 * r["sites"], r  # every module judged on its own code, not only leaves
+        assert r["max_own"] < 1e-5, r  # the collectives' other summation order: float rounding
+    else:
+        assert r["verdict"] == "fail" and r["first"] == r["site"], (r["site"], r["summary"])
+
+
+def test_sharded_candidate_refusals(results):
+    errors = next(r["errors"] for r in results if "errors" in r)
+    assert "grad=True with a sharded candidate" in errors["grad"]
+    assert "a sharded candidate runs as its ranks hold it" in errors["dtype"]
+    assert "the reference differs across the 2 ranks" in errors["reference"]

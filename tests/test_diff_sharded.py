@@ -1,5 +1,6 @@
 """``diff`` against a candidate run sharded over the ranks of a gloo process group on the CPU: tensor parallelism
-with DTensor (``parallelize_module``: query/key/value/gate/up column-wise, output/down row-wise) and FSDP2
+with DTensor (``parallelize_module``: query/key/value/gate/up column-wise, output/down row-wise), the same with
+sequence parallelism (norms, residual stream and embedding output split along the sequence) and FSDP2
 (``fully_shard`` per decoder layer and at the root), every rank holding the single-process reference.
 
 The property over generated cases (architectures × sharding × faults): a clean sharded run is a PASS — every
@@ -28,6 +29,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 ARCHITECTURES = ("llama", "qwen3")
 CASES = [("tp", "clean"), ("tp", "local_stats"), ("tp", "norm_eps"), ("tp", "weight"),
+         ("sp", "clean"), ("sp", "norm_eps"), ("sp", "weight"),
          ("fsdp", "clean"), ("fsdp", "norm_eps"), ("fsdp", "weight")]
 
 RANK = textwrap.dedent("""
@@ -42,7 +44,8 @@ RANK = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     import normscope
 
     mesh = init_device_mesh("cpu", (world,))
@@ -78,6 +81,28 @@ RANK = textwrap.dedent("""
         return parallelize_module(model, mesh, plan)
 
 
+    def sequence_parallel(model):
+        '''Tensor parallel with the norms, the residual stream and the embedding's output split along the sequence
+        (a row-wise embedding, whose partial sum holds a mask).'''
+        plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                      use_local_output=False),
+                "model.norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        for i, _ in enumerate(model.model.layers):
+            p = f"model.layers.{i}."
+            plan.update({
+                p + "input_layernorm": SequenceParallel(), p + "post_attention_layernorm": SequenceParallel(),
+                p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                    desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                p + "self_attn.v_proj": ColwiseParallel(),
+                p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        return parallelize_module(model, mesh, plan)
+
+
     def fsdp(model):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -104,7 +129,7 @@ RANK = textwrap.dedent("""
                 with torch.no_grad():
                     layer.mlp.up_proj.weight[:8].mul_(1.5)
                 site = "model.layers.1.mlp.up_proj"
-            (tensor_parallel if sharding == "tp" else fsdp)(cand)
+            {"tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp}[sharding](cand)
             if fault == "local_stats":
                 layer.post_attention_layernorm = LocalStats(layer.post_attention_layernorm)
                 site = "model.layers.1.post_attention_layernorm"
@@ -161,7 +186,7 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize(("sharding", "fault"), CASES)
 def test_sharded_candidate_property(results, arch, sharding, fault):
     r = next(r for r in results if (r.get("arch"), r.get("sharding"), r.get("fault")) == (arch, sharding, fault))
-    assert f"sharded over 2 ranks ({'tensor parallel' if sharding == 'tp' else 'FSDP2'})" in r["candidate"]
+    assert f"sharded over 2 ranks ({'FSDP2' if sharding == 'fsdp' else 'tensor parallel'})" in r["candidate"]
     if r["site"] is None:
         assert r["verdict"] == "pass", r["summary"]
         assert r["own"] >= 0.8 * r["sites"], r  # every module judged on its own code, not only leaves

@@ -1,5 +1,5 @@
-"""A candidate run sharded over the ranks of a ``torch.distributed`` process group — tensor parallelism with DTensor
-(``parallelize_module``), FSDP2 (``fully_shard``) — against the single-process reference every rank holds.
+"""A candidate run sharded over the ranks of a ``torch.distributed`` process group — tensor and sequence parallelism
+with DTensor (``parallelize_module``), FSDP2 (``fully_shard``) — against the single-process reference every rank holds.
 
 Every rank calls ``diff(reference, candidate)`` with the same reference (checked: a checksum of its parameters is
 compared across ranks) and the same inputs (rank 0's are broadcast). The candidate's forward runs sharded; at each
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -72,6 +73,26 @@ def _gather_pieces(t: torch.Tensor) -> list[torch.Tensor]:
     return pieces
 
 
+def full_of(t) -> torch.Tensor:
+    """A DTensor's full value, leaving it as it was: a pending sum is reduced as a plain sum of this rank's value
+    (a row-wise embedding's partial holds a mask — the rows of ids outside this rank's shard — that its own
+    reduction consumes, and the module's output hook reduces it after this: the mask is applied here to a copy)."""
+    placements = list(t.placements)
+    if any(p.is_partial() for p in placements):
+        from torch.distributed.tensor import DTensor, Partial
+
+        local = t.to_local()
+        for i, p in enumerate(placements):
+            if p.is_partial():
+                mask = getattr(getattr(p, "mask_buffer", None), "data", None)
+                if mask is not None:
+                    local = local.clone()
+                    local[mask] = 0.0
+                placements[i] = Partial(p.reduce_op)
+        t = DTensor.from_local(local, t.device_mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    return t.full_tensor().detach()
+
+
 def _layout_of(t) -> tuple:
     """How a tensor sits on this rank: ("dtensor", mesh, placements) or ("local", its shape)."""
     if isinstance(t, _dtensor()):
@@ -115,6 +136,7 @@ def _local(x: torch.Tensor, layout: tuple) -> torch.Tensor:
             piece = x.detach()
         elif isinstance(p, Partial):  # a pending sum: the value on one rank, zeros on the others
             piece = x.detach() if local == 0 else torch.zeros_like(x)
+            placements = [Partial(p.reduce_op)]  # not a masked embedding's partial: its mask was its own call's
         else:
             return distribute_tensor(x.detach(), mesh, placements)
         return DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
@@ -174,7 +196,7 @@ class ShardedCandidate(TorchCandidate):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 self.outputs_out[site_name(path, number)] = _layout_of(t)
                 if isinstance(t, _dtensor()):
-                    kept = t.full_tensor().detach()
+                    kept = full_of(t)
                 else:
                     pieces = _gather_pieces(t)
                     self.pending[(path, number)] = pieces
@@ -190,6 +212,8 @@ class ShardedCandidate(TorchCandidate):
                 where = site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
                 self.error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
                 self.failed = hooks.failed_at
+        # an output that could not be mapped back is a site without a counterpart: say why
+        self.notes.extend(f"not mapped back to the full tensor at {e}" for e in hooks.errors[:5])
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         pieces = self.pending.pop((r.path, r.number), None)
@@ -204,7 +228,7 @@ class ShardedCandidate(TorchCandidate):
     # ------------------------------------------------------------------ one site on the reference's inputs
     def _full(self, t, shape) -> torch.Tensor:
         if isinstance(t, _dtensor()):
-            return t.full_tensor().detach()
+            return full_of(t)
         return assemble(_gather_pieces(t), shape)[0]
 
     def _kid_view(self, kid, out):
@@ -218,6 +242,9 @@ class ShardedCandidate(TorchCandidate):
         if isinstance(out, tuple | list):
             items = [local if o is y else o for o in out]
             return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+        if isinstance(out, Mapping):  # a Hugging Face ModelOutput
+            items = {k: (local if v is y else v) for k, v in out.items()}
+            return type(out)(**items) if type(out) is not dict else items
         return out
 
     @contextlib.contextmanager

@@ -35,7 +35,7 @@ CASES = [("tp", "clean"), ("tp", "local_stats"), ("tp", "norm_eps"), ("tp", "wei
 RANK = textwrap.dedent("""
     import copy, json, os, sys
     import torch, torch.distributed as dist
-    rank, world, out, port = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3]
+    rank, out, port, world = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[6])
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -48,7 +48,11 @@ RANK = textwrap.dedent("""
                                                    SequenceParallel, parallelize_module)
     import normscope
 
-    mesh = init_device_mesh("cpu", (world,))
+    if world == 4:  # data parallel (FSDP2) over tensor parallel: a mesh of two dimensions
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh, dp_mesh = grid["tp"], grid["dp"]
+    else:
+        mesh = dp_mesh = init_device_mesh("cpu", (world,))
     SIZE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2)
     CONFIGS = {"llama": lambda: transformers.LlamaConfig(**SIZE),
@@ -105,8 +109,8 @@ RANK = textwrap.dedent("""
 
     def fsdp(model):
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
         return model
 
 
@@ -129,7 +133,8 @@ RANK = textwrap.dedent("""
                 with torch.no_grad():
                     layer.mlp.up_proj.weight[:8].mul_(1.5)
                 site = "model.layers.1.mlp.up_proj"
-            {"tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp}[sharding](cand)
+            {"tp": tensor_parallel, "sp": sequence_parallel, "fsdp": fsdp,
+             "fsdp_tp": lambda m: fsdp(tensor_parallel(m))}[sharding](cand)
             if fault == "local_stats":
                 layer.post_attention_layernorm = LocalStats(layer.post_attention_layernorm)
                 site = "model.layers.1.post_attention_layernorm"
@@ -145,7 +150,7 @@ RANK = textwrap.dedent("""
     cand = tensor_parallel(copy.deepcopy(ref))
     other = copy.deepcopy(ref)
     with torch.no_grad():
-        other.lm_head.weight.add_(rank)  # rank 1's reference is another model
+        other.lm_head.weight.add_(rank)  # the other ranks' references are other models
     for what, call in (("grad", lambda: normscope.diff(ref, cand, {"input_ids": ids}, grad=True, progress=False)),
                        ("dtype", lambda: normscope.diff(ref, cand, {"input_ids": ids}, candidate_dtype="bfloat16",
                                                         progress=False)),
@@ -165,13 +170,14 @@ RANK = textwrap.dedent("""
 """)
 
 
-def _two_ranks(out: Path, archs, cases) -> list[dict]:
+def _ranks(out: Path, archs, cases, world: int = 2) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(out), port, ",".join(archs), json.dumps(cases)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(r), str(out), port, ",".join(archs), json.dumps(cases),
+                               str(world)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
     logs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(err[-3000:] for _, err in logs)
     return json.loads(out.read_text())
@@ -179,7 +185,7 @@ def _two_ranks(out: Path, archs, cases) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return _two_ranks(tmp_path_factory.mktemp("sharded") / "results.json", ARCHITECTURES, CASES)
+    return _ranks(tmp_path_factory.mktemp("sharded") / "results.json", ARCHITECTURES, CASES)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -197,6 +203,16 @@ def test_sharded_candidate_property(results, arch, sharding, fault):
 
 def test_sharded_candidate_refusals(results):
     errors = next(r["errors"] for r in results if "errors" in r)
-    assert "grad=True with a sharded candidate" in errors["grad"]
+    assert errors["grad"] and "grad=True with a sharded candidate" in errors["grad"]
     assert "a sharded candidate runs as its ranks hold it" in errors["dtype"]
     assert "the reference differs across the 2 ranks" in errors["reference"]
+
+
+def test_two_dimensional_mesh(tmp_path):
+    """Four ranks: FSDP2 over a data-parallel dimension of tensor-parallel pairs. A plain output's pieces come from
+    both pairs (the same pieces twice); a teacher-forced input is this rank's piece within its pair."""
+    results = _ranks(tmp_path / "results.json", ("llama",), [("fsdp_tp", "clean"), ("fsdp_tp", "norm_eps")], world=4)
+    clean, eps = (r for r in results if "fault" in r)
+    assert "sharded over 4 ranks (FSDP2 and tensor parallel)" in clean["candidate"]
+    assert clean["verdict"] == "pass" and clean["max_own"] < 1e-5, clean["summary"]
+    assert eps["verdict"] == "fail" and eps["first"] == eps["site"], eps["summary"]

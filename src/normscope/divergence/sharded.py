@@ -59,9 +59,27 @@ def kinds(module: torch.nn.Module) -> list[str]:
     units = [m for m in module.modules() if fsdp is not None and isinstance(m, fsdp)]
     managed = {id(p) for u in units for p in u.parameters()}
     out = ["FSDP2"] if units else []
-    if any(isinstance(p, dtensor) and id(p) not in managed for p in module.parameters()):
+    if any(isinstance(p, dtensor) and id(p) not in managed for p in module.parameters()) or any(
+            _tensor_parallel_in(u) for u in units):
         out.append("tensor parallel")
     return out
+
+
+def _tensor_parallel_in(unit) -> bool:
+    """Whether an FSDP unit shards parameters that were DTensors already (tensor parallel inside FSDP2)."""
+    try:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        return group is not None and any(getattr(p, "is_dtensor", False) for p in group.fsdp_params)
+    except AttributeError:  # another torch's private layout: FSDP2 alone is said
+        return False
+
+
+def model_name(module: torch.nn.Module) -> str:
+    """The class a model was built as (FSDP2 renames it ``FSDP<class>``)."""
+    fsdp = _fsdp_class()
+    if fsdp is not None and isinstance(module, fsdp):
+        return next(c for c in type(module).__mro__ if not issubclass(c, fsdp)).__name__
+    return type(module).__name__
 
 
 def _gather_pieces(t: torch.Tensor) -> list[torch.Tensor]:
@@ -93,11 +111,29 @@ def full_of(t) -> torch.Tensor:
     return t.full_tensor().detach()
 
 
-def _layout_of(t) -> tuple:
-    """How a tensor sits on this rank: ("dtensor", mesh, placements) or ("local", its shape)."""
+def distinct(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The ranks' pieces without repeats, in rank order: the ranks of other groups of a mesh of several dimensions
+    (data-parallel replicas of a tensor-parallel group) hold the same pieces again."""
+    out: list[torch.Tensor] = []
+    for p in pieces:
+        if not any(q.shape == p.shape and torch.equal(q, p) for q in out):
+            out.append(p)
+    return out
+
+
+def _layout_of(t, pieces: list[torch.Tensor] | None = None) -> tuple:
+    """How a tensor sits on this rank: ("dtensor", mesh, placements), or ("local", its shape, the index of its piece
+    among the ranks' distinct pieces, their number) — ``pieces``: every rank's, when gathered."""
     if isinstance(t, _dtensor()):
         return ("dtensor", t.device_mesh, tuple(t.placements))
-    return ("local", tuple(t.shape))
+    if pieces is None:
+        return ("local", tuple(t.shape), 0, 1)
+    import torch.distributed as dist
+
+    unique = distinct(pieces)
+    mine = pieces[dist.get_rank()]
+    index = next(i for i, q in enumerate(unique) if q.shape == mine.shape and torch.equal(q, mine))
+    return ("local", tuple(t.shape), index, len(unique))
 
 
 def assemble(pieces: list[torch.Tensor], shape) -> tuple[torch.Tensor, str]:
@@ -105,6 +141,7 @@ def assemble(pieces: list[torch.Tensor], shape) -> tuple[torch.Tensor, str]:
     the same everywhere (replicated), split along one dimension, or full-shaped pieces that differ (rank 0's is
     taken, so every rank decides alike: a partial sum left unreduced, ranks that drifted apart)."""
     shape = tuple(shape)
+    pieces = distinct(pieces) if len(pieces) > 1 else pieces
     first = pieces[0]
     if all(p.shape == first.shape for p in pieces) and all(torch.equal(p, first) for p in pieces[1:]):
         if tuple(first.shape) == shape:
@@ -120,7 +157,6 @@ def assemble(pieces: list[torch.Tensor], shape) -> tuple[torch.Tensor, str]:
 
 def _local(x: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The reference's full ``x`` laid out as a candidate tensor was (``layout``)."""
-    import torch.distributed as dist
 
     if layout[0] == "dtensor":
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -140,15 +176,14 @@ def _local(x: torch.Tensor, layout: tuple) -> torch.Tensor:
         else:
             return distribute_tensor(x.detach(), mesh, placements)
         return DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
-    shape = layout[1]
-    if tuple(x.shape) == tuple(shape) or x.dim() != len(shape):
+    _, shape, index, count = layout
+    if tuple(x.shape) == tuple(shape) or x.dim() != len(shape) or count < 2:
         return x
-    world, rank = dist.get_world_size(), dist.get_rank()
     for d in range(x.dim()):
         if x.shape[d] != shape[d]:
-            piece = torch.chunk(x, world, d)[rank]
-            if tuple(piece.shape) == tuple(shape):
-                return piece.contiguous()
+            pieces = torch.chunk(x, count, d)
+            if len(pieces) == count and tuple(pieces[index].shape) == tuple(shape):
+                return pieces[index].contiguous()
     return x
 
 
@@ -170,7 +205,7 @@ class ShardedCandidate(TorchCandidate):
         dtype = model_dtype(candidate)
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         how = " and ".join(kinds(candidate)) or "DTensor parameters"
-        super().__init__(candidate.eval(), f"{type(candidate).__name__} sharded over {self.world} ranks ({how})",
+        super().__init__(candidate.eval(), f"{model_name(candidate)} sharded over {self.world} ranks ({how})",
                          dtype, ref_dtype)
         self.inputs_in: dict[tuple[str, int], list[tuple]] = {}  # a call's floating arguments, as laid out
         self.outputs_out: dict[str, tuple] = {}  # a site's primary output as its forward returned it
@@ -188,17 +223,21 @@ class ShardedCandidate(TorchCandidate):
     # ------------------------------------------------------------------ its own forward
     def run(self, args, kwargs) -> None:
         def pre(module, path, number, a, kw):
-            self.inputs_in[(path, number)] = [_layout_of((a if w == "arg" else kw)[k]) for w, k in _floating(a, kw)]
+            # a plain input's piece index among the ranks' (a teacher-forced run hands this rank that piece)
+            tensors = [(a if w == "arg" else kw)[k] for w, k in _floating(a, kw)]
+            self.inputs_in[(path, number)] = [_layout_of(t, None if isinstance(t, _dtensor()) else _gather_pieces(t))
+                                              for t in tensors]
 
         def post(module, path, number, a, kw, output):
             t = primary(output)
             kept = None
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                self.outputs_out[site_name(path, number)] = _layout_of(t)
                 if isinstance(t, _dtensor()):
+                    self.outputs_out[site_name(path, number)] = _layout_of(t)
                     kept = full_of(t)
                 else:
                     pieces = _gather_pieces(t)
+                    self.outputs_out[site_name(path, number)] = _layout_of(t, pieces)
                     self.pending[(path, number)] = pieces
                     kept = pieces[0]
             x = input_of(a, kw, t if isinstance(t, torch.Tensor) else None)

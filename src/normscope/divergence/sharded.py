@@ -25,7 +25,7 @@ import torch
 from ..errors import InputError
 from ..model import private_copy, untouched
 from .candidate import NotMeasured, TorchCandidate
-from .execution import Hooks, Record, Replay, input_of, primary, restored, site_name
+from .execution import Hooks, Record, Replay, cast, input_of, primary, restored, site_name
 
 
 def _dtensor():
@@ -85,10 +85,21 @@ def model_name(module: torch.nn.Module) -> str:
 def _gather_pieces(t: torch.Tensor) -> list[torch.Tensor]:
     import torch.distributed as dist
 
-    pieces: list[Any] = [None] * dist.get_world_size()
+    world = dist.get_world_size()
     # clone(): a collective's result may still be in flight (an AsyncCollectiveTensor waits on an op, not a view)
-    dist.all_gather_object(pieces, t.detach().clone().to("cpu").contiguous())
-    return pieces
+    mine = t.detach().clone().contiguous()
+    shapes: list[Any] = [None] * world
+    dist.all_gather_object(shapes, (tuple(mine.shape), str(mine.dtype)))
+    if all(s == shapes[0] for s in shapes):  # the usual case: the pieces travel as tensors, on their device
+        pieces = [torch.empty_like(mine) for _ in range(world)]
+        try:
+            dist.all_gather(pieces, mine)
+            return [p.to("cpu") for p in pieces]
+        except (RuntimeError, TypeError, ValueError):  # a dtype the backend does not carry: every rank alike
+            pass
+    objects: list[Any] = [None] * world  # uneven pieces: pickled
+    dist.all_gather_object(objects, mine.to("cpu"))
+    return objects
 
 
 def full_of(t) -> torch.Tensor:
@@ -246,7 +257,7 @@ class ShardedCandidate(TorchCandidate):
         hooks = Hooks(self.model, pre, post)
         with hooks.active(), torch.no_grad():
             try:
-                self.model(*args, **kwargs)
+                self.model(*cast(args, self.torch_dtype), **cast(kwargs, self.torch_dtype, True))
             except Exception as exc:
                 where = site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
                 self.error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
@@ -307,7 +318,7 @@ class ShardedCandidate(TorchCandidate):
         ready = restored(args, kw, state)
         if isinstance(ready, str):
             raise NotMeasured(f"own error not measured: {ready}")
-        args, kw = list(ready[0]), dict(ready[1])
+        args, kw = list(memo.cast(ready[0], self.torch_dtype)), dict(memo.cast(ready[1], self.torch_dtype, True))
         layouts = self.inputs_in.get((r.path, r.number), [])
         for (where, k), layout in zip(_floating(args, kw), layouts, strict=False):
             box = args if where == "arg" else kw

@@ -222,3 +222,17 @@ def test_two_dimensional_mesh(tmp_path):
     assert "sharded over 4 ranks (FSDP2 and tensor parallel)" in clean["candidate"]
     assert clean["verdict"] == "pass" and clean["max_own"] < 1e-5, clean["summary"]
     assert eps["verdict"] == "fail" and eps["first"] == eps["site"], eps["summary"]
+
+
+def test_assemble_places_the_pieces_by_the_reference_shape():
+    from normscope.divergence.sharded import assemble
+
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    assert assemble([x, x.clone()], (2, 3, 4))[1] == "replicated"
+    full, how = assemble(list(torch.chunk(x, 2, -1)), (2, 3, 4))
+    assert how == "sharded on dim 2" and torch.equal(full, x)
+    full, how = assemble([*torch.chunk(x, 2, 0)] * 2, (2, 3, 4))  # two groups of a 2-D mesh: the pieces twice
+    assert how == "sharded on dim 0" and torch.equal(full, x)
+    full, how = assemble([x, x + 1], (2, 3, 4))  # a sum left unreduced: rank 0's, and it fails
+    assert how.startswith("different on each rank") and torch.equal(full, x)
+    assert assemble([x[:, :1], x[:, :1] + 1], (2, 3, 4))[1].startswith("pieces of shape [2, 1, 4]")

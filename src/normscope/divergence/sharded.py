@@ -168,7 +168,6 @@ def assemble(pieces: list[torch.Tensor], shape) -> tuple[torch.Tensor, str]:
 
 def _local(x: torch.Tensor, layout: tuple) -> torch.Tensor:
     """The reference's full ``x`` laid out as a candidate tensor was (``layout``)."""
-
     if layout[0] == "dtensor":
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
@@ -221,8 +220,6 @@ class ShardedCandidate(TorchCandidate):
         self.inputs_in: dict[tuple[str, int], list[tuple]] = {}  # a call's floating arguments, as laid out
         self.outputs_out: dict[str, tuple] = {}  # a site's primary output as its forward returned it
         self.pending: dict[tuple[str, int], list[torch.Tensor]] = {}  # plain outputs: every rank's piece
-        self.layouts: dict[str, str] = {}  # a site's output, mapped back: how it was laid out
-        self.paths = {id(m): p for p, m in candidate.named_modules()}
         self.modules = dict(candidate.named_modules())
         fsdp = _fsdp_class()
         self.fsdp = {p for p, m in self.modules.items() if fsdp is not None and isinstance(m, fsdp)}
@@ -267,12 +264,13 @@ class ShardedCandidate(TorchCandidate):
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         pieces = self.pending.pop((r.path, r.number), None)
-        name = site_name(r.path, r.number)
-        if pieces is not None:
-            r.output, self.layouts[name] = assemble(pieces, y.shape)
-            r.version, r.shape = r.output._version, list(r.output.shape)
-        elif r.output is not None:
-            self.layouts[name] = "a DTensor"
+        if pieces is None:
+            return None
+        r.output, how = assemble(pieces, y.shape)
+        r.version, r.shape = r.output._version, list(r.output.shape)
+        if how.startswith("pieces of shape"):  # not a layout this knows how to undo: not compared, never a pass
+            return (f"not compared: the ranks' {how} (the reference's output); a layout of pieces this diff cannot "
+                    "map back to the full tensor")
         return None
 
     # ------------------------------------------------------------------ one site on the reference's inputs

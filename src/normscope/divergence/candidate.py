@@ -236,7 +236,13 @@ class TorchCandidate(Candidate):
             x = input_of(a, kw, t if isinstance(t, torch.Tensor) else None)
             self.records.append(Record(path, number, module, kept, x.dtype if x is not None else None))
 
-        hooks = Hooks(self.model, lambda *a: None, post)
+        self.forward(args, kwargs, lambda *a: None, post)
+        self.cache_bytes = peak
+
+    def forward(self, args, kwargs, pre, post) -> Hooks:
+        """The candidate's forward on the inputs (cast to its dtype) with ``pre``/``post`` told of every module
+        call (:class:`.execution.Hooks`); what it raised, and where, kept in ``error``/``failed``."""
+        hooks = Hooks(self.model, pre, post)
         with hooks.active(), torch.no_grad(), self.ac():
             try:
                 self.model(*cast(args, self.torch_dtype), **cast(kwargs, self.torch_dtype, True))
@@ -244,7 +250,7 @@ class TorchCandidate(Candidate):
                 where = site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
                 self.error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
                 self.failed = hooks.failed_at
-        self.cache_bytes = peak
+        return hooks
 
     def parting(self, reference: torch.nn.Module) -> str | None:
         return None if self.model is reference else structure_parting(reference, self.model)

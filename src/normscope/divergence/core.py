@@ -42,7 +42,7 @@ from .candidate import Candidate, candidate_for
 from .execution import Hooks, Memo, model_dtype
 from .result import Diff
 from .runtimes import runtime_of
-from .sharded import agreed_inputs, check_same_reference, is_sharded
+from .sharded import ShardedCandidate, agreed_inputs, check_same_reference
 from .walk import Walk
 
 _LOW = ("bfloat16", "float16", "float32", "float64")
@@ -166,15 +166,15 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
             stack.callback(lambda: notes.append(streamed.note()))
             stack.enter_context(streamed)
         args, kwargs = arguments(reference, inputs)
-        if isinstance(candidate, torch.nn.Module) and is_sharded(candidate):  # every rank runs rank 0's batch
+        stack.enter_context(untouched(reference))
+        reference.eval()
+        cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
+        if isinstance(cand, ShardedCandidate):  # every rank runs rank 0's batch on the same reference
             if grad:
                 raise InputError("grad=True with a sharded candidate: its backward's collectives are not replayed "
                                  "site by site here; leave grad out (--grad)")
             check_same_reference(reference)
             args, kwargs = agreed_inputs(args, kwargs)
-        stack.enter_context(untouched(reference))
-        reference.eval()
-        cand = candidate_for(reference, candidate, candidate_dtype, autocast, ref_dtype, stack)
         if grad and cand.quantized:
             raise InputError("grad=True: a quantized candidate's forward is judged against its dequantized weights, "
                              "but its backward (the gradients its quantized weights pass on, or their "

@@ -25,7 +25,7 @@ import torch
 from ..errors import InputError
 from ..model import private_copy, untouched
 from .candidate import NotMeasured, TorchCandidate
-from .execution import Hooks, Record, Replay, cast, input_of, primary, restored, site_name
+from .execution import Record, Replay, input_of, primary, restored, site_name
 
 
 def _dtensor():
@@ -251,14 +251,7 @@ class ShardedCandidate(TorchCandidate):
             x = input_of(a, kw, t if isinstance(t, torch.Tensor) else None)
             self.records.append(Record(path, number, module, kept, x.dtype if x is not None else None))
 
-        hooks = Hooks(self.model, pre, post)
-        with hooks.active(), torch.no_grad():
-            try:
-                self.model(*cast(args, self.torch_dtype), **cast(kwargs, self.torch_dtype, True))
-            except Exception as exc:
-                where = site_name(*hooks.failed_at) if hooks.failed_at else "(model)"
-                self.error = f"the candidate's forward raised in {where}: {type(exc).__name__}: {exc}"
-                self.failed = hooks.failed_at
+        hooks = self.forward(args, kwargs, pre, post)
         # an output that could not be mapped back is a site without a counterpart: say why
         self.notes.extend(f"not mapped back to the full tensor at {e}" for e in hooks.errors[:5])
 

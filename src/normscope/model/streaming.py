@@ -119,7 +119,7 @@ class Tag:
     keys: dict[str, str]
     listed: bool = False  # an element of a ModuleList/Sequential: its own unit, read when it is entered
     path: str = ""  # its module path in the streamed model (for progress)
-    units: dict = field(default_factory=dict, repr=False, compare=False)
+    unit: tuple | None = field(default=None, repr=False, compare=False)  # (a weakref to its module, its unit)
 
     def __deepcopy__(self, memo) -> Tag:
         return Tag(self.files, dict(self.keys), self.listed, self.path)
@@ -146,7 +146,7 @@ class _Slot:
 
 class Residency:
     """The weights of every streamed module that are in memory now, least recently used first, with what the
-    running calls pinned; and what streaming read (``stats``)."""
+    running calls pinned and the most ever held (``peak``); the bytes read are counted by each :class:`WeightFiles`."""
 
     def __init__(self):
         self.slots: collections.OrderedDict[tuple[int, str], _Slot] = collections.OrderedDict()
@@ -296,11 +296,8 @@ def weights_of(module: torch.nn.Module) -> Iterator[None]:
 def _unit(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     """The parameters a call of ``module`` reads: its subtree's, down to (not into) the listed elements below it."""
     tag = tag_of(module)
-    cached = tag.units.get("unit")
-    if cached is not None:
-        ref, unit = cached
-        if ref() is module:
-            return unit
+    if tag.unit is not None and tag.unit[0]() is module:
+        return tag.unit[1]
     unit, todo = [], [module]
     while todo:
         m = todo.pop()
@@ -312,7 +309,7 @@ def _unit(module: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
             if ct is not None and ct.listed:
                 continue
             todo.append(child)
-    tag.units["unit"] = (weakref.ref(module), unit)
+    tag.unit = (weakref.ref(module), unit)
     return unit
 
 

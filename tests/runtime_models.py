@@ -99,3 +99,18 @@ def built(config, biases: bool = False):
 
 def token_ids() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))}
+
+
+def effective_gamma_times(model, path: str, channel: int, factor: float):
+    """A copy of ``model`` whose norm ``path`` has the effective γ of one channel × ``factor`` (Gemma's norms apply
+    1 + w, so w is set to make 1 + w so)."""
+    import copy
+
+    edited = copy.deepcopy(model)
+    norm = dict(edited.named_modules())[path]
+    with torch.no_grad():
+        if "Gemma" in type(norm).__name__:
+            norm.weight[channel] = factor * (1 + norm.weight[channel]) - 1
+        else:
+            norm.weight[channel] *= factor
+    return edited

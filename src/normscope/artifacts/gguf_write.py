@@ -30,6 +30,7 @@ attention biases.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 
@@ -244,3 +245,39 @@ def _vocabulary(w, gguf, size: int, control: tuple[str, ...] = ()) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
+
+
+def quantize_gguf(source: str | Path, path: str | Path, kind: str = "Q8_0") -> Path:
+    """The GGUF at ``source`` quantized by llama.cpp's own quantizer (through llama-cpp-python) to ``kind`` — a
+    file type as llama.cpp's ``quantize`` tool names it: ``Q8_0``, ``Q4_0``, ``Q4_K_M``, ``Q5_K_M``, ``Q6_K`` … —
+    written at ``path``. llama.cpp chooses each tensor's type as its recipe says (``Q4_K_M`` keeps some in
+    ``Q6_K``; a tensor whose rows are not a multiple of the block falls back to another type)."""
+    lc = require("llama_cpp.llama_cpp", "llamacpp")
+    known = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(lc) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
+    code = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{kind.upper()}", None)
+    if code is None:
+        raise InputError(f"{kind!r} is not a llama.cpp file type; known: {', '.join(known)}")
+    source, path = Path(source), Path(path)
+    if not source.is_file():
+        raise InputError(f"{source}: no such GGUF file")
+    if path.exists():
+        raise InputError(f"{path} exists; give a new path (nothing is overwritten)")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = code
+    quiet_llama_cpp(lc)
+    if lc.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+        raise InputError(f"llama.cpp could not quantize {source} to {kind}")
+    return path
+
+
+_LOG_SINK = None
+
+
+def quiet_llama_cpp(lc) -> None:
+    """llama.cpp's log lines off (they go to stderr otherwise), its backend started; the callback object is kept
+    alive here. ``lc``: ``llama_cpp.llama_cpp``."""
+    global _LOG_SINK
+    if _LOG_SINK is None:
+        _LOG_SINK = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_LOG_SINK, ctypes.c_void_p())
+        lc.llama_backend_init()

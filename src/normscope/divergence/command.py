@@ -45,7 +45,8 @@ def add_parser(subparsers) -> Any:
                         "or 'mlx' (REFERENCE, a Hugging Face model, ported by mlx-lm and run by MLX on the CPU; "
                         "pip install 'normscope[mlx]'; 'mlx:4bit' or 'mlx:8bit': that port quantized as mlx_lm.convert "
                         "-q does, judged against REFERENCE with its own dequantized weights; or a directory "
-                        "mlx_lm.convert -q wrote), a .gguf or 'llama.cpp' (REFERENCE written as a GGUF) run by "
+                        "mlx_lm.convert -q wrote), a .gguf (quantized too: Q8_0, Q4_0, Q4_K_M…) or 'llama.cpp' "
+                        "(REFERENCE written as a GGUF; 'llama.cpp:Q4_K_M': and quantized by llama.cpp) run by "
                         "llama.cpp on the CPU (pip install 'normscope[llamacpp]': builds llama.cpp, minutes); omit "
                         "with --candidate-dtype or --autocast")
     p.add_argument("--inputs", help=INPUTS_HELP)

@@ -182,10 +182,10 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
                              "leave grad out (--grad), or compare the gradients of a float copy")
         say(f"running the candidate{cand.runner}")
         cand.run(args, kwargs)
-        notes.extend(cand.notes)
+        alignment = cand.align([p for p, _ in reference.named_modules()])
+        notes.extend(cand.notes)  # what its run and its alignment said of themselves
         if cand.error:
             notes.append(cand.error)
-        alignment = cand.align([p for p, _ in reference.named_modules()])
         parting = cand.parting(reference) if alignment.mode == "order" else None
         if parting is not None:
             return _not_aligned(reference, cand, parting, args, kwargs, ref_dtype, autocast, grad, notes, started)

@@ -8,6 +8,8 @@ to. Pure: each function reads its arguments and sets the fields of the one :clas
   child's output and its input did: the divergence is in its own code between its children;
 - :func:`graph_propagated` — a runtime graph's site (ONNX, OpenVINO) without an own error, judged on its
   propagated error;
+- :func:`graph_carried` — a quantized runtime graph's site without an own error (its propagated error is mostly
+  the quantization's): carried from the judged sites inside it, or born between them;
 - :func:`graph_output` — a runtime graph's final output: within its bound, or explained by the sites inside it,
   or born in the model's own code outside them (a divergence), or not explained where sites were not compared.
 """
@@ -74,6 +76,27 @@ def graph_propagated(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str) ->
             f"; own error n/a: {s.own_missing})" if s.own_missing else ")")
         if s.propagated["normalized"] > s.bound:
             s.status = "diverged"
+
+
+def graph_carried(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str, child_error: float) -> None:
+    """A quantized runtime graph's site without an own error (llama.cpp's inner model output): its propagated error
+    is the quantization's, carried from the sites inside it, each judged against the dequantized twin on its own.
+    Within when it errs by at most :data:`COMPOSITION` × the largest error of those sites; beyond that the error is
+    born in its own code between them: diverged."""
+    if s.status != "propagated" or s.propagated is None or "normalized" not in s.propagated or s.depth == 0:
+        return
+    err = s.propagated["normalized"]
+    floor, floor_rule = metrics.bound(cand_dtype, ref_dtype, None, n)
+    s.bound = COMPOSITION * max(child_error, floor)
+    s.bound_rule = (f"{COMPOSITION:g} × the largest error of the sites inside it ({sig(child_error)}), at least "
+                    f"{COMPOSITION:g} × {floor_rule} (on the propagated error of a quantized candidate; own error "
+                    f"n/a{': ' + s.own_missing if s.own_missing else ''})")
+    if err <= s.bound:
+        s.status = "within"
+    else:
+        s.status = "diverged"
+        s.note = (f"its output errs by {sig(err)} while every site inside it erred by at most {sig(child_error)}: "
+                  "the error is born in its own code between them")
 
 
 def graph_output(s: SiteDiff, *, n: int, cand_dtype: str, ref_dtype: str, child_error: float,

@@ -158,6 +158,9 @@ class Walk:
         if s.status == "reference_not_finite":
             return
         n = reduce_len(f["args"], y)
+        # a quantized runtime graph's block is judged on its own error where the graph holds its input: carried
+        # quantization noise says nothing of the code between its children
+        own_site = own_site or (self.cand.graph and bool(self.cand.quantized))
         if own_site:
             self.own_sites += 1
         if not own_site or r.module is None:
@@ -176,7 +179,8 @@ class Walk:
         except NotMeasured as exc:
             if exc.missing is not None:
                 s.own_missing = exc.missing
-                judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
+                if self.cand.graph:
+                    self._without_own(s, f, err, n, leaf, module, r.module, y)
             else:
                 s.note = exc.note
             return
@@ -218,11 +222,23 @@ class Walk:
     def _without_own(self, s: SiteDiff, f, err, n: int, leaf: bool, module, cand_module, y) -> None:
         """A site without an own error: an ONNX site on its propagated error; a torch module by composition."""
         if self.cand.graph:
+            if s.depth > 0 and self.cand.quantized:
+                judge.graph_carried(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype,
+                                    child_error=f["child_error"])
+                if s.status == "diverged":
+                    self._remember(s, module, cand_module, f["args"], y, None)
+                return
             if s.depth > 0:
                 judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
                 return
+            judged_own = {t.name for t in self.sites if t.own is not None and t.status in ("within", "diverged")}
+            covered = getattr(self.cand, "covered_by", lambda name, names: [])
+            names = [t.name for t in self.sites]
+            # a site the candidate holds no tensor of is accounted for when the sites that compute it inside
+            # themselves (an attention's rotary embedding, an MLP's activation) were each judged on their own
             not_compared = [t.name for t in self.sites if t is not s and (t.status == "unmatched" or (
-                t.propagated is None and t.own is None))]
+                t.propagated is None and t.own is None)) and not (
+                (cover := covered(t.name, names)) and all(c in judged_own for c in cover))]
             judge.graph_output(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype,
                                child_error=f["child_error"], not_compared=not_compared,
                                hold=getattr(self.cand, "output_hold", None))

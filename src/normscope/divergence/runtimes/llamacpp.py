@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...artifacts.gguf_write import quiet_llama_cpp
 from ...errors import InputError, TargetError
 from ...extras import require
 from ...report.numbers import sig
 from ..candidate import Alignment, Candidate, NotMeasured, kept_bytes
-from ..execution import Memo, Record, input_at, model_dtype, primary, stateless
+from ..execution import Memo, Record, input_at, model_dtype, primary, restored, stateless
 
 #: weight types with a bound here: a 16-bit float's rounding (quantized blocks have none in the error model)
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -389,16 +390,6 @@ def gelu_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-_LOG_SINK = None
-
-
-def _quiet(lc) -> None:
-    """llama.cpp's log lines off (they go to stderr otherwise); the callback object is kept alive here."""
-    global _LOG_SINK
-    if _LOG_SINK is None:
-        _LOG_SINK = lc.llama_log_callback(lambda level, text, data: None)
-        lc.llama_log_set(_LOG_SINK, ctypes.c_void_p())
-        lc.llama_backend_init()
 
 
 class FileInfo:
@@ -502,12 +493,14 @@ def run_candidate(path: Path, ids: torch.Tensor) -> tuple[dict, FileInfo, str, n
     the GELU table llama.cpp computed with."""
     lc = require("llama_cpp.llama_cpp", "llamacpp")
     info = FileInfo(path)
-    other = sorted(t for t in info.counts if t not in FLOAT_TYPES)
+    from .ggml_quant import QUANTIZED
+
+    other = sorted(t for t in info.counts if t not in FLOAT_TYPES + QUANTIZED)
     if other:
-        raise InputError(f"{path}: weights stored as {', '.join(other)}: a quantized GGUF's rounding has no bound "
-                         "in normscope's error model, so no site could be judged against one; diff a float "
-                         "GGUF (F32, F16, BF16) of the same model, or compare this one's logits yourself")
-    _quiet(lc)
+        raise InputError(f"{path}: weights stored as {', '.join(other)}: diff models ggml's products for "
+                         f"{', '.join(QUANTIZED)} and float weights (F32, F16, BF16), not these; quantize the model "
+                         "to one of those types (or diff a float GGUF of it)")
+    quiet_llama_cpp(lc)
     ggml = _Ggml()
     wanted_names = _wanted_names(site_map(info)[1])
     model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
@@ -736,6 +729,7 @@ class LlamaCppCandidate(Candidate):
 
     graph = True
     torch_modules = False
+    rounding: dict = {}  # a quantized file's products: their activation rounding, by module path (.ggml_quant)
     runner = " on llama.cpp"
     scopes_label = "llama.cpp tensor names"
     bound_suffix = " (llama.cpp: its output against the reference's module on the candidate's own input)"
@@ -752,13 +746,15 @@ class LlamaCppCandidate(Candidate):
         super().__init__("", "float32")
         self.reference = reference
         self.modules = dict(reference.named_modules())
-        if isinstance(source, str) and source == "llama.cpp":
+        if isinstance(source, str) and (source == "llama.cpp" or source.startswith("llama.cpp:")):
             import tempfile
 
-            from ...artifacts.gguf_write import write_gguf
+            from ...artifacts.gguf_write import quantize_gguf, write_gguf
 
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="normscope-gguf-"))
             self.path = write_gguf(reference, Path(folder) / "reference.gguf")
+            if source != "llama.cpp":  # "llama.cpp:Q4_K_M": quantized by llama.cpp's own quantizer
+                self.path = quantize_gguf(self.path, Path(folder) / "quantized.gguf", source.split(":", 1)[1])
             self.written_here = True
         else:
             self.path = Path(source)
@@ -782,8 +778,10 @@ class LlamaCppCandidate(Candidate):
         self.values, self.info, self.desc, table = run_candidate(self.path, ids.reshape(-1, ids.shape[-1]).cpu())
         self.dtype = self.info.matrix_dtype
         if self.written_here:
-            self.desc += "; the GGUF written here from the reference (normscope.artifacts.write_gguf)"
+            self.desc += ("; the GGUF written here from the reference (normscope.artifacts.write_gguf"
+                          + (", quantized by llama.cpp)" if self.path.name == "quantized.gguf" else ")"))
         self._activations(table, args, kwargs)
+        self._quantized()
         n_tok = int(ids.shape[-1])
         if self.info.arch == "phi3" and 0 < int(self.info.sliding_window) < n_tok:
             self.notes.append(f"the file states a sliding window of {self.info.sliding_window} tokens; llama.cpp runs "
@@ -839,12 +837,59 @@ class LlamaCppCandidate(Candidate):
                           f"to float16, the value rounded to float16): the reference's {len(tanh)} tanh GELU "
                           f"module(s) compute it so throughout this comparison{moved}")
 
+    def _quantized(self) -> None:
+        """A quantized file's twin (:mod:`.ggml_quant`): the reference with the file's dequantized weights, rounding
+        each product's input as ggml does; each site is then judged against it."""
+        from .. import quantized
+        from .ggml_quant import QUANTIZED, kind_of, quantized_weights, twin
+
+        if not any(t in QUANTIZED for t in self.info.counts):
+            return
+        weights = quantized_weights(self.info, self.reference)
+        self.twin, self.weight_faults, self.rounding = twin(self.reference, weights, self.stack)
+        self._twin_modules = None
+        self.quantized = {path: kind_of(e) for path, e in weights.items()}
+        self.notes.extend(quantized.notes({p: e["type"] for p, e in weights.items()}))
+        self.notes.append("llama.cpp rounds each matrix product's input to the weight type's activation type "
+                          "(q8_0, q8_1, q8_K; float16 for an F16 matrix) before an integer dot product per block; the "
+                          "reference run with the file's dequantized weights rounds them the same way")
+
+    def _resolve_ties(self) -> None:
+        """Each quantized product whose input and output are both graph tensors: the candidate's rounding at the
+        ties of its input (:meth:`.ggml_quant.Rounding.resolve`)."""
+        rounding = getattr(self, "rounding", {})
+        flips = 0
+        for r in self.records:
+            site = r.module
+            if r.path in rounding and isinstance(site, Site) and isinstance(site.input, torch.Tensor):
+                rounding[r.path].resolve(self.twin_modules[r.path], site.input, site.output)
+                flips += rounding[r.path].flips
+        if flips:
+            self.notes.append(f"{flips} activation value(s) lay at a rounding tie of their block (within 2^-14 of a "
+                              "midpoint) and were rounded the other way by llama.cpp; the twin takes llama.cpp's "
+                              "rounding there")
+
     def align(self, ref_paths: list[str]) -> Alignment:
         stated = stated_contracts(self.path, self.info)
         self.records = records(self.values, self.info, ref_paths, Record, stated)
+        if self.quantized:
+            self._resolve_ties()
         self.cache_bytes = kept_bytes(self.records)
         self.values = {}
         return _Alignment(self.records, self.scopes_label, graph=True)
+
+    def covered_by(self, name: str, names: list[str]) -> list[str]:
+        """The sites that compute a module the graph holds no tensor of inside themselves, each judged on its own
+        error against the reference's module there: every attention, for the rotary embedding (llama.cpp rotates
+        inside the attention, on the positions); the MLP, for its activation (fused with the gate product)."""
+        path = name.split("#")[0]  # a module called more than once: Gemma 3's rotary embedding, per layer kind
+        r = next((r for r in self.records if r.path == path), None)
+        if r is None or not isinstance(r.module, NotCompared):
+            return []
+        if path.endswith("rotary_emb"):
+            return [n for n in names if n.split("#")[0].endswith((".self_attn", ".attention"))]
+        parent = path.rsplit(".", 1)[0]
+        return [parent] if parent.endswith(".mlp") and parent in names else []
 
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         if isinstance(r.module, NotCompared):
@@ -858,7 +903,16 @@ class LlamaCppCandidate(Candidate):
             raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
         if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
             return site.output, site.dtype, site.stated
-        if not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
+        calls = [(args, kw), (args, kw)]
+        if self.quantized:  # against the twin, each run from a fresh copy of the call's cache (the walk kept it)
+            module = self.twin_modules.get(r.path)
+            if module is None:
+                raise NotMeasured(None, missing="llama.cpp: no module of the dequantized twin at this site")
+            calls = [restored(args, kw, state) for _ in range(2)]
+            why = next((c for c in calls if isinstance(c, str)), None)
+            if why is not None:
+                raise NotMeasured(None, missing=f"llama.cpp: {why}")
+        elif not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
             raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
                                             "object), so its module is not run again on the candidate's input")
         at = input_at(args, kw, None)
@@ -869,10 +923,10 @@ class LlamaCppCandidate(Candidate):
             raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
                                             f"{list(x_ref.shape)}")
         x_cand = site.input.to(x_ref.device, x_ref.dtype)
-        swapped = list(args), dict(kw)
+        swapped = list(calls[1][0]), dict(calls[1][1])
         swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
         with torch.no_grad():
-            y_ref = primary(module(*args, **kw))
+            y_ref = primary(module(*calls[0][0], **calls[0][1]))
             y_on_cand = primary(module(*swapped[0], **swapped[1]))
         # the candidate's own error at this site, carried onto the reference's output to be judged like any other
         yc = y_ref.double() + (site.output.to(y_ref.device).double() - y_on_cand.double())
@@ -891,7 +945,10 @@ def _restore_forward(module: torch.nn.Module, own) -> None:
 
 
 def is_gguf(obj) -> bool:
-    return isinstance(obj, str | Path) and (str(obj) == "llama.cpp" or str(obj).lower().endswith(".gguf"))
+    """A ``.gguf`` path, ``"llama.cpp"`` (the reference written as a GGUF) or ``"llama.cpp:Q4_K_M"`` (and then
+    quantized by llama.cpp to that file type)."""
+    return isinstance(obj, str | Path) and (str(obj) == "llama.cpp" or str(obj).startswith("llama.cpp:")
+                                            or str(obj).lower().endswith(".gguf"))
 
 
 def is_candidate(obj) -> bool:

@@ -205,3 +205,15 @@ def test_gradients_of_a_quantized_gguf_are_refused(tmp_path):
     model = model_of("llama")
     with pytest.raises(InputError):
         diff(model, _quantized(model, tmp_path, "Q8_0"), token_ids(), progress=False, grad=True)
+
+
+def test_a_file_llama_cpp_cannot_quantize_is_an_input_error_with_its_reason(tmp_path):
+    """A GGUF that states contracts only (no context length): llama.cpp's own reason is in the message."""
+    w = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), arch="llama")
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match="could not quantize.*context_length"):
+        quantize_gguf(tmp_path / "partial.gguf", tmp_path / "q.gguf", "Q8_0")

@@ -30,6 +30,7 @@ attention biases.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 from pathlib import Path
@@ -265,19 +266,27 @@ def quantize_gguf(source: str | Path, path: str | Path, kind: str = "Q8_0") -> P
     params = lc.llama_model_quantize_default_params()
     params.ftype = code
     quiet_llama_cpp(lc)
+    LOG_TAIL.clear()
     if lc.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-        raise InputError(f"llama.cpp could not quantize {source} to {kind}")
+        why = next((line for line in reversed(LOG_TAIL) if "fail" in line or "error" in line), "")
+        raise InputError(f"llama.cpp could not quantize {source} to {kind}" + (f" ({why})" if why else "")
+                         + ": give a GGUF that llama.cpp loads (normscope.artifacts.write_gguf writes one from a "
+                           "model; convert_hf_to_gguf.py is llama.cpp's own)")
     return path
 
 
 _LOG_SINK = None
+LOG_TAIL: collections.deque[str] = collections.deque(maxlen=32)  # llama.cpp's last log lines, for its errors
 
 
 def quiet_llama_cpp(lc) -> None:
-    """llama.cpp's log lines off (they go to stderr otherwise), its backend started; the callback object is kept
-    alive here. ``lc``: ``llama_cpp.llama_cpp``."""
+    """llama.cpp's log lines kept here (:data:`LOG_TAIL`) instead of going to stderr, its backend started; the
+    callback object is kept alive here. ``lc``: ``llama_cpp.llama_cpp``."""
     global _LOG_SINK
     if _LOG_SINK is None:
-        _LOG_SINK = lc.llama_log_callback(lambda level, text, data: None)
+        def keep(level, text, data):
+            LOG_TAIL.append((text or b"").decode(errors="replace").strip())
+
+        _LOG_SINK = lc.llama_log_callback(keep)
         lc.llama_log_set(_LOG_SINK, ctypes.c_void_p())
         lc.llama_backend_init()

@@ -236,9 +236,16 @@ class Walk:
             names = [t.name for t in self.sites]
             # a site the candidate holds no tensor of is accounted for when the sites that compute it inside
             # themselves (an attention's rotary embedding, an MLP's activation) were each judged on their own
-            not_compared = [t.name for t in self.sites if t is not s and (t.status == "unmatched" or (
-                t.propagated is None and t.own is None)) and not (
-                (cover := covered(t.name, names)) and all(c in judged_own for c in cover))]
+            not_compared = []
+            for t in self.sites:
+                if t is s or not (t.status == "unmatched" or (t.propagated is None and t.own is None)):
+                    continue
+                cover = covered(t.name, names)
+                if cover and all(c in judged_own for c in cover):
+                    more = f" and {len(cover) - 1} more" if len(cover) > 1 else ""
+                    t.note = f"{t.note}; accounted for: computed inside {cover[0]}{more}, each judged on its own"
+                else:
+                    not_compared.append(t.name)
             judge.graph_output(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype,
                                child_error=f["child_error"], not_compared=not_compared,
                                hold=getattr(self.cand, "output_hold", None))

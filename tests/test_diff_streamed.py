@@ -157,6 +157,9 @@ def test_streaming_errors(tmp_path):
     ref_dir, _, _ = _checkpoints(tmp_path, "llama", "clean")
     with pytest.raises(InputError, match="grad=True: a streamed model"):
         diff(streaming.streamed(ref_dir), None, IDS, candidate_dtype="bfloat16", grad=True, progress=False)
+    # a runtime's candidate is built from the whole model (its recognition needs no extra installed)
+    with pytest.raises(InputError, match="streamed reference against a llama.cpp candidate"):
+        diff(streaming.streamed(ref_dir), str(tmp_path / "model.gguf"), IDS, progress=False)
     with pytest.raises(InputError, match="has no config.json"):
         streaming.streamed(tmp_path)
     # a config whose architecture the files do not hold

@@ -158,6 +158,12 @@ def diff(reference, candidate=None, inputs=None, *, candidate_dtype=None, autoca
         raise InputError("grad=True: a streamed model reads each module's weights at its call and lets them go, "
                          "but a backward needs every weight its forward used, so the whole model would be held; "
                          "leave grad out (--grad), or compare gradients on a model that fits in memory")
+    runtime = _runtime(candidate)
+    if runtime is not None and streamed.files:
+        raise InputError(f"a streamed reference against a {runtime} candidate: the runtime's candidate is built from "
+                         "the whole model (exported, ported or dequantized into a twin), which streaming does not "
+                         "hold; compare a streamed reference with a torch candidate (--candidate-dtype), or leave "
+                         "out --stream on a model that fits in memory")
     ref_dtype = model_dtype(reference)
     notes: list[str] = []
     with progress_of(progress) as say, contextlib.ExitStack() as stack:

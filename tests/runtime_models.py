@@ -114,3 +114,30 @@ def effective_gamma_times(model, path: str, channel: int, factor: float):
         else:
             norm.weight[channel] *= factor
     return edited
+
+
+def quantized_by_the_gguf_package(f32, path, kinds: dict[str, str], default: str) -> str:
+    """``f32`` rewritten with each matrix quantized by the ``gguf`` package: ``kinds`` (tensor name → type) where
+    given, else ``default``."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(f32))
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        w.add_key_value(field.name, field.contents(), field.types[0],
+                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = np.asarray(t.data).reshape(tuple(reversed([int(x) for x in t.shape])))
+        if data.ndim == 2 and data.shape[-1] % 32 == 0:
+            kind = getattr(gguf.GGMLQuantizationType, kinds.get(t.name, default))
+            w.add_tensor(t.name, gguf.quants.quantize(data.astype(np.float32), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

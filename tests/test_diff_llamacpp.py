@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from runtime_models import SIZE, built, effective_gamma_times, tiny_causal_lm, token_ids
+from runtime_models import SIZE, built, effective_gamma_times, quantized_by_the_gguf_package, tiny_causal_lm, token_ids
 
 from normscope import diff
 from normscope.errors import InputError
@@ -123,29 +123,9 @@ def test_a_q8_0_gguf_written_by_the_gguf_package_is_judged_against_its_dequantiz
     """Quantized by the ``gguf`` package rather than llama.cpp (each 2-D tensor whose rows hold whole blocks), on a
     64-wide model: judged against the reference with the file's dequantized weights (its quantized cases:
     tests/test_diff_llamacpp_quantized.py)."""
-    gguf = pytest.importorskip("gguf")
-    import numpy as np
-
     model = _model("llama")
     path = write_gguf(model, tmp_path / "f32.gguf")
-    reader = gguf.GGUFReader(str(path))
-    w = gguf.GGUFWriter(str(tmp_path / "q8.gguf"), arch="llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        w.add_key_value(field.name, field.contents(), field.types[0],
-                        field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        data = np.asarray(t.data).reshape(tuple(reversed([int(x) for x in t.shape])))
-        if data.ndim == 2 and data.shape[-1] % 32 == 0:
-            q = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(t.name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(t.name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    quantized_by_the_gguf_package(path, tmp_path / "q8.gguf", {}, "Q8_0")
     d = diff(model, str(tmp_path / "q8.gguf"), _ids(), progress=False)
     assert d.verdict == "pass", (d.summary(), d.inconclusive)
     judged = [s for s in d.sites if s.beyond_twin is not None]

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from runtime_models import QuantizedCase, built, effective_gamma_times, token_ids
+from runtime_models import QuantizedCase, built, effective_gamma_times, quantized_by_the_gguf_package, token_ids
 
 from normscope import diff
 from normscope.errors import InputError
@@ -217,3 +217,16 @@ def test_a_file_llama_cpp_cannot_quantize_is_an_input_error_with_its_reason(tmp_
     w.close()
     with pytest.raises(InputError, match="could not quantize.*context_length"):
         quantize_gguf(tmp_path / "partial.gguf", tmp_path / "q.gguf", "Q8_0")
+
+
+def test_one_tensor_at_another_type_than_its_peers_is_named_at_its_module(tmp_path):
+    """A file whose recipe put one layer's query projection at Q4_0 among Q8_0 tensors: faithful to the weights it
+    holds (a pass), and the module quantized otherwise than its peers is named; a recipe may mean it."""
+    model = model_of("llama")
+    f32 = write_gguf(model, tmp_path / "f32.gguf")
+    path = quantized_by_the_gguf_package(f32, tmp_path / "mixed.gguf", {"blk.1.attn_q.weight": "Q4_0"}, "Q8_0")
+    d = diff(model, path, token_ids(), progress=False)
+    assert d.verdict == "pass", (d.summary(), d.inconclusive)
+    assert any(n.startswith("model.layers.1.self_attn.q_proj quantized at Q4_0 where the") for n in d.notes), d.notes
+    q1, q0 = d.site("model.layers.1.self_attn.q_proj"), d.site("model.layers.0.self_attn.q_proj")
+    assert q1.twin > 3 * q0.twin  # what its quantization explains there, beside its Q8_0 peer's

@@ -8,6 +8,7 @@ does for an architecture outside its table) is measured beside it.
 
     python bench/real_size.py              # all three, ~2 min and ~12 GiB at most
     python bench/real_size.py --layers 4   # a smaller model of the same width
+    python bench/real_size.py --gguf Q4_K_M --gguf Q8_0   # against its quantized GGUFs as llama.cpp runs them
 
 A reference larger than memory (``--larger-than-memory``): a Llama-shaped model 4096 wide (14336 MLP, 32 heads, 8 KV
 heads, 32000 tokens) with as many layers as make its float32 weights at least 1.5× this machine's memory, random
@@ -54,6 +55,27 @@ cpu, wall = time.process_time(), time.perf_counter()
 if what == "diff":
     result = normscope.diff(model, candidate_dtype="bfloat16", progress=False)
     outcome = result.verdict
+elif what.startswith("gguf:"):  # written and quantized by llama.cpp first (timed apart), then the diff alone
+    import tempfile
+    from pathlib import Path
+    from normscope.artifacts.gguf_write import quantize_gguf, write_gguf
+    folder = Path(tempfile.mkdtemp(prefix="normscope-bench-gguf-"))
+    f32 = write_gguf(model, folder / "f32.gguf")
+    path = quantize_gguf(f32, folder / "q.gguf", what.split(":", 1)[1])
+    f32.unlink()
+    prepared = time.perf_counter() - wall
+    before, cpu, wall = rss(), time.process_time(), time.perf_counter()
+    ids = {"input_ids": torch.randint(0, 32000, (1, 16), generator=torch.Generator().manual_seed(1))}
+    result = normscope.diff(model, str(path), ids, progress=False)
+    judged = [s for s in result.sites if s.beyond_twin is not None]
+    leaf = [s.twin for s in judged if s.kind == "leaf"]
+    outcome = (f"{result.verdict}, {len(judged)} sites judged against the twin, beyond it at most "
+               f"{max(s.beyond_twin / s.bound for s in judged):.3g} of the bound; quantization explains "
+               f"{min(leaf):.3g}-{max(leaf):.3g} of a projection; logits "
+               f"{result.site('(model)').propagated['normalized']:.3g}; written and quantized in {prepared:.0f} s; "
+               f"{path.stat().st_size / 2**30:.2f} GiB file")
+    path.unlink()
+    folder.rmdir()
 else:
     result = normscope.scan(model, progress=False)
     outcome = f"{len(result.sites)} sites, placement {result.placement}"
@@ -181,6 +203,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--only", choices=("scan", "diff", "meta"), action="append")
+    ap.add_argument("--gguf", metavar="TYPE", action="append",
+                    help="diff the model against itself written as a GGUF and quantized by llama.cpp to TYPE "
+                         "(Q8_0, Q4_K_M…; the llamacpp extra); repeatable")
     ap.add_argument("--larger-than-memory", action="store_true",
                     help="diff a model of 1.5× the machine's memory, streamed from its files (see above)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "normscope-larger-than-memory"),
@@ -189,7 +214,8 @@ def main() -> None:
     if args.larger_than_memory:
         larger_than_memory(Path(args.dir))
         return
-    for what in args.only or ("scan", "diff", "meta"):
+    todo = [f"gguf:{k}" for k in args.gguf or ()] + list(args.only or (() if args.gguf else ("scan", "diff", "meta")))
+    for what in todo:
         out = subprocess.run([sys.executable, "-c", CHILD, what, str(args.layers)], capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{what}: failed\n{out.stderr[-2000:]}")

@@ -158,8 +158,9 @@ class _Walk:
                           f"(truncated?)")
 
 
-def read_gguf(path: str | Path) -> ModelContract:
-    """The contract of a GGUF file; tensors stay memory-mapped, only norm weights are read."""
+def read_gguf(path: str | Path, reader=None) -> ModelContract:
+    """The contract of a GGUF file; tensors stay memory-mapped, only norm weights are read. ``reader``: the file's
+    ``gguf.GGUFReader`` where the caller holds one already (parsing a large vocabulary takes seconds)."""
     gguf = _gguf()
     path = Path(path)
     try:
@@ -171,6 +172,8 @@ def read_gguf(path: str | Path) -> ModelContract:
                 _Walk(path, buf, {int(k): v for k, v in gguf.GGML_QUANT_SIZES.items()}).run()
     except OSError as exc:
         raise unreadable(path, exc) from None
+    if reader is not None:
+        return _contract(path, reader, gguf)
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except (ValueError, KeyError, IndexError, OverflowError, TypeError) as exc:

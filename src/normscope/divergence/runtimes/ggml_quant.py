@@ -26,6 +26,9 @@ own input. No other element is ever taken from the candidate.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import torch
 
@@ -171,6 +174,55 @@ def _undo_layout(value: np.ndarray, key: str, arch: str, heads: int | None, kv_h
     return value
 
 
+_DEQUANTIZE: dict[str, object] = {}
+
+
+def _ggml_row_dequantizer(kind: str):
+    """ggml's own ``dequantize_row_<type>`` (``(const void * blocks, float * out, int64_t n)``) from the library
+    llama-cpp-python ships, or None where it is not there."""
+    if kind not in _DEQUANTIZE:
+        import ctypes
+        from pathlib import Path
+
+        fn = None
+        try:
+            lib_dir = Path(require("llama_cpp", "llamacpp").__file__).parent / "lib"
+            found = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("libggml.*"))
+            if found:
+                fn = getattr(ctypes.CDLL(str(found[0])), f"dequantize_row_{kind[0].lower()}{kind[1:]}", None)
+                if fn is not None:
+                    fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        except (OSError, InputError):
+            fn = None
+        _DEQUANTIZE[kind] = fn
+    return _DEQUANTIZE[kind]
+
+
+def dequantized(t, gguf) -> np.ndarray:
+    """A GGUF tensor's values as float32 (rows × columns): by ggml's own row dequantizer, rows split across threads
+    (a foreign call releases the GIL), else by the ``gguf`` package's NumPy one."""
+    kind = t.tensor_type.name
+    raw = np.ascontiguousarray(t.data)
+    if kind in ("F16", "BF16", "F32"):
+        return gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32, copy=False)
+    fn = _ggml_row_dequantizer(kind)
+    if fn is None:
+        return gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
+    import concurrent.futures
+
+    rows, cols = raw.shape[0], int(t.shape[0])
+    out = np.empty((rows, cols), np.float32)
+    step = max(1, -(-rows // (4 * max(1, torch.get_num_threads()))))
+
+    def run(start: int) -> None:
+        stop = min(rows, start + step)
+        fn(raw[start:stop].ctypes.data, out[start:stop].ctypes.data, (stop - start) * cols)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        list(pool.map(run, range(0, rows, step)))
+    return out
+
+
 def _mins(t, gguf) -> np.ndarray | None:
     """A ``Q4_1``/``Q5_1`` tensor's per-block minimum (rows × blocks): the second float16 of each block."""
     if t.tensor_type.name not in ("Q4_1", "Q5_1"):
@@ -209,46 +261,68 @@ def quantized_weights(info, reference: torch.nn.Module) -> dict[str, dict]:
             t = tensors.get("token_embd.weight")
         if t is None or t.tensor_type.name not in VEC_DOT:
             continue
-        value = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        value = value.reshape(tuple(p.shape)) if value.size == p.numel() else value
         mins = _mins(t, gguf)
-        value = _undo_layout(value, key, info.arch, info.heads, info.kv_heads)
         if mins is not None:
             mins = _undo_layout(mins, key, info.arch, info.heads, info.kv_heads)
-        out[path] = {"weight": torch.from_numpy(np.ascontiguousarray(value)), "type": t.tensor_type.name,
+        out[path] = {"load": functools.partial(_weight, t, key, tuple(p.shape), info, gguf), "type": t.tensor_type.name,
                      "mins": None if mins is None else torch.from_numpy(np.ascontiguousarray(mins)),
                      "tensor": t.name}
     return out
 
 
-def step_of(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """One quantization step per element of a dequantized weight: its block's (sub-block's) range over the type's
-    levels, at least the smallest distance between two of the block's distinct values."""
-    bits, size = BITS.get(kind, (16, 32))
-    if kind not in BITS:
-        return w.abs().double() * 2.0 ** -10
-    rows, n = w.shape
-    b = w.double().reshape(rows, n // size, size) if n % size == 0 else w.double().reshape(rows, 1, n)
-    spread = (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True)) / (2 ** bits - 1)
-    return spread.expand_as(b).reshape(w.shape)
+def _weight(t, key: str, shape: tuple, info, gguf) -> torch.Tensor:
+    """A tensor of the file dequantized, in Hugging Face's layout (read when the twin takes it, one at a time)."""
+    value = dequantized(t, gguf)
+    value = value.reshape(shape) if value.size == math.prod(shape) else value
+    return torch.from_numpy(np.ascontiguousarray(_undo_layout(value, key, info.arch, info.heads, info.kv_heads)))
 
 
 #: a dequantized weight may lie this many steps from the reference's (the K-quants' scale search clips outliers)
 STEPS = 4.0
 
 
+def step_of(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """One quantization step per element of a dequantized weight (float32): its block's (sub-block's) range over
+    the type's levels; a 16-bit float's: 2⁻¹⁰ of the value."""
+    if kind not in BITS:
+        return w.abs() * 2.0 ** -10
+    bits, size = BITS[kind]
+    rows, n = w.shape
+    b = w.reshape(rows, n // size, size) if n % size == 0 else w.reshape(rows, 1, n)
+    spread = (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True)) / (2 ** bits - 1)
+    return spread.expand_as(b).reshape(w.shape)
+
+
 def weight_fault(w: torch.Tensor, reference: torch.Tensor, kind: str) -> str | None:
-    """:func:`..quantized.step_fault` with a GGUF type's step (:func:`step_of`), :data:`STEPS` of them allowed: the
-    K-quants choose each block's scale and minimum by a search that may clip its outliers."""
+    """None when every element of the dequantized weight ``w`` lies within :data:`STEPS` of its block's steps
+    (:func:`step_of`; the K-quants choose each block's scale and minimum by a search that may clip its outliers) of
+    the reference's, else where and by how much not (:func:`..quantized.step_fault`). In float32, one pass
+    over the weight; the double-precision account only when it fails."""
     from ..quantized import step_fault
 
-    step = step_of(w, kind) if kind in BITS else reference.detach().double().abs() * 2.0 ** -10
-    ref = reference.detach().double()
-    return step_fault(w, ref, STEPS * step + 2.0 ** -10 * ref.abs() + 1e-30, step)
+    ref = reference.detach().float().reshape(w.shape)
+    step = step_of(w, kind)
+    allowed = STEPS * step + 2.0 ** -10 * ref.abs() + 1e-30
+    if bool(((w - ref).abs() <= allowed).all()):
+        return None
+    return step_fault(w, ref.double(), allowed.double(), step.double())
 
 
 def kind_of(entry: dict) -> str:
     return f"{entry['type']} ({entry['tensor']}; activations rounded to {VEC_DOT[entry['type']]})"
+
+
+class _Dequantizing(dict):
+    """path → (the dequantized weight, its type in words), each weight dequantized as it is taken and let go after:
+    the twin holds one dequantized tensor beyond itself at a time."""
+
+    def __init__(self, weights: dict[str, dict]):
+        super().__init__((p, None) for p in weights)
+        self.weights = weights
+
+    def items(self):
+        for path, e in self.weights.items():
+            yield path, (e["load"](), kind_of(e))
 
 
 def twin(reference: torch.nn.Module, weights: dict[str, dict], stack) -> tuple[torch.nn.Module, dict[str, str],
@@ -260,8 +334,7 @@ def twin(reference: torch.nn.Module, weights: dict[str, dict], stack) -> tuple[t
     def fault(path, w, ref_w):
         return weight_fault(w, ref_w, weights[path]["type"])
 
-    model, faults = dequantized_twin(reference, torch.float32,
-                                     {p: (e["weight"], kind_of(e)) for p, e in weights.items()}, fault)
+    model, faults = dequantized_twin(reference, torch.float32, _Dequantizing(weights), fault)
     modules = dict(model.named_modules())
     rounding: dict[str, Rounding] = {}
     for path, e in weights.items():

@@ -704,7 +704,7 @@ def stated_contracts(path: Path, info: FileInfo):
     from ...artifacts.ggufread import read_gguf, tensor_values
 
     gguf = require("gguf", "gguf")
-    contract = read_gguf(path)
+    contract = read_gguf(path, info.reader)
     eps = contract.eps
     layernorm = any(s.family == "layernorm" for s in contract.sites)
     tensors = {t.name: t for t in info.reader.tensors}

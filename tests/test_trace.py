@@ -823,6 +823,26 @@ def test_sinks_receive_every_record_and_a_failing_sink_is_disabled(tmp_path, cap
         trace(GPT(), tmp_path / "x", sinks=[object()])
 
 
+def test_a_record_is_written_as_json_with_seven_significant_digits_and_reads_back_as_its_values():
+    """The writer's own JSON: floats to 7 significant digits and still floats (3.0, not 3), non-finite ones as
+    strings, times in full, NumPy values as numbers, keys and strings escaped as json.dumps does."""
+    import numpy as np
+
+    from normscope.tracing.writer import dumps
+
+    rec = {"entries": [{"site": "blocks.0", "sumsq": 0.1234567891, "n": 3, "max": 3.0, "nonfinite": 0,
+                        "vals": [1e-300, -2.0, float("nan"), float("inf"), -float("inf"), 123456789.0]}],
+           "time": 1765123456.123456, "np": {"a": np.float32(0.5), "b": np.int64(7), "c": np.array([1.0, 2.5])},
+           "text": 'é"\n', 1: (True, False, None)}
+    text = dumps(rec)
+    back = json.loads(text)
+    e = back["entries"][0]
+    assert e["sumsq"] == 0.1234568 and e["n"] == 3 and isinstance(e["max"], float) and e["max"] == 3.0
+    assert e["vals"] == [1e-300, -2.0, "nan", "inf", "-inf", 123456800.0]
+    assert back["time"] == 1765123456.123456 and back["np"] == {"a": 0.5, "b": 7, "c": [1.0, 2.5]}
+    assert back["text"] == 'é"\n' and back["1"] == [True, False, None] and "\n" not in text
+
+
 def test_record_times_keep_their_precision_and_the_tracers_own_time(tmp_path):
     train(tmp_path, steps=2)
     recs = [json.loads(line) for line in (tmp_path / TRACE_FILE).read_text().splitlines()]

@@ -57,23 +57,62 @@ class RecordWriter:
                     self.fail(f"sink {i}", exc)
 
 
-def _short(v, key: str = ""):
-    """A record as JSON-ready values in one walk: floats to 7 significant digits (float32 statistics carry no more:
-    a third of the line length), non-finite floats as strings, NumPy scalars as Python numbers. Times (the ``time``
-    fields, seconds since the epoch) keep their full precision."""
+_SEVEN = "{:.7g}".format
+_STRING = json.encoder.encode_basestring_ascii  # as json.dumps writes a string
+_KEYS: dict = {}  # a record's keys, each encoded once (they repeat in every record)
+
+
+def _number(v: float) -> str:
+    """A float to 7 significant digits (float32 statistics carry no more: a third of the line length), still a
+    float when read back (``3.0``, not ``3``); a non-finite one as a string (``"nan"``, ``"inf"``)."""
+    s = _SEVEN(v)
+    if "." in s or "e" in s:
+        return s
+    if s in ("nan", "inf", "-inf"):
+        return f'"{s}"'
+    return s + ".0"
+
+
+def _encode(v, key: str = "") -> str:
+    """A record as JSON text in one walk, numbers formatted as :func:`_number` says (the ``time`` fields, seconds
+    since the epoch, in full); NumPy values and other numbers through :func:`..jsonable.jsonable`. Written by hand
+    because the walk that rounds every float before ``json.dumps`` cost more than the rest of a small model's
+    recorded step."""
     t = type(v)
     if t is float:
-        if v - v != 0.0:  # inf or NaN
-            return str(v)
-        return v if key == "time" else float(f"{v:.7g}")
-    if t is list or t is tuple:
-        return [_short(x) for x in v]
+        return repr(v) if key == "time" and v - v == 0.0 else _number(v)
     if t is dict:
-        return {str(k): _short(x, k) for k, x in v.items()}
-    if t is int or t is str or t is bool or v is None:
-        return v
-    return jsonable(v)  # NumPy values and other numbers: the general conversion
+        parts = []
+        for k, x in v.items():  # the common leaves inline: a record holds thousands of them
+            name = _KEYS.get(k)
+            if name is None:
+                name = _KEYS[k] = _STRING(str(k)) + ":"
+            tx = type(x)
+            if tx is float and k != "time":
+                parts.append(name + _number(x))
+            elif tx is int:
+                parts.append(name + str(x))
+            elif tx is str:
+                parts.append(name + _STRING(x))
+            else:
+                parts.append(name + _encode(x, k))
+        return "{" + ",".join(parts) + "}"
+    if t is list or t is tuple:
+        return "[" + ",".join([_number(x) if type(x) is float else str(x) if type(x) is int else _encode(x)
+                               for x in v]) + "]"
+    if t is str:
+        return _STRING(v)
+    if t is int:
+        return str(v)
+    if v is None:
+        return "null"
+    if t is bool:
+        return "true" if v else "false"
+    plain = jsonable(v)
+    if type(plain) is t:  # not a number jsonable knows: json.dumps says what it is (a TypeError)
+        return json.dumps(plain, separators=(",", ":"))
+    return _encode(plain, key)
 
 
 def dumps(rec) -> str:
-    return json.dumps(_short(rec), separators=(",", ":"))
+    return _encode(rec)

@@ -1,14 +1,15 @@
 """``diff`` against a quantized GGUF as llama.cpp runs it: is it broken, or only quantized? (The ``llamacpp``
 extra; these tests skip without it — ``pip install 'normscope[llamacpp]'``.)
 
-Tiny random-weight Llama, Qwen 3 and Gemma 3 models (256 wide, so the K-quants' blocks of 256 apply; two layers;
-their norms' γ perturbed) written as GGUF files (:func:`normscope.artifacts.write_gguf`) and quantized by llama.cpp's
-own quantizer (:func:`normscope.artifacts.gguf_write.quantize_gguf`) to ``Q8_0``, ``Q4_0`` and ``Q4_K_M``
-(``Q4_K`` with some tensors in ``Q6_K``). The property over generated cases (family × type × fault): a clean file
+Tiny random-weight models (256 wide, so the K-quants' blocks of 256 apply; two layers; their norms' γ perturbed)
+written as GGUF files (:func:`normscope.artifacts.write_gguf`) and quantized by llama.cpp's own quantizer
+(:func:`normscope.artifacts.gguf_write.quantize_gguf`) to ``Q8_0``, ``Q4_0``, ``Q4_K_M`` (``Q4_K`` with some
+tensors in ``Q6_K``) and others. The property over generated cases (Llama and Qwen 3 × type × fault): a clean file
 passes with every module judged against the reference run with the file's dequantized weights, rounding its
 products' inputs as ggml does; a fault in the file — ε changed in its metadata, one norm's γ channel ×1.5, the
 rotary base changed, two quantized tensors swapped — is a FAIL at its module, found among quantization noise
-hundreds of times larger.
+hundreds of times larger. Every other architecture llama.cpp's map knows passes clean; Gemma 3's γ offset applied
+twice fails at its first norm.
 """
 
 from __future__ import annotations
@@ -43,14 +44,21 @@ WIDE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_l
 
 def _model(family: str):
     t = transformers
+    special = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     configs = {
+        "qwen2": lambda: t.Qwen2Config(**WIDE),
+        "gemma": lambda: t.GemmaConfig(**WIDE, head_dim=64, **special),
+        "gemma2": lambda: t.Gemma2Config(**WIDE, head_dim=64, query_pre_attn_scalar=64, sliding_window=8, **special),
+        "phi3": lambda: t.Phi3Config(**WIDE, **special),
+        "gpt_neox": lambda: t.GPTNeoXConfig(**{k: v for k, v in WIDE.items() if k != "num_key_value_heads"},
+                                            hidden_act="gelu_pytorch_tanh", **special),
         "llama": lambda: t.LlamaConfig(**WIDE, rms_norm_eps=1e-5),
         "qwen3": lambda: t.Qwen3Config(**WIDE, head_dim=64),
         "gemma3": lambda: t.Gemma3TextConfig(**WIDE, head_dim=64, query_pre_attn_scalar=64, sliding_window=8,
                                              layer_types=["sliding_attention", "full_attention"],
                                              pad_token_id=0, bos_token_id=1, eos_token_id=2),
     }
-    return built(configs[family]())
+    return built(configs[family](), biases=family in ("qwen2", "gpt_neox"))
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -149,6 +157,20 @@ def test_diff_judges_a_quantized_gguf_by_what_its_quantization_explains(family, 
         assert d.site("model.layers.1.self_attn.o_proj").status == "diverged"
     elif fault == "eps":
         assert d.divergence["differences"] == ["expected ε=1e-05; found ε=0.01"] if family == "llama" else True
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma", "gemma2", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K_M"])
+def test_every_mapped_architecture_quantized_passes_clean(family, kind, tmp_path):
+    """The other architectures llama.cpp's map knows: biases (Qwen 2, GPT-NeoX), fused QKV and gate-up (Phi-3,
+    GPT-NeoX), Gemma's output layer tied to its embedding (its products' inputs rounded as the embedding's type
+    says), soft-capping (Gemma 2), the GELU table (Gemma, GPT-NeoX)."""
+    model = model_of(family)
+    d = diff(model, _quantized(model, tmp_path, kind), token_ids(), progress=False)
+    assert d.verdict == "pass", (d.summary(), d.inconclusive)
+    judged = [s for s in d.sites if s.beyond_twin is not None]
+    assert len(judged) >= 16 and max(s.beyond_twin / s.bound for s in judged) < 0.1
+    assert d.site("lm_head").status == "within"
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_K_M", "Q6_K", "Q4_1"])

@@ -248,13 +248,23 @@ def quantized_weights(info, reference: torch.nn.Module) -> dict[str, dict]:
     layers = 1 + max((int(n.split(".")[1]) for n in tensors if n.startswith("blk.")), default=-1)
     names = gguf.get_tensor_name_map(arch_enum, layers) if arch_enum is not None else None
     out: dict[str, dict] = {}
-    modules = dict(reference.named_modules())
-    for key, p in reference.state_dict(keep_vars=True).items():
-        if not key.endswith(".weight") or p.dim() != 2 or names is None:
-            continue
-        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-        path = key.removesuffix(".weight")
-        if name is None or not isinstance(modules.get(path), torch.nn.Linear | torch.nn.Embedding):
+    # by module, not by state_dict: a tied output layer (Gemma's) is no key of its own there, nor a name of the
+    # architecture's tensor map; it reads the tensor of the module whose weight it shares
+    layers_with: dict[int, str] = {}
+    found = []
+    for path, module in reference.named_modules():
+        p = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear | torch.nn.Embedding) and isinstance(p, torch.Tensor)
+                and p.dim() == 2 and names is not None):
+            name = names.get_name(f"{path}.weight", try_suffixes=(".weight", ".bias"))
+            found.append((path, p, name))
+            if name in tensors:
+                layers_with.setdefault(id(p), name)
+    for path, p, name in found:
+        key = f"{path}.weight"
+        if name is None or name not in tensors:
+            name = layers_with.get(id(p), name)
+        if name is None:
             continue
         t = tensors.get(name)  # the name with its suffix (``blk.0.attn_q.weight``)
         if t is None and name == "output.weight":  # no output tensor: llama.cpp reads the embedding

@@ -145,6 +145,12 @@ class Candidate:
         module's code fed them); ``state``: the call's stateful arguments as they were before it."""
         raise NotImplementedError
 
+    def covered_by(self, name: str, names: list[str]) -> list[str]:
+        """The sites (among ``names``) that compute the unmatched site ``name`` inside themselves, each judged on its
+        own, so that it is accounted for by them (a runtime's graph that fuses a module into its consumers); [] when
+        none does."""
+        return []
+
     def recorded_input(self, r: Record) -> torch.Tensor | None:
         """The input the candidate's own forward gave this call, where its record keeps it (None: not kept)."""
         return None

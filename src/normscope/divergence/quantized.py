@@ -11,7 +11,7 @@ quantized otherwise than its peers (:func:`notes`), and the torch side (torchao)
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -115,19 +115,21 @@ def _activation_quantized(w: torch.Tensor) -> bool:
     return any(getattr(w, name, None) is not None for name in ("act_quant_kwargs", "input_quant_func"))
 
 
-def dequantized_twin(reference: torch.nn.Module, dtype: torch.dtype, weights: dict[str, tuple[torch.Tensor, str]],
+def dequantized_twin(reference: torch.nn.Module, dtype: torch.dtype,
+                     weights: Iterable[tuple[str, tuple[torch.Tensor, str]]],
                      fault: Callable[[str, torch.Tensor, torch.Tensor], str | None]
                      ) -> tuple[torch.nn.Module, dict[str, str]]:
     """The twin of a quantized candidate: a private copy of the reference at ``dtype`` whose weight at each path of
-    ``weights`` (path → the candidate's weight there, dequantized by its runtime, and its quantization in words) is
-    that weight; and the paths whose weight is not the reference's, quantized (``fault(path, dequantized,
-    reference's weight)``: why, or None). Raises InputError naming a quantized module the reference has no weight of
-    that shape for (the candidate is not of this model)."""
+    ``weights`` ((path, (the candidate's weight there, dequantized by its runtime, its quantization in words))
+    pairs, taken one at a time: a generator holds one dequantized weight at a time) is that weight; and the paths
+    whose weight is not the reference's, quantized (``fault(path, dequantized, reference's weight)``: why, or None).
+    Raises InputError naming a quantized module the reference has no weight of that shape for (the candidate is not
+    of this model)."""
     twin = private_copy(reference, dtype=dtype)
     modules = dict(twin.named_modules())
     ref_modules = dict(reference.named_modules())
     faults: dict[str, str] = {}
-    for path, (w, kind) in weights.items():
+    for path, (w, kind) in weights:
         target = getattr(modules.get(path), "weight", None)
         if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape):
             have = "no module" if path not in modules else (
@@ -163,4 +165,4 @@ def torch_twin(reference: torch.nn.Module, layers: dict[str, torch.Tensor], dtyp
         return step_fault(w, ref_w, step * (1 + 256 * u) + u * ref_w.double().abs() + 1e-30, step)
 
     weights = {path: (q.dequantize().detach(), torch_kind(q)) for path, q in layers.items()}
-    return dequantized_twin(reference, dtype, weights, fault)
+    return dequantized_twin(reference, dtype, weights.items(), fault)

@@ -232,7 +232,6 @@ class Walk:
                 judge.graph_propagated(s, n=n, cand_dtype=self.cand.dtype, ref_dtype=self.ref_dtype)
                 return
             judged_own = {t.name for t in self.sites if t.own is not None and t.status in ("within", "diverged")}
-            covered = getattr(self.cand, "covered_by", lambda name, names: [])
             names = [t.name for t in self.sites]
             # a site the candidate holds no tensor of is accounted for when the sites that compute it inside
             # themselves (an attention's rotary embedding, an MLP's activation) were each judged on their own
@@ -240,7 +239,7 @@ class Walk:
             for t in self.sites:
                 if t is s or not (t.status == "unmatched" or (t.propagated is None and t.own is None)):
                     continue
-                cover = covered(t.name, names)
+                cover = self.cand.covered_by(t.name, names)
                 if cover and all(c in judged_own for c in cover):
                     more = f" and {len(cover) - 1} more" if len(cover) > 1 else ""
                     t.note = f"{t.note}; accounted for: computed inside {cover[0]}{more}, each judged on its own"

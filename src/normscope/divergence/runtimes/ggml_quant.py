@@ -161,16 +161,16 @@ class Rounding:
 
 
 def _undo_layout(value: np.ndarray, key: str, arch: str, heads: int | None, kv_heads: int | None) -> np.ndarray:
-    """The converter's row permutation undone (rows: the output axis): Llama's interleaved rotary pairs back to
-    rotate-half, GPT-NeoX's all-queries-keys-values back to per head."""
-    from .llamacpp import PERMUTED
+    """The converter's row permutation undone (rows: the output axis) by the inverses :mod:`.llamacpp` applies to a
+    graph tensor's last axis: Llama's interleaved rotary pairs back to rotate-half, GPT-NeoX's all-queries-keys-values
+    back to per head."""
+    from .llamacpp import PERMUTED, regroup_qkv, unpermute
 
     if arch in PERMUTED and key.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")) and heads:
         h = int(heads if "q_proj" in key else kv_heads)
-        return value.reshape(h, value.shape[0] // h // 2, 2, *value.shape[1:]).swapaxes(1, 2).reshape(value.shape)
+        return unpermute(value.swapaxes(0, -1), h).swapaxes(0, -1)
     if arch == "gptneox" and key.endswith("attention.query_key_value.weight") and heads:
-        h = int(heads)
-        return value.reshape(3, h, value.shape[0] // h // 3, *value.shape[1:]).swapaxes(0, 1).reshape(value.shape)
+        return regroup_qkv(value.swapaxes(0, -1), int(heads)).swapaxes(0, -1)
     return value
 
 
@@ -322,19 +322,6 @@ def kind_of(entry: dict) -> str:
     return f"{entry['type']} ({entry['tensor']}; activations rounded to {VEC_DOT[entry['type']]})"
 
 
-class _Dequantizing(dict):
-    """path → (the dequantized weight, its type in words), each weight dequantized as it is taken and let go after:
-    the twin holds one dequantized tensor beyond itself at a time."""
-
-    def __init__(self, weights: dict[str, dict]):
-        super().__init__((p, None) for p in weights)
-        self.weights = weights
-
-    def items(self):
-        for path, e in self.weights.items():
-            yield path, (e["load"](), kind_of(e))
-
-
 def twin(reference: torch.nn.Module, weights: dict[str, dict], stack) -> tuple[torch.nn.Module, dict[str, str],
                                                                             dict[str, Rounding]]:
     """The reference with the file's dequantized weights, its linear modules rounding their inputs as ggml does;
@@ -344,7 +331,8 @@ def twin(reference: torch.nn.Module, weights: dict[str, dict], stack) -> tuple[t
     def fault(path, w, ref_w):
         return weight_fault(w, ref_w, weights[path]["type"])
 
-    model, faults = dequantized_twin(reference, torch.float32, _Dequantizing(weights), fault)
+    each = ((path, (e["load"](), kind_of(e))) for path, e in weights.items())  # dequantized as the twin takes it
+    model, faults = dequantized_twin(reference, torch.float32, each, fault)
     modules = dict(model.named_modules())
     rounding: dict[str, Rounding] = {}
     for path, e in weights.items():

@@ -390,8 +390,6 @@ def gelu_kind(module: torch.nn.Module) -> str | None:
     return None
 
 
-
-
 class FileInfo:
     """What the GGUF says of itself: its architecture, head counts, the hyperparameters the map depends on, each
     tensor's storage type and how many of each."""
@@ -763,6 +761,7 @@ class LlamaCppCandidate(Candidate):
             self.written_here = False
         self.values: dict = {}
         self.info = None
+        self._last_twin: tuple | None = None  # (record, its twin output): see twin_output
         self.stack = stack
 
     def run(self, args, kwargs) -> None:
@@ -857,13 +856,12 @@ class LlamaCppCandidate(Candidate):
     def _resolve_ties(self) -> None:
         """Each quantized product whose input and output are both graph tensors: the candidate's rounding at the
         ties of its input (:meth:`.ggml_quant.Rounding.resolve`)."""
-        rounding = getattr(self, "rounding", {})
         flips = 0
         for r in self.records:
             site = r.module
-            if r.path in rounding and isinstance(site, Site) and isinstance(site.input, torch.Tensor):
-                rounding[r.path].resolve(self.twin_modules[r.path], site.input, site.output)
-                flips += rounding[r.path].flips
+            if r.path in self.rounding and isinstance(site, Site) and isinstance(site.input, torch.Tensor):
+                self.rounding[r.path].resolve(self.twin_modules[r.path], site.input, site.output)
+                flips += self.rounding[r.path].flips
         if flips:
             self.notes.append(f"{flips} activation value(s) lay at a rounding tie of their block (within 2^-14 of a "
                               "midpoint) and were rounded the other way by llama.cpp; the twin takes llama.cpp's "
@@ -891,6 +889,15 @@ class LlamaCppCandidate(Candidate):
         parent = path.rsplit(".", 1)[0]
         return [parent] if parent.endswith(".mlp") and parent in names else []
 
+    def twin_output(self, path: str, r: Record, args, kw, memo: Memo, kids=(), state=None):
+        """The twin's module on the reference's inputs, run once per call: :meth:`own` measures against it and the
+        walk then judges the same call with it."""
+        if self._last_twin is not None and self._last_twin[0] is r:
+            return self._last_twin[1]
+        out = super().twin_output(path, r, args, kw, memo, kids, state)
+        self._last_twin = (r, out)
+        return out
+
     def matched(self, r: Record, y: torch.Tensor, path: str) -> str | None:
         if isinstance(r.module, NotCompared):
             return f"not compared: {r.module.why}"
@@ -903,18 +910,21 @@ class LlamaCppCandidate(Candidate):
             raise NotMeasured(None, missing="llama.cpp: this site's input is not a named tensor of its graph")
         if isinstance(site.input, str):  # the token ids: the reference's own input, so its own output is the site's
             return site.output, site.dtype, site.stated
-        calls = [(args, kw), (args, kw)]
-        if self.quantized:  # against the twin, each run from a fresh copy of the call's cache (the walk kept it)
+        y_ref = None
+        if self.quantized:  # against the twin: on the reference's input as the walk runs it, and on the candidate's
             module = self.twin_modules.get(r.path)
-            if module is None:
-                raise NotMeasured(None, missing="llama.cpp: no module of the dequantized twin at this site")
-            calls = [restored(args, kw, state) for _ in range(2)]
-            why = next((c for c in calls if isinstance(c, str)), None)
-            if why is not None:
-                raise NotMeasured(None, missing=f"llama.cpp: {why}")
+            y_ref, _ = self.twin_output(r.path, r, args, kw, memo, kids, state)
+            if module is None or y_ref is None:
+                raise NotMeasured(None, missing="llama.cpp: the dequantized twin could not run this module")
+            ready = restored(args, kw, state)  # a fresh copy of the call's cache (the walk kept it)
+            if isinstance(ready, str):
+                raise NotMeasured(None, missing=f"llama.cpp: {ready}")
+            call_args, call_kw = ready
         elif not (stateless(args) and stateless(kw)):  # running the module again would write to its cache
             raise NotMeasured(None, missing="llama.cpp: the reference's call takes a stateful argument (a cache "
                                             "object), so its module is not run again on the candidate's input")
+        else:
+            call_args, call_kw = args, kw
         at = input_at(args, kw, None)
         if at is None:
             raise NotMeasured(None, missing="llama.cpp: the reference's call has no tensor input")
@@ -923,10 +933,11 @@ class LlamaCppCandidate(Candidate):
             raise NotMeasured(None, missing=f"llama.cpp: its input {list(site.input.shape)} is not the reference's "
                                             f"{list(x_ref.shape)}")
         x_cand = site.input.to(x_ref.device, x_ref.dtype)
-        swapped = list(calls[1][0]), dict(calls[1][1])
+        swapped = list(call_args), dict(call_kw)
         swapped[0 if at[0] == "arg" else 1][at[1]] = x_cand
         with torch.no_grad():
-            y_ref = primary(module(*calls[0][0], **calls[0][1]))
+            if y_ref is None:
+                y_ref = primary(module(*args, **kw))
             y_on_cand = primary(module(*swapped[0], **swapped[1]))
         # the candidate's own error at this site, carried onto the reference's output to be judged like any other
         yc = y_ref.double() + (site.output.to(y_ref.device).double() - y_on_cand.double())

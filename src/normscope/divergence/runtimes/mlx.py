@@ -132,7 +132,7 @@ def mlx_twin(reference: torch.nn.Module, layers: dict[str, Any], dtype: str) -> 
     """:func:`..quantized.dequantized_twin` of an MLX model's quantized modules, each dequantized by MLX and checked
     by :func:`weight_fault`."""
     weights = {path: (dequantized_weight(m), quantization_of(m)) for path, m in layers.items()}
-    return dequantized_twin(reference, _TORCH[dtype], weights,
+    return dequantized_twin(reference, _TORCH[dtype], weights.items(),
                             lambda path, w, ref_w: weight_fault(layers[path], w, ref_w))
 
 

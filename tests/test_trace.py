@@ -164,7 +164,7 @@ def test_probe_failure_never_breaks_training(tmp_path, monkeypatch, caplog):
         calls.append(1)
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(attention.Group, "stats", broken)
+    monkeypatch.setattr(attention.Group, "stats_batch", broken)
     with caplog.at_level("WARNING", logger="normscope.trace"):
         _, tr = train(tmp_path, steps=4)
     assert len(calls) == 1 and tr.disabled == {"attention"}
@@ -843,6 +843,50 @@ def test_a_record_is_written_as_json_with_seven_significant_digits_and_reads_bac
     assert back["text"] == 'é"\n' and back["1"] == [True, False, None] and "\n" not in text
 
 
+def test_records_are_written_off_the_training_thread_in_order_and_nothing_is_lost_at_exit(tmp_path):
+    """The writer's thread writes the records in the order they were handed over; a process that ends without
+    closing its tracer still has every step's record (the exit drains the queue, only the end record is missing);
+    a store that cannot be written is said at the step whose record failed, and training goes on."""
+    from normscope.tracing import writer
+
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from trace_models import GPT, B, T, V
+        from normscope.tracing import trace
+        class Slow:  # the writer falls behind: records are still queued when the script ends
+            def write(self, rec):
+                time.sleep(0.05)
+        model = GPT()
+        tr = trace(model, {str(tmp_path / "open")!r}, sinks=[Slow()])
+        tr.open()
+        for step in range(40):
+            ids = torch.randint(0, V, (B, T))
+            model(ids).float().pow(2).mean().backward()
+            tr.step(step, loss=0.0)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    _, steps, ends = read_run(tmp_path / "open")
+    assert [r["step"] for r in steps] == list(range(40)) and not ends
+
+    real, seen = writer.dumps, []
+
+    def failing(rec):
+        seen.append(rec.get("step"))
+        if rec.get("step") == 2:
+            raise OSError("no space left on device")
+        return real(rec)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(writer, "dumps", failing)
+        _, tr = train(tmp_path / "full", steps=5)
+    assert tr.errors == [{"probe": "store", "step": 2, "error": "OSError: no space left on device"}]
+    assert seen == [None, 0, 1, 2] and tr.disabled == {"store"}  # nothing written after the failure
+    assert [r["step"] for r in read_run(tmp_path / "full")[1]] == [0, 1]
+
+
 def test_record_times_keep_their_precision_and_the_tracers_own_time(tmp_path):
     train(tmp_path, steps=2)
     recs = [json.loads(line) for line in (tmp_path / TRACE_FILE).read_text().splitlines()]
@@ -1003,13 +1047,94 @@ def test_the_attention_kernel_reads_strided_heads_in_place_and_equals_torchs_pat
         assert copied == ([] if call.q.stride(-1) == 1 else ["attention q"])  # strided views read in place
         alone = _sdpa_stats(args, kw)
         with monkeypatch.context() as mp:
-            mp.setattr(fused, "attention_summary", lambda *a, **k: None)
+            mp.setattr(fused, "attention_summaries", lambda calls, *a, **k: [None] * len(calls))
             by_torch = attention.Group().stats(call)
         for name, value in alone.items():
             assert got[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
             assert by_torch[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6), (kw, name)
     assert _sdpa_stats(*cases[3])["masked_rows"] == [b] * h and _sdpa_stats(*cases[3])["masked_samples"] == [0] * h
     assert _sdpa_stats(*cases[2])["masked_samples"] == [1] * h and _sdpa_stats(*cases[2])["masked_rows"] == [t] * h
+
+
+def test_a_forwards_attention_calls_are_summarised_in_one_launch_each_as_alone():
+    """The calls of one group (the layers of a forward) go to the kernel together; each call's statistics are those
+    it has alone, a call with a non-finite logit among them takes torch's path by itself (its NaN counted), and a
+    call of other shapes in the batch is left to its own path."""
+    from normscope.tracing import attention, fused
+
+    if not fused.available():
+        pytest.skip("numba is not installed")
+    g = torch.Generator().manual_seed(1)
+    b, t, h, d = 2, 19, 4, 6
+    calls = []
+    for layer in range(5):
+        qkv = torch.randn(b, t, 3 * h * d, generator=g) * 2
+        q, k, v = (z.view(b, t, h, d).transpose(1, 2) for z in qkv.split(h * d, -1))
+        if layer == 3:
+            k = k.clone()
+            k[1, 2, 4, 0] = math.nan
+        calls.append(attention.SdpaCall((q, k, v), {"is_causal": True}))
+    group = attention.Group()
+    assert group.fast(calls[0])
+    launches = []
+    real = fused.attention_summaries
+
+    def counted(pairs, *a, **k):
+        launches.append(len(pairs))
+        return real(pairs, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "attention_summaries", counted)
+        got = group.stats_batch(calls)
+    assert launches == [5]
+    assert got == [attention.Group().stats(c) for c in calls]  # the same numbers as each call launched alone
+    for call, stats in zip(calls, got, strict=True):
+        alone = _sdpa_stats((call.q, call.k, call.k), {"is_causal": True})
+        for name, value in alone.items():
+            assert stats[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6, nan_ok=True), name
+    assert got[3]["nonfinite"] == got[3]["nonfinite_heads"][2] == t - 4  # the query rows that see key 4
+    assert all(s["nonfinite"] == 0 for i, s in enumerate(got) if i != 3)
+    odd = torch.randn(b, h, t - 1, d, generator=g)
+    mixed = fused.attention_summaries([(calls[0].q, calls[0].k), (odd, calls[0].k)], calls[0].scale, None,
+                                      group.array, 1)
+    assert mixed[0] is not None and mixed[1] is None
+
+
+def test_attention_inputs_written_in_place_after_the_call_are_summarised_as_the_call_saw_them(tmp_path):
+    """An SDPA call's statistics wait for the forward's batch; an in-place write into its q or k later in the
+    forward (one the tracer's function mode sees) takes them first, so the record holds the logits the call had."""
+    torch.manual_seed(0)
+
+    class Overwrite(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks = torch.nn.Embedding(16, 8), torch.nn.ModuleList(Attend() for _ in range(2))
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for blk in self.blocks:
+                x = blk(x)
+            return x
+
+    class Attend(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.qkv = torch.nn.LayerNorm(8), torch.nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = (z.view(*x.shape[:2], 2, 4).transpose(1, 2).contiguous()
+                       for z in self.qkv(self.norm(x)).split(8, -1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            k.mul_(0.0)  # the keys overwritten after the call
+            return x + y.transpose(1, 2).reshape(x.shape)
+
+    model, ids = Overwrite(), torch.randint(0, 16, (2, 6))
+    with trace(model, tmp_path, record_eval=True) as tr, torch.no_grad():  # no autograd to object to the write
+        tr.disabled.add("statistics")  # no activation pending: the attention calls alone ask for the batch first
+        model(ids)
+        tr.step(0)
+    got = [e for e in read_run(tmp_path)[1][0]["entries"] if e["stage"] == "attention_logits"]
+    assert len(got) == 2 and all(max(e["max_logit"]) > 0 for e in got)  # not the zeroed keys' logits (all 0)
 
 
 def test_masked_keys_with_extreme_or_non_finite_logits_leave_the_entropy_exact():
@@ -1301,7 +1426,7 @@ def test_keys_a_finite_mask_puts_out_of_the_softmax_are_masked_on_every_path(mon
         assert got == pytest.approx(want, rel=1e-5), name
         with monkeypatch.context() as mp:  # torch's path
             mp.setattr(fused, "logits_summary", lambda *a, **kw: None)
-            mp.setattr(fused, "attention_summary", lambda *a, **kw: None)
+            mp.setattr(fused, "attention_summaries", lambda calls, *a, **kw: [None] * len(calls))
             assert run()["max_logit"] == pytest.approx(want, rel=1e-5), name
     assert max(want) < 10  # the -100 keys would have read ~100
     overflow = logits.clone()

@@ -104,12 +104,13 @@ def _mask(call: SdpaCall, tq: int, tk: int) -> tuple[torch.Tensor, torch.Tensor 
 
 class Group:
     """The SDPA calls of one forward that share shapes, scale and mask (every layer of a transformer, as a rule):
-    the mask is prepared once for all of them.
+    the mask is prepared once for all of them, and on the CPU with numba their statistics are taken together.
 
-    On the CPU with numba, a call's logits are computed and summarised four query rows at a time in one kernel
-    when the call is made (:func:`.fused.attention_summary`: no (Tq, Tk) matrix, a causal block only up to its
-    last query, its q and k still in cache). Elsewhere, or when a logit is not finite, the call's logits are
-    recomputed with torch (:func:`sdpa_logits`) and get :func:`logit_stats`.
+    The tracer keeps each call's q and k (:meth:`fast` says whether the call qualifies) and hands the forward's
+    calls to :meth:`stats_batch` when the forward's statistics are taken: one kernel launch computes and summarises
+    every call's logits four query rows at a time (:func:`.fused.attention_summaries`: no (Tq, Tk) matrix, a causal
+    block only up to its last query). Elsewhere, or when a logit is not finite, a call's logits are recomputed with
+    torch (:func:`sdpa_logits`) and get :func:`logit_stats`.
     """
 
     def __init__(self, buffer=None):
@@ -117,7 +118,7 @@ class Group:
         self.mask = self.array = self.bias = self.held = None  # built by the group's first call
         self.uniform: dict | None = None  # the entropy of uniform attention on the sampled rows (one per group)
 
-    def stats(self, call: SdpaCall) -> dict:
+    def _prepare(self, call: SdpaCall) -> None:
         q, k = call.q, call.k
         if self.held is None:
             self.held = (call.mask,)  # alive while the group is: its identity is part of the group's key
@@ -126,20 +127,33 @@ class Group:
                 shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
                 self.array = fused.mask_array(self.mask[0], shape)
                 self.bias = _bias_array(self.mask[1], shape)
+
+    def fast(self, call: SdpaCall) -> bool:
+        """Whether the call's statistics may wait for the forward's batch (the kernel's path: its mask prepared)."""
+        self._prepare(call)
+        return self.array is not None and self.bias is not False
+
+    def stats(self, call: SdpaCall) -> dict:
+        return self.stats_batch([call])[0]
+
+    def stats_batch(self, calls: list[SdpaCall]) -> list[dict]:
+        """The statistics of each call (every one of this group), in one kernel launch where it applies."""
+        self._prepare(calls[0])
+        got: list[dict | None] = [None] * len(calls)
         if self.array is not None and self.bias is not False:
+            q, k = calls[0].q, calls[0].k
             tq = q.shape[-2]
-            # q and k split from one fused projection are strided views (short rows kilobytes apart, out of cache):
-            # copied first, one pass with many loads in flight, which costs less than the kernel waiting on each
-            # row (20-25 % of the attention probe on the bench decoder)
-            q = q if q.is_contiguous() else self._float(q, "attention q")
-            k = k if k.is_contiguous() else self._float(k, "attention k")
-            got = fused.attention_summary(q, k, call.scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS),
-                                          self._float)
-            if got is not None:  # finite logits: nothing left out
-                return with_focus({**got, "rows": [q.shape[0] * tq] * q.shape[1], "nonfinite": 0,
-                                   "nonfinite_heads": [0] * q.shape[1]}, self._uniform(q, k))
+            pairs = [(_readable(c.q), _readable(c.k)) for c in calls]
+            got = fused.attention_summaries(pairs, calls[0].scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS))
+            n, h = q.shape[0], q.shape[1]
+            got = [None if g is None else with_focus({**g, "rows": [n * tq] * h, "nonfinite": 0,
+                                                      "nonfinite_heads": [0] * h}, self._uniform(q, k)) for g in got]
+        return [g if g is not None else self._exact(c) for g, c in zip(got, calls, strict=True)]
+
+    def _exact(self, call: SdpaCall) -> dict:
+        """torch's path: the logits recomputed into the tracer's buffer (a non-finite logit counted, not lost)."""
         logits, self.mask = sdpa_logits(call, self.buffer, self.mask)
-        return with_focus(logit_stats(logits, self.mask[0], owned=True), self._uniform(q, k))
+        return with_focus(logit_stats(logits, self.mask[0], owned=True), self._uniform(call.q, call.k))
 
     def _uniform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[list, list]:
         if self.uniform is None:
@@ -159,6 +173,16 @@ class Group:
         if self.buffer is None:
             return x.float().contiguous()
         return self.buffer(name, x.shape, torch.float32, x.device).copy_(x)
+
+
+#: q or k with at least this many elements, split from one fused projection (short rows kilobytes apart), is copied
+#: before the kernel reads it: one pass with many loads in flight costs less than the kernel waiting on each row
+#: (20-25 % of the attention probe on the bench decoder); a small one is read where it is
+COPY_FROM = 1 << 15
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() or x.numel() < COPY_FROM else x.float().contiguous()
 
 
 def _bias_array(bias: torch.Tensor | None, shape: tuple[int, ...]):

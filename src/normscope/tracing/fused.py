@@ -202,36 +202,65 @@ def attention_summary(q: torch.Tensor, k: torch.Tensor, scale: float, bias: torc
     are read in place when float32 with a contiguous last dimension (strides not negative), else as ``copy(x,
     name)`` (contiguous float32; by default a new tensor). None where this path does not apply or a logit is not
     finite (the caller's exact path)."""
+    return attention_summaries([(q, k)], scale, bias, mask, stride, copy)[0]
+
+
+def attention_summaries(calls: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float, bias: torch.Tensor | None,
+                        mask: tuple[np.ndarray, np.ndarray, np.ndarray], stride: int,
+                        copy=None) -> list[dict[str, list] | None]:
+    """:func:`attention_summary` of several (q, k) calls that share shapes, scale, bias and mask (the layers of one
+    forward), in one kernel launch; per call its summary, or None where this path does not take it (the caller's
+    exact path for that call). A ``copy`` must give each call's tensors memory of their own."""
+    out: list[dict[str, list] | None] = [None] * len(calls)
     kern = _kernels()
-    if (kern is None or q.dim() != 4 or k.dim() != 4 or q.device.type != "cpu" or k.device.type != "cpu"
-            or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0] or k.shape[1] == 0 or q.shape[1] % k.shape[1]
-            or not q.is_floating_point() or not k.is_floating_point()):
-        return None
-    q, k = _rows(q, "attention q", copy), _rows(k, "attention k", copy)
-    if q is None or k is None:
-        return None
+    if kern is None or not calls:
+        return out
+    q0, k0 = calls[0]
+    if (q0.dim() != 4 or k0.dim() != 4 or q0.shape[-1] != k0.shape[-1] or q0.shape[0] != k0.shape[0]
+            or k0.shape[1] == 0 or q0.shape[1] % k0.shape[1]):
+        return out
     masked, extent, _ = mask
-    if (masked.ndim != 4 or masked.shape[3] != k.shape[2] or extent.shape != masked.shape[:3]
-            or any(d not in (1, s) for d, s in zip(masked.shape[:3], q.shape[:3], strict=True))):
-        return None  # a mask built for other shapes: the kernel would read outside it
+    if (masked.ndim != 4 or masked.shape[3] != k0.shape[2] or extent.shape != masked.shape[:3]
+            or any(d not in (1, s) for d, s in zip(masked.shape[:3], q0.shape[:3], strict=True))):
+        return out  # a mask built for other shapes: the kernel would read outside it
     if bias is None:
         b = _NO_BIAS
     else:
-        if (not eligible(bias) or bias.dim() != 4 or bias.shape[3] != k.shape[2] or bias.shape[3] == 1
-                or any(d not in (1, s) for d, s in zip(bias.shape[:3], q.shape[:3], strict=True))):
-            return None
+        if (not eligible(bias) or bias.dim() != 4 or bias.shape[3] != k0.shape[2] or bias.shape[3] == 1
+                or any(d not in (1, s) for d, s in zip(bias.shape[:3], q0.shape[:3], strict=True))):
+            return out
         b = bias.numpy()
-    n, h, tq, d = q.shape
-    qs, ks = q.stride(), k.stride()
-    dims = np.array([n, h, tq, k.shape[2], d, h // k.shape[1]], np.int64)
-    out = (np.empty(h, np.int32), np.empty(h, np.int64), np.empty(h, np.int64), np.empty(h), np.empty(h, np.int64))
-    kern.attention_summary(q.data_ptr(), np.array(qs[:3], np.int64), k.data_ptr(), np.array(ks[:3], np.int64), dims,
-                           np.float32(scale), b, *mask, stride, *out)
-    if (out[0] >= INF_BITS).any():
-        return None
-    full, samples, ent, rows = (a.tolist() for a in out[1:])
-    return {"max_logit": max_abs_values(out[0]).tolist(), "masked_rows": full, "masked_samples": samples,
-            "entropy_sum": ent, "entropy_rows": rows}
+    take, held, addresses, strides = [], [], [], []
+    for i, (q, k) in enumerate(calls):
+        if (q.shape != q0.shape or k.shape != k0.shape or q.device.type != "cpu" or k.device.type != "cpu"
+                or not q.is_floating_point() or not k.is_floating_point()):
+            continue
+        q, k = _rows(q, "attention q", copy), _rows(k, "attention k", copy)
+        if q is None or k is None:
+            continue
+        take.append(i)
+        held.append((q, k))  # alive (their addresses valid) until the kernel returns
+        addresses.append((q.data_ptr(), k.data_ptr()))
+        strides.append((*q.stride()[:3], *k.stride()[:3]))
+    if not take:
+        return out
+    n, h, tq, d = q0.shape
+    at = np.array(addresses, np.int64).reshape(-1, 2)
+    st = np.array(strides, np.int64).reshape(-1, 6)
+    dims = np.array([n, h, tq, k0.shape[2], d, h // k0.shape[1]], np.int64)
+    m = len(take)
+    res = (np.empty((m, h), np.int32), np.empty((m, h), np.int64), np.empty((m, h), np.int64), np.empty((m, h)),
+           np.empty((m, h), np.int64))
+    kern.attention_summary(np.ascontiguousarray(at[:, 0]), np.ascontiguousarray(st[:, :3]),
+                           np.ascontiguousarray(at[:, 1]), np.ascontiguousarray(st[:, 3:]), dims, np.float32(scale), b,
+                           *mask, stride, *res)
+    bad = (res[0] >= INF_BITS).any(1).tolist()
+    tops, full, samples, ent, rows = max_abs_values(res[0]).tolist(), *(a.tolist() for a in res[1:])
+    for r, i in enumerate(take):
+        if not bad[r]:
+            out[i] = {"max_logit": tops[r], "masked_rows": full[r], "masked_samples": samples[r],
+                      "entropy_sum": ent[r], "entropy_rows": rows[r]}
+    return out
 
 
 def logits_summary(logits: torch.Tensor, stride: int) -> dict[str, list] | None:

@@ -361,6 +361,13 @@ def _attention_units(dims):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
+def _batch_units(calls, dims):  # pragma: no cover - compiled
+    n, h = dims[0], dims[1]
+    return (np.empty((calls, n, h), np.int32), np.empty((calls, n, h), np.int64), np.empty((calls, n, h)),
+            np.empty((calls, n, h), np.int64))
+
+
+@numba.njit(**_JIT)
 def _per_head(units, tq, maxbits, full_rows, full_samples, entropy_sum,
               entropy_rows):  # pragma: no cover - compiled
     """The (sample, head) results combined per head: the maximum and the sums, and the samples whose ``tq`` query
@@ -485,12 +492,14 @@ def update_sums_parallel(olds, news, sizes, update_sumsq, update_maxbits, new_su
 @numba.njit(**_JIT)
 def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                              full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
-    """Per (sample, head) of the attention logits ``scale · q kᵀ + bias`` of (N, H, Tq, d) float32 queries at address
-    ``q`` and (N, H / group, Tk, d) float32 keys at ``k`` (``qs``, ``ks``: the element strides of their first three
-    dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group; query head h reads key head h // group):
-    the largest |logit| bit pattern over the unmasked entries, the number of query rows with every key masked (and of
-    samples whose every row is), and the softmax entropy summed over every ``stride``-th query row that has an
-    unmasked key (and their number), each per head (samples combined: the maximum, the sums).
+    """Per call c and (sample, head) of the attention logits ``scale · q kᵀ + bias`` of (N, H, Tq, d) float32 queries
+    at address ``q[c]`` and (N, H / group, Tk, d) float32 keys at ``k[c]`` (``qs[c]``, ``ks[c]``: the element strides
+    of their first three dimensions; the last is contiguous; ``dims`` = N, H, Tq, Tk, d, group, shared by the calls;
+    query head h reads key head h // group): the largest |logit| bit pattern over the unmasked entries, the number of
+    query rows with every key masked (and of samples whose every row is), and the softmax entropy summed over every
+    ``stride``-th query row that has an unmasked key (and their number), each per call and head in row c of the
+    (calls, H) results (samples combined: the maximum, the sums). One launch for every call of a forward that shares
+    shapes, scale and mask (every layer of a transformer, as a rule).
 
     ``bias`` is a contiguous float32 (N or 1, H or 1, Tq or 1, Tk) array added to the logits, or any array of key
     dimension 1 for none. ``masked`` is a contiguous uint8 (N or 1, H or 1, Tq or 1, Tk) array, 1 where masked (a
@@ -498,19 +507,29 @@ def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, pr
     causal row computes only its keys, and ``prefix`` says a row has no masked key before its extent (its mask is
     then not read). A result at or above the infinity's bit pattern means a non-finite logit: the caller discards the
     entropy and takes its exact path."""
-    units = _attention_units(dims)
-    for u in range(dims[0] * dims[1]):
-        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
-    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
+    units = _batch_units(q.size, dims)
+    per = dims[0] * dims[1]
+    for u in range(q.size * per):
+        c = u // per
+        _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
+                        units[0][c], units[1][c], units[2][c], units[3][c])
+    for c in range(q.size):
+        _per_head((units[0][c], units[1][c], units[2][c], units[3][c]), dims[2], maxbits[c], full_rows[c],
+                  full_samples[c], entropy_sum[c], entropy_rows[c])
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                                full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
-    units = _attention_units(dims)
-    for u in numba.prange(dims[0] * dims[1]):
-        _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, *units)
-    _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
+    units = _batch_units(q.size, dims)
+    per = dims[0] * dims[1]
+    for u in numba.prange(q.size * per):
+        c = u // per
+        _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
+                        units[0][c], units[1][c], units[2][c], units[3][c])
+    for c in range(q.size):
+        _per_head((units[0][c], units[1][c], units[2][c], units[3][c]), dims[2], maxbits[c], full_rows[c],
+                  full_samples[c], entropy_sum[c], entropy_rows[c])
 
 
 @numba.njit(**_JIT)
@@ -548,8 +567,10 @@ def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
     one = (np.zeros(1, np.int32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1), np.zeros(1, np.int64))
     st = np.array([4, 4, 2], np.int64)
     dims = np.array([1, 1, 2, 2, 2, 1], np.int64)
-    attention_summary(x.ctypes.data, st, x.ctypes.data, st, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),
-                      np.full((1, 1, 2), 2, np.int64), np.ones((1, 1, 2), np.uint8), 1, *one)
+    at, sts = np.array([x.ctypes.data], np.int64), st.reshape(1, 3)
+    attention_summary(at, sts, at, sts, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),
+                      np.full((1, 1, 2), 2, np.int64), np.ones((1, 1, 2), np.uint8), 1,
+                      *(a.reshape(1, 1) for a in one))
     dims = np.array([1, 1, 2, 2], np.int64)
     logits_summary(x.ctypes.data, st, dims, 1, np.float32(-1e30), *one)
 

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import InputError
 from ..sites.trace import ADDS, EMBEDDING, NORM_FUNCTIONS, SOFTMAX, TRANSPARENT
 from . import attention
-from .activations import ActivationBatch, writes_in_place
+from .activations import PENDING_BYTES, ActivationBatch, writes_in_place
 from .buffers import Buffers
 from .discovery import discover
 from .gradients import GradientCollector
@@ -109,7 +109,7 @@ class _Mode(TorchFunctionMode):
     def __init__(self, tracer: Tracer):
         super().__init__()
         self.tr = tracer
-        self.kinds: dict[Any, tuple[str, int, bool, bool]] = {}  # func -> _kind(func), looked up once per function
+        self.kinds = tracer.kinds  # func -> _kind(func), looked up once per function and tracer
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,8 +121,8 @@ class _Mode(TorchFunctionMode):
             known = self.kinds[func] = _kind(func)
         name, kind, in_place, flag = known
         stream = tr.stream
-        if tr.activations.items and (in_place or (kwargs and writes_in_place("", (), kwargs))
-                                     or (flag and writes_in_place("", args, kwargs))):
+        if (tr.activations.items or tr.attention_pending) and (
+                in_place or (kwargs and writes_in_place("", (), kwargs)) or (flag and writes_in_place("", args, kwargs))):
             tr._flush()
         if kind == _SDPA:
             if "attention" not in tr.disabled:
@@ -180,6 +180,7 @@ class Tracer:
         self._cost = 0.0  # seconds spent in the tracer's probes during the current step (``tracer_ms``)
         self._written = 0.0  # seconds the last record took to write
         self._mode: _Mode | None = None
+        self.kinds: dict[Any, tuple[str, int, bool, bool]] = {}  # what the mode does with each function it saw
         self._last_step = -1
         self.recording = True  # step 0 is recorded
         self._ids: torch.Tensor | None = None  # the token ids of the forward in flight
@@ -262,8 +263,8 @@ class Tracer:
         self.buffers.clear()
         self._unmasked_groups.clear()
         self._exit_mode()
-        self.writer.close({"kind": "end", "time": time.time(), "last_step": self._last_step,
-                           "disabled": sorted(self.disabled), "errors": self.errors})
+        self.writer.close(lambda: {"kind": "end", "time": time.time(), "last_step": self._last_step,
+                                   "disabled": sorted(self.disabled), "errors": list(self.errors)})
 
     # ------------------------------------------------------------------ failure handling
     def _guard(self, probe: str, fn, *args):
@@ -283,13 +284,15 @@ class Tracer:
             if not busy:
                 self._cost += time.perf_counter() - t0
 
-    def _fail(self, probe: str, exc: BaseException) -> None:
+    def _fail(self, probe: str, exc: BaseException, step: int | None = None) -> None:
+        """Disable ``probe`` after its failure at ``step`` (by default the step being recorded), said once."""
         if probe in self.disabled:
             return
         self.disabled.add(probe)
+        step = self._last_step + 1 if step is None else step
         msg = f"{type(exc).__name__}: {exc}"
-        self.errors.append({"probe": probe, "step": self._last_step + 1, "error": msg})
-        log.warning("normscope.trace: probe %r failed at step %d and is disabled (%s)", probe, self._last_step + 1, msg)
+        self.errors.append({"probe": probe, "step": step, "error": msg})
+        log.warning("normscope.trace: probe %r failed at step %d and is disabled (%s)", probe, step, msg)
 
     # ------------------------------------------------------------------ the step's state
     def _reset(self) -> None:
@@ -301,6 +304,9 @@ class Tracer:
         self._counters: dict[tuple, int] = {}  # (attention, layer, scope) → its calls this forward
         self.stream.reset()
         self._attention_groups: dict[tuple, attention.Group] = {}  # this forward's SDPA masks, by call shape
+        # SDPA calls whose statistics wait for the forward's batch: (entry key, call, group, q and k versions)
+        self.attention_pending: list[tuple] = []
+        self._attention_bytes = 0
         self.activations.reset()
         self.gradients.reset()
         self.updates.reset()
@@ -309,7 +315,11 @@ class Tracer:
         self.activations.defer(stage, layer, site, x, kind)
 
     def _flush(self) -> None:
-        """Take the forward's pending activation statistics (see :mod:`.activations`)."""
+        """Take the forward's pending statistics: its SDPA calls', a launch per group, and its activations' (see
+        :mod:`.activations`)."""
+        pending, self.attention_pending, self._attention_bytes = self.attention_pending, [], 0
+        if pending:
+            self._guard("attention", self._attention_batch, pending)
         self._attention_groups = {}
         self.activations.flush()
 
@@ -448,7 +458,29 @@ class Tracer:
         group = groups.get(call.group)
         if group is None:
             group = groups[call.group] = attention.Group(self.buffers)
-        self.entries.add(*self._logits_key(), group.stats(call))
+        key = self._logits_key()
+        if not group.fast(call):
+            self.entries.add(*key, group.stats(call))
+            return
+        # taken with the forward's other calls of this group, in one launch; q and k stay alive until then (autograd
+        # holds them anyway while training)
+        self.entries.slot(key)
+        self.attention_pending.append((key, call, group, call.q._version, call.k._version))
+        self._attention_bytes += call.q.nbytes + call.k.nbytes
+        if self._attention_bytes > PENDING_BYTES:
+            self._flush()
+
+    def _attention_batch(self, pending: list[tuple]) -> None:
+        fresh = [p for p in pending if p[1].q._version == p[3] and p[1].k._version == p[4]]
+        if len(fresh) < len(pending):
+            self._left_out(len(pending) - len(fresh), "had attention inputs changed in place, by an operation the "
+                           "tracer does not see, before their statistics were taken")
+        groups: dict[int, tuple[attention.Group, list]] = {}
+        for p in fresh:
+            groups.setdefault(id(p[2]), (p[2], []))[1].append(p)
+        for group, items in groups.values():
+            for item, stats in zip(items, group.stats_batch([p[1] for p in items]), strict=True):
+                self.entries.add(*item[0], stats)
 
     def _attention_softmax(self, func, args, kwargs) -> None:
         x = args[0]
@@ -496,7 +528,7 @@ class Tracer:
 
     def _entries(self, loss, losses) -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
         """The step's record in chain order: the forward's entries, the loss, gradients (backward order), updates."""
-        if self.activations.items:  # a forward whose end was not seen
+        if self.activations.items or self.attention_pending:  # a forward whose end was not seen
             self._flush()
         entries = self.entries.records()
         samples = {k: {f: list(v) for f, v in d.items()} for k, d in self._samples.items()}

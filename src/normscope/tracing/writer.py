@@ -1,10 +1,23 @@
-"""The writer of a run: ``RUN_DIR/trace.jsonl`` (each line written whole and flushed, so a killed process loses at
-most the step in flight) and the sinks that receive every record on rank 0 (a sink that raises is disabled; the
-store goes on)."""
+"""The writer of a run: ``RUN_DIR/trace.jsonl`` (each line written whole and flushed) and the sinks that receive
+every record on rank 0 (a sink that raises is disabled; the store goes on).
+
+Records are encoded and written on a thread of the writer's own, in the order they were handed over: the training
+thread only queues a record (a few microseconds), while its text (a small model's recorded step spends about as
+long encoding its record as in all of its probes) overlaps with the next step's torch work, which releases the
+interpreter. The queue is bounded (``QUEUE_RECORDS``): a writer that falls behind slows training down rather than
+hold records without limit. :meth:`RecordWriter.drain` waits until every queued record is written; closing
+drains, and so does the interpreter's exit for a writer left open, so a process that ends loses nothing and a
+killed one loses at most the records still queued.
+"""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
+import queue
+import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,27 +25,66 @@ from typing import Any
 from ..jsonable import jsonable
 from .store import TRACE_FILE
 
+QUEUE_RECORDS = 64  # records handed over and not yet written, at most
+_STOP = object()
+
 
 class RecordWriter:
-    """Writes records to ``run_dir/trace.jsonl`` and hands them to ``sinks``; ``fail(probe, exc)`` is told of a
-    sink that raised (and that sink is skipped from then on)."""
+    """Writes records to ``run_dir/trace.jsonl`` and hands them to ``sinks``, in order, on its own thread;
+    ``fail(probe, exc, step)`` is told of a sink that raised at the record of ``step`` (and that sink is skipped
+    from then on) and of a store that could not be written (probe ``"store"``: the records after it are
+    dropped)."""
 
-    def __init__(self, run_dir: Path, sinks: list, fail: Callable[[str, BaseException], None], disabled: set[str]):
+    def __init__(self, run_dir: Path, sinks: list, fail: Callable[..., None], disabled: set[str]):
         self.run_dir, self.sinks, self.fail, self.disabled = run_dir, sinks, fail, disabled
         self.file = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self))
 
     def open(self) -> None:
         self.file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
+        self._queue = queue.Queue(QUEUE_RECORDS)
+        self._thread = threading.Thread(target=self._run, args=(self._queue,), name="normscope-trace-writer",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
 
     @property
     def is_open(self) -> bool:
         return self.file is not None
 
     def write(self, rec: dict[str, Any]) -> None:
+        """Queue ``rec`` (the writer owns it from now on: the caller must not change it)."""
         if self.file is None:
             return
-        self.file.write(dumps(rec) + "\n")
-        self.file.flush()  # a killed process loses at most the step in flight
+        if not self._thread.is_alive():  # never expected (the thread catches every failure): written here instead
+            self._write_now(rec)
+            return
+        self._queue.put(rec)
+
+    def drain(self) -> None:
+        """Wait until every record queued so far is written and handed to the sinks."""
+        if self._queue is not None and self._thread is not None and self._thread.is_alive():
+            self._queue.join()
+
+    def _run(self, q: queue.Queue) -> None:
+        while True:
+            rec = q.get()
+            try:
+                if rec is _STOP:
+                    return
+                self._write_now(rec)
+            finally:
+                q.task_done()
+
+    def _write_now(self, rec: dict[str, Any]) -> None:
+        if "store" not in self.disabled:
+            try:
+                self.file.write(dumps(rec) + "\n")
+                self.file.flush()  # a killed process loses at most the records still queued
+            except Exception as exc:  # a full disk or a bad value: the tracer says so; training goes on
+                self.fail("store", exc, _step_of(rec))
         for i, sink in enumerate(self.sinks):
             probe = f"sink {i}"
             if probe in self.disabled:
@@ -40,12 +92,17 @@ class RecordWriter:
             try:
                 sink.write(rec)
             except Exception as exc:  # a failing sink is disabled; the JSONL store goes on
-                self.fail(probe, exc)
+                self.fail(probe, exc, _step_of(rec))
 
-    def close(self, end: dict[str, Any]) -> None:
+    def close(self, end: Callable[[], dict[str, Any]]) -> None:
+        """Drain, then write the record ``end()`` gives (built after the drain, so it sees every failure) and stop."""
         if self.file is None:
             return
-        self.write(end)
+        self.drain()
+        self.write(end())
+        self._queue.put(_STOP)
+        self._thread.join()
+        atexit.unregister(self._at_exit)
         self.file.close()
         self.file = None
         for i, sink in enumerate(self.sinks):
@@ -55,6 +112,20 @@ class RecordWriter:
                     close()
                 except Exception as exc:
                     self.fail(f"sink {i}", exc)
+
+
+def _step_of(rec: dict[str, Any]) -> int:
+    """The step a record's failure is told at: a step's own, the header's 0, the end's one past the last step."""
+    if "step" in rec:
+        return rec["step"]
+    return rec["last_step"] + 1 if rec.get("kind") == "end" else 0
+
+
+def _drain_at_exit(ref) -> None:
+    writer = ref()
+    if writer is not None and writer.file is not None:
+        writer.drain()
+        writer.file.flush()
 
 
 _SEVEN = "{:.7g}".format

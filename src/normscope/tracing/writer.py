@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import os
 import queue
 import threading
 import weakref
@@ -41,9 +42,11 @@ class RecordWriter:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self))
+        self._pid = os.getpid()  # a forked child inherits the exit handler, not the thread or the records
 
     def open(self) -> None:
         self.file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
+        self._pid = os.getpid()
         self._queue = queue.Queue(QUEUE_RECORDS)
         self._thread = threading.Thread(target=self._run, args=(self._queue,), name="normscope-trace-writer",
                                         daemon=True)
@@ -123,7 +126,7 @@ def _step_of(rec: dict[str, Any]) -> int:
 
 def _drain_at_exit(ref) -> None:
     writer = ref()
-    if writer is not None and writer.file is not None:
+    if writer is not None and writer.file is not None and writer._pid == os.getpid():
         writer.drain()
         writer.file.flush()
 

@@ -337,6 +337,9 @@ class Tracer:
     def _root_pre(self, module, args, kwargs):
         if not self._active() or self._mode is not None:
             return None
+        # the records of the steps before are written before this forward runs: a process killed from here on
+        # loses at most the step in flight (the writer had the time since the last step to write them)
+        self.writer.drain()
         self._counters = {}
         self.stream.reset()
         self._ids = None

@@ -2,7 +2,8 @@
 
 A sink is any object with ``write(record)`` (and optionally ``close()``); on rank 0 the tracer hands it every
 record it writes to ``run_dir/trace.jsonl`` (``header``, ``step``, ``end``), in order, on the tracer's writer thread
-(not the training thread), and a sink that raises is disabled while the JSONL store goes on. The JSONL stays the source of truth (``normscope.diagnose`` reads only it).
+(not the training thread), and a sink that raises is disabled while the JSONL store goes on. The JSONL stays the
+source of truth (``normscope.diagnose`` reads only it).
 
 :class:`TensorBoardSink` writes each step record's series as TensorBoard scalars, with the values that
 ``normscope.diagnose`` judges (derived from the entries by :mod:`normscope.tracing.diagnosis`), under tags grouped by

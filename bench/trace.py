@@ -196,8 +196,12 @@ def fixed_cost(rounds: int) -> None:
         b, t = statistics.median(clk["untraced"]), statistics.median(clk["traced"])
         print(f"  {label}: untraced {b * 1e3:.2f} ms/step, traced {t * 1e3:.2f} ms/step: +{(t - b) * 1e3:.2f} ms "
               f"(ratio {t / b:.2f})")
-    print(f"  tracer's own time per recorded step (median of tracer_ms): {own * 1e3:.2f} ms  target ≤ 2 ms: "
-          f"{'met' if own <= 2e-3 else 'MISSED'}")
+    # the fixed cost is what the step pays, the mode's dispatch and the hooks' included: traced − untraced (the
+    # reads are negligible at this size); tracer_ms counts only the time inside the probes
+    fixed = traced - base
+    print(f"  fixed cost per recorded step (traced − untraced, training thread): {fixed * 1e3:.2f} ms  target ≤ 2 ms: "
+          f"{'met' if fixed <= 2e-3 else 'MISSED'}")
+    print(f"  of which inside the probes (median of tracer_ms): {own * 1e3:.2f} ms")
     print(f"  floors of this design, same run: an empty function mode {empty * 1e3:.2f} ms/step ({ops} ops, "
           f"{empty / max(ops, 1) * 1e6:.1f} µs each); json.dumps of one record ({len(rec['entries'])} entries) "
           f"{dump * 1e3:.2f} ms")

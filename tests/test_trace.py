@@ -1098,6 +1098,12 @@ def test_a_forwards_attention_calls_are_summarised_in_one_launch_each_as_alone()
             assert stats[name] == pytest.approx(value, rel=2e-6 if name == "entropy_sum" else 1e-6, nan_ok=True), name
     assert got[3]["nonfinite"] == got[3]["nonfinite_heads"][2] == t - 4  # the query rows that see key 4
     assert all(s["nonfinite"] == 0 for i, s in enumerate(got) if i != 3)
+    with pytest.MonkeyPatch.context() as mp:  # every strided q and k copied, one launch per call's copies
+        mp.setattr(fused, "attention_summaries", counted)
+        mp.setattr(attention, "COPY_FROM", 1)
+        mp.setattr(attention, "COPY_BUDGET", 1)
+        launches.clear()
+        assert attention.Group().stats_batch(calls) == got and launches == [1] * 5
     odd = torch.randn(b, h, t - 1, d, generator=g)
     mixed = fused.attention_summaries([(calls[0].q, calls[0].k), (odd, calls[0].k)], calls[0].scale, None,
                                       group.array, 1)

@@ -137,14 +137,24 @@ class Group:
         return self.stats_batch([call])[0]
 
     def stats_batch(self, calls: list[SdpaCall]) -> list[dict]:
-        """The statistics of each call (every one of this group), in one kernel launch where it applies."""
+        """The statistics of each call (every one of this group), in one kernel launch where it applies (one per
+        ``COPY_BUDGET`` of copied q and k)."""
         self._prepare(calls[0])
         got: list[dict | None] = [None] * len(calls)
         if self.array is not None and self.bias is not False:
             q, k = calls[0].q, calls[0].k
             tq = q.shape[-2]
-            pairs = [(_readable(c.q), _readable(c.k)) for c in calls]
-            got = fused.attention_summaries(pairs, calls[0].scale, self.bias, self.array, max(1, tq // ENTROPY_ROWS))
+            got = []
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            copied = 0
+            for i, c in enumerate(calls):  # a launch per COPY_BUDGET of copies: they are held until it returns
+                pair = (_readable(c.q), _readable(c.k))
+                copied += sum(x.nbytes for x, own in zip(pair, (c.q, c.k), strict=True) if x is not own)
+                pairs.append(pair)
+                if copied >= COPY_BUDGET or i == len(calls) - 1:
+                    got += fused.attention_summaries(pairs, calls[0].scale, self.bias, self.array,
+                                                     max(1, tq // ENTROPY_ROWS))
+                    pairs, copied = [], 0
             n, h = q.shape[0], q.shape[1]
             got = [None if g is None else with_focus({**g, "rows": [n * tq] * h, "nonfinite": 0,
                                                       "nonfinite_heads": [0] * h}, self._uniform(q, k)) for g in got]
@@ -179,6 +189,8 @@ class Group:
 #: before the kernel reads it: one pass with many loads in flight costs less than the kernel waiting on each row
 #: (20-25 % of the attention probe on the bench decoder); a small one is read where it is
 COPY_FROM = 1 << 15
+#: the copies one launch may hold (a forward's layers are summarised together: their copies are not)
+COPY_BUDGET = 64 << 20
 
 
 def _readable(x: torch.Tensor) -> torch.Tensor:

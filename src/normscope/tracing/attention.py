@@ -178,12 +178,6 @@ class Group:
             self.uniform = uniform_entropy(live, q.shape[-3], n if m.shape[0] == 1 else 1)
         return self.uniform
 
-    def _float(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """A contiguous float32 copy of x, in reused memory when the tracer lends it."""
-        if self.buffer is None:
-            return x.float().contiguous()
-        return self.buffer(name, x.shape, torch.float32, x.device).copy_(x)
-
 
 #: q or k with at least this many elements, split from one fused projection (short rows kilobytes apart), is copied
 #: before the kernel reads it: one pass with many loads in flight costs less than the kernel waiting on each row

@@ -368,6 +368,25 @@ def _batch_units(calls, dims):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
+def _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride,
+                units):  # pragma: no cover - compiled
+    """Unit ``u`` of a batch launch: (sample, head) ``u % (N·H)`` of call ``u // (N·H)``, into that call's units."""
+    per = dims[0] * dims[1]
+    c = u // per
+    _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
+                    units[0][c], units[1][c], units[2][c], units[3][c])
+
+
+@numba.njit(**_JIT)
+def _per_call(units, dims, maxbits, full_rows, full_samples, entropy_sum,
+              entropy_rows):  # pragma: no cover - compiled
+    """:func:`_per_head` of each call of a batch launch, into row c of the (calls, H) results."""
+    for c in range(maxbits.shape[0]):
+        _per_head((units[0][c], units[1][c], units[2][c], units[3][c]), dims[2], maxbits[c], full_rows[c],
+                  full_samples[c], entropy_sum[c], entropy_rows[c])
+
+
+@numba.njit(**_JIT)
 def _per_head(units, tq, maxbits, full_rows, full_samples, entropy_sum,
               entropy_rows):  # pragma: no cover - compiled
     """The (sample, head) results combined per head: the maximum and the sums, and the samples whose ``tq`` query
@@ -508,28 +527,18 @@ def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, pr
     then not read). A result at or above the infinity's bit pattern means a non-finite logit: the caller discards the
     entropy and takes its exact path."""
     units = _batch_units(q.size, dims)
-    per = dims[0] * dims[1]
-    for u in range(q.size * per):
-        c = u // per
-        _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
-                        units[0][c], units[1][c], units[2][c], units[3][c])
-    for c in range(q.size):
-        _per_head((units[0][c], units[1][c], units[2][c], units[3][c]), dims[2], maxbits[c], full_rows[c],
-                  full_samples[c], entropy_sum[c], entropy_rows[c])
+    for u in range(q.size * dims[0] * dims[1]):
+        _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
+    _per_call(units, dims, maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
                                full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
     units = _batch_units(q.size, dims)
-    per = dims[0] * dims[1]
-    for u in numba.prange(q.size * per):
-        c = u // per
-        _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
-                        units[0][c], units[1][c], units[2][c], units[3][c])
-    for c in range(q.size):
-        _per_head((units[0][c], units[1][c], units[2][c], units[3][c]), dims[2], maxbits[c], full_rows[c],
-                  full_samples[c], entropy_sum[c], entropy_rows[c])
+    for u in numba.prange(q.size * dims[0] * dims[1]):
+        _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
+    _per_call(units, dims, maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(**_JIT)

@@ -42,7 +42,7 @@ class RecordWriter:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._at_exit = functools.partial(_drain_at_exit, weakref.ref(self))
-        self._pid = os.getpid()  # a forked child inherits the exit handler, not the thread or the records
+        self._pid: int | None = None  # the process that opened it: a forked child inherits the exit handler only
 
     def open(self) -> None:
         self.file = open(self.run_dir / TRACE_FILE, "a", encoding="utf-8")
@@ -85,7 +85,7 @@ class RecordWriter:
         if "store" not in self.disabled:
             try:
                 self.file.write(dumps(rec) + "\n")
-                self.file.flush()  # a killed process loses at most the records still queued
+                self.file.flush()  # each line whole on disk before the next: a reader never sees half a record
             except Exception as exc:  # a full disk or a bad value: the tracer says so; training goes on
                 self.fail("store", exc, _step_of(rec))
         for i, sink in enumerate(self.sinks):

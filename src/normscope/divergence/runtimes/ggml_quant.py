@@ -11,8 +11,9 @@ too, to the weight type's ``vec_dot_type``, before an integer dot product per bl
   ``round(x · −127/max)``, capped at 127, ``d = 1/scale`` in float32;
 - a float16 (bfloat16) matrix's activations are rounded to float16 (bfloat16).
 
-The twin (:func:`twin`) is the reference with the file's own weights, dequantized by the ``gguf`` package and laid
-out as Hugging Face's (the converter's permutations undone), whose linear modules round their input as ggml does
+The twin (:func:`twin`) is the reference with the file's own weights, dequantized by ggml's own row dequantizers
+(the ``gguf`` package's where the library lacks one: :func:`dequantized`) and laid out as Hugging Face's (the
+converter's permutations undone), whose linear modules round their input as ggml does
 (:class:`Rounding`, a forward pre-hook; for ``q8_1`` a forward hook adds what the float16 block sum changes).
 llama.cpp then computes the twin's products up to float32 summation order.
 

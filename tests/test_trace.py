@@ -1110,6 +1110,32 @@ def test_a_forwards_attention_calls_are_summarised_in_one_launch_each_as_alone()
     assert mixed[0] is not None and mixed[1] is None
 
 
+def test_the_attention_kernels_parallel_builds_give_the_serial_numbers():
+    """The parallel builds share one scratch per thread across their (sample, head) units: with more units than
+    threads, not a multiple of them, every number equals the serial build's (one thread), for SDPA batches and for
+    an eager softmax's logits."""
+    from normscope.numba_threads import parallel_allowed
+    from normscope.tracing import attention, fused
+
+    if not fused.available() or not parallel_allowed():
+        pytest.skip("numba's parallel builds do not run here")
+    g = torch.Generator().manual_seed(3)
+    b, t, h, d = 3, 21, 5, 6
+    calls = [attention.SdpaCall((torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g),
+                                 torch.randn(b, h, t, d, generator=g)), {"is_causal": True}) for _ in range(3)]
+    logits = torch.randn(b, h, t, t, generator=g).masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
+    got = {}
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = (attention.Group().stats_batch(calls), fused.logits_summary(logits, 2))
+    finally:
+        torch.set_num_threads(before)
+    assert got[1][1] is not None and all(s["nonfinite"] == 0 for s in got[1][0])
+    assert got[2] == got[1]
+
+
 def test_attention_inputs_written_in_place_after_the_call_are_summarised_as_the_call_saw_them(tmp_path):
     """An SDPA call's statistics wait for the forward's batch; an in-place write into its q or k later in the
     forward (one the tracer's function mode sees) takes them first, so the record holds the logits the call had."""

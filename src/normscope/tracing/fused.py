@@ -23,6 +23,7 @@ import torch
 from ..numba_threads import launch, load, matched, parallel_allowed
 
 INF_BITS = 0x7F800000
+_F32 = torch.float32
 #: how far below its row's largest logit a key still counts in a softmax: further below, its weight is under 1e-13
 #: of the largest key's, nothing to a float32 sum that resolves 6e-8. A finite additive mask (Swin's -100) puts its
 #: keys there; with the span at 87 (float32's underflow) a masked key whose own logit sat 13 above the row's largest
@@ -47,10 +48,17 @@ class _Kernels:
         launch(self.k.update_sums_parallel, self.k.update_sums_serial, *args)
 
     def attention_summary(self, *args) -> None:
-        launch(self.k.attention_summary_parallel, self.k.attention_summary_serial, *args)
+        launch(self._on_threads(self.k.attention_summary_parallel), self.k.attention_summary_serial, *args)
 
     def logits_summary(self, *args) -> None:
-        launch(self.k.logits_summary_parallel, self.k.logits_summary_serial, *args)
+        launch(self._on_threads(self.k.logits_summary_parallel), self.k.logits_summary_serial, *args)
+
+    @staticmethod
+    def _on_threads(parallel):
+        """A parallel build that takes numba's thread count as its last argument, given it as the launch sets it."""
+        import numba
+
+        return lambda *args: parallel(*args, numba.get_num_threads())
 
 
 def _kernels() -> _Kernels | None:
@@ -71,7 +79,9 @@ def eligible(x: torch.Tensor) -> bool:
 def _extent(x: torch.Tensor, contiguous: bool) -> int | None:
     """The element count of a CPU float32 tensor the kernels may read by address (contiguous, or with a contiguous
     last dimension and no negative stride, as asked), else None."""
-    if x.dtype != torch.float32 or not x.is_cpu:
+    # called for every tensor of every batch (a few hundred per step): each attribute read here costs a tenth of
+    # a microsecond or more
+    if x.dtype is not _F32 or not x.is_cpu:
         return None
     n = x.numel()
     if n == 0:
@@ -87,7 +97,7 @@ def _extent(x: torch.Tensor, contiguous: bool) -> int | None:
         last = x.storage_offset() + 1 + sum((k - 1) * st for k, st in zip(x.shape, stride, strict=True))
     try:
         storage = x.untyped_storage()
-        return n if storage.data_ptr() != 0 and storage.nbytes() >= last * 4 else None
+        return n if storage.nbytes() >= last * 4 and storage.data_ptr() != 0 else None
     except Exception:  # a tensor subclass without plain storage
         return None
 
@@ -230,9 +240,10 @@ def attention_summaries(calls: Sequence[tuple[torch.Tensor, torch.Tensor]], scal
                 or any(d not in (1, s) for d, s in zip(bias.shape[:3], q0.shape[:3], strict=True))):
             return out
         b = bias.numpy()
-    take, held, addresses, strides = [], [], [], []
+    take, held, qa, qs, ka, ks = [], [], [], [], [], []
+    shape_q, shape_k = q0.shape, k0.shape
     for i, (q, k) in enumerate(calls):
-        if (q.shape != q0.shape or k.shape != k0.shape or q.device.type != "cpu" or k.device.type != "cpu"
+        if (q.shape != shape_q or k.shape != shape_k or not q.is_cpu or not k.is_cpu
                 or not q.is_floating_point() or not k.is_floating_point()):
             continue
         q, k = _rows(q, "attention q", copy), _rows(k, "attention k", copy)
@@ -240,20 +251,19 @@ def attention_summaries(calls: Sequence[tuple[torch.Tensor, torch.Tensor]], scal
             continue
         take.append(i)
         held.append((q, k))  # alive (their addresses valid) until the kernel returns
-        addresses.append((q.data_ptr(), k.data_ptr()))
-        strides.append((*q.stride()[:3], *k.stride()[:3]))
+        qa.append(q.data_ptr())
+        ka.append(k.data_ptr())
+        qs.append(q.stride()[:3])
+        ks.append(k.stride()[:3])
     if not take:
         return out
     n, h, tq, d = q0.shape
-    at = np.array(addresses, np.int64).reshape(-1, 2)
-    st = np.array(strides, np.int64).reshape(-1, 6)
     dims = np.array([n, h, tq, k0.shape[2], d, h // k0.shape[1]], np.int64)
     m = len(take)
     res = (np.empty((m, h), np.int32), np.empty((m, h), np.int64), np.empty((m, h), np.int64), np.empty((m, h)),
            np.empty((m, h), np.int64))
-    kern.attention_summary(np.ascontiguousarray(at[:, 0]), np.ascontiguousarray(st[:, :3]),
-                           np.ascontiguousarray(at[:, 1]), np.ascontiguousarray(st[:, 3:]), dims, np.float32(scale), b,
-                           *mask, stride, *res)
+    kern.attention_summary(np.array(qa, np.int64), np.array(qs, np.int64), np.array(ka, np.int64),
+                           np.array(ks, np.int64), dims, np.float32(scale), b, *mask, stride, *res)
     bad = (res[0] >= INF_BITS).any(1).tolist()
     tops, full, samples, ent, rows = max_abs_values(res[0]).tolist(), *(a.tolist() for a in res[1:])
     for r, i in enumerate(take):

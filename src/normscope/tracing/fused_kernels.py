@@ -223,25 +223,33 @@ def _entropy(ex, z, top, n):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
+def _attention_scratch(dims):  # pragma: no cover - compiled
+    """The working memory of :func:`_attention_unit`, allocated once per thread of a launch and reused by its units
+    (allocated per unit, it was most of a small model's attention summary): the head's keys transposed (its zero
+    padding stays zero: a unit writes only its ``tk`` columns), a block's logits, its scaled queries, their ends, a
+    row's exponentials."""
+    tk, d = dims[3], dims[4]
+    width = (tk + 7) // 8 * 8  # rows computed in whole vectors: the zero padding of kt makes the tail harmless
+    return (np.zeros((d, width), np.float32), np.empty((_ROWS, width), np.float32), np.zeros((_ROWS, d), np.float32),
+            np.zeros(_ROWS, np.int64), np.empty(width, np.float32))
+
+
+@numba.njit(**_JIT)
 def _attention_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                    entropy_sum, entropy_rows):  # pragma: no cover - compiled
+                    entropy_sum, entropy_rows, scratch):  # pragma: no cover - compiled
     """One (sample, head) of :func:`attention_summary_serial`: its logits four query rows at a time into a small
-    buffer (never the whole (Tq, Tk) matrix), each block only up to its rows' last unmasked key."""
+    buffer (never the whole (Tq, Tk) matrix), each block only up to its rows' last unmasked key; ``scratch`` from
+    :func:`_attention_scratch`."""
     h, tq, tk, d, group = dims[1], dims[2], dims[3], dims[4], dims[5]
     a, b = u // h, u % h
     mn, mh, mq = masked.shape[0] > 1, masked.shape[1] > 1, masked.shape[2] > 1
-    width = (tk + 7) // 8 * 8  # rows computed in whole vectors: the zero padding of kt makes the tail harmless
-    kt = np.zeros((d, width), np.float32)  # this head's keys transposed: a row's logits are then sums of axpys
+    kt, block, qb, ends, ex = scratch  # kt: this head's keys transposed, a row's logits are then sums of axpys
     base = k + 4 * (a * ks[0] + (b // group) * ks[1])
     for j in range(tk):
         key = numba.carray(_f32_at(base + 4 * j * ks[2]), (d,))
         for c in range(d):
             kt[c, j] = key[c]
-    block = np.empty((_ROWS, width), np.float32)  # a block's logits, one query row each
-    block_bits = block.view(np.int32)
-    qb = np.zeros((_ROWS, d), np.float32)  # its queries, scaled
-    ends = np.zeros(_ROWS, np.int64)
-    ex = np.empty(width, np.float32)
+    block_bits = block.view(np.int32)  # block: a block's logits, one query row each; qb: its queries, scaled
     d4 = d - d % 4
     m = np.int32(0)
     full = 0
@@ -368,13 +376,16 @@ def _batch_units(calls, dims):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride,
+def _batch_lane(lane, lanes, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride,
                 units):  # pragma: no cover - compiled
-    """Unit ``u`` of a batch launch: (sample, head) ``u % (N·H)`` of call ``u // (N·H)``, into that call's units."""
+    """Every ``lanes``-th unit of a batch launch from ``lane`` on, with one scratch: unit u is (sample, head)
+    ``u % (N·H)`` of call ``u // (N·H)``, into that call's units."""
     per = dims[0] * dims[1]
-    c = u // per
-    _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
-                    units[0][c], units[1][c], units[2][c], units[3][c])
+    scratch = _attention_scratch(dims)
+    for u in range(lane, q.size * per, lanes):
+        c = u // per
+        _attention_unit(u % per, q[c], qs[c], k[c], ks[c], dims, scale, bias, masked, extent, prefix, stride,
+                        units[0][c], units[1][c], units[2][c], units[3][c], scratch)
 
 
 @numba.njit(**_JIT)
@@ -408,17 +419,25 @@ def _per_head(units, tq, maxbits, full_rows, full_samples, entropy_sum,
 
 
 @numba.njit(**_JIT)
+def _logits_lane(lane, lanes, x, xs, dims, stride, lowest, units):  # pragma: no cover - compiled
+    """Every ``lanes``-th (sample, head) of a logits summary from ``lane`` on, with one scratch (a row's values, its
+    keep flags, its exponentials: every unit writes a row's before reading them)."""
+    tk = dims[3]
+    scratch = (np.empty(tk, np.float32), np.empty(tk, np.float32), np.empty(tk, np.float32))
+    for u in range(lane, dims[0] * dims[1], lanes):
+        _logits_unit(u, x, xs, dims, stride, lowest, *units, scratch)
+
+
+@numba.njit(**_JIT)
 def _logits_unit(u, x, xs, dims, stride, lowest, maxbits, full_rows, entropy_sum,
-                 entropy_rows):  # pragma: no cover - compiled
+                 entropy_rows, scratch):  # pragma: no cover - compiled
     """One (sample, head) of :func:`logits_summary_serial`: its rows of given logits read once each; an entry at
     or below ``lowest`` is masked (the ``-inf`` or ``finfo.min`` a mask fills in; NaN is not masked), and so is one
     more than ``SOFTMAX_SPAN`` below its row's largest unmasked logit."""
     h, tq, tk = dims[1], dims[2], dims[3]
     a, b = u // h, u % h
-    buf = np.empty(tk, np.float32)
+    buf, keep, ex = scratch
     bits = buf.view(np.int32)
-    keep = np.empty(tk, np.float32)
-    ex = np.empty(tk, np.float32)
     m = np.int32(0)
     full = 0
     es = 0.0
@@ -527,17 +546,19 @@ def attention_summary_serial(q, qs, k, ks, dims, scale, bias, masked, extent, pr
     then not read). A result at or above the infinity's bit pattern means a non-finite logit: the caller discards the
     entropy and takes its exact path."""
     units = _batch_units(q.size, dims)
-    for u in range(q.size * dims[0] * dims[1]):
-        _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
+    _batch_lane(0, 1, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
     _per_call(units, dims, maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
 def attention_summary_parallel(q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, maxbits, full_rows,
-                               full_samples, entropy_sum, entropy_rows):  # pragma: no cover - compiled
+                               full_samples, entropy_sum, entropy_rows, threads):  # pragma: no cover - compiled
+    """:func:`attention_summary_serial` on ``threads`` threads (numba's count, passed in: reading it here would keep
+    the kernel from numba's cache)."""
     units = _batch_units(q.size, dims)
-    for u in numba.prange(q.size * dims[0] * dims[1]):
-        _batch_unit(u, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
+    lanes = min(threads, q.size * dims[0] * dims[1])  # one scratch per thread
+    for lane in numba.prange(lanes):
+        _batch_lane(lane, lanes, q, qs, k, ks, dims, scale, bias, masked, extent, prefix, stride, units)
     _per_call(units, dims, maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
@@ -551,21 +572,22 @@ def logits_summary_serial(x, xs, dims, stride, lowest, maxbits, full_rows, full_
     key (and their number); one read of each row. A result at or above the infinity's bit pattern means a non-finite
     logit."""
     units = _attention_units(dims)
-    for u in range(dims[0] * dims[1]):
-        _logits_unit(u, x, xs, dims, stride, lowest, *units)
+    _logits_lane(0, 1, x, xs, dims, stride, lowest, units)
     _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
 @numba.njit(parallel=True, **_JIT)
 def logits_summary_parallel(x, xs, dims, stride, lowest, maxbits, full_rows, full_samples, entropy_sum,
-                            entropy_rows):  # pragma: no cover - compiled
+                            entropy_rows, threads):  # pragma: no cover - compiled
+    """:func:`logits_summary_serial` on ``threads`` threads (see :func:`attention_summary_parallel`)."""
     units = _attention_units(dims)
-    for u in numba.prange(dims[0] * dims[1]):
-        _logits_unit(u, x, xs, dims, stride, lowest, *units)
+    lanes = min(threads, dims[0] * dims[1])  # one scratch per thread
+    for lane in numba.prange(lanes):
+        _logits_lane(lane, lanes, x, xs, dims, stride, lowest, units)
     _per_head(units, dims[2], maxbits, full_rows, full_samples, entropy_sum, entropy_rows)
 
 
-def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
+def _warm(sums, update_sums, attention_summary, logits_summary, *threads) -> None:
     x = np.ones(4, np.float32)
     a = np.array([x.ctypes.data], np.int64)
     n = np.array([4], np.int64)
@@ -579,13 +601,13 @@ def _warm(sums, update_sums, attention_summary, logits_summary) -> None:
     at, sts = np.array([x.ctypes.data], np.int64), st.reshape(1, 3)
     attention_summary(at, sts, at, sts, dims, np.float32(1), x, np.zeros((1, 1, 2, 2), np.uint8),
                       np.full((1, 1, 2), 2, np.int64), np.ones((1, 1, 2), np.uint8), 1,
-                      *(a.reshape(1, 1) for a in one))
+                      *(a.reshape(1, 1) for a in one), *threads)
     dims = np.array([1, 1, 2, 2], np.int64)
-    logits_summary(x.ctypes.data, st, dims, 1, np.float32(-1e30), *one)
+    logits_summary(x.ctypes.data, st, dims, 1, np.float32(-1e30), *one, *threads)
 
 
 def warm_up(parallel: bool) -> None:
     """Compile (or load from the cache) now, not inside a probe's first call."""
     _warm(sums_serial, update_sums_serial, attention_summary_serial, logits_summary_serial)
     if parallel:
-        _warm(sums_parallel, update_sums_parallel, attention_summary_parallel, logits_summary_parallel)
+        _warm(sums_parallel, update_sums_parallel, attention_summary_parallel, logits_summary_parallel, 1)

@@ -428,10 +428,17 @@ class Tracer:
             self._defer("norm_output", layer, site, y)
         w = getattr(module, "weight", None)
         if isinstance(w, torch.Tensor) and w.numel() and w.is_floating_point() and "statistics" not in self.disabled:
-            # a copy, summarised with the batch: a parameter's storage may not outlive the call (FSDP); the scale
-            # the norm applies, c + w where it has an offset c (Gemma: 1 + w)
+            # the scale the norm applies, c + w where it has an offset c (Gemma: 1 + w), summarised with the batch: a
+            # parameter of the model as it is (its version is checked then), any other weight as a copy (FSDP's
+            # unsharded weight: its storage may not outlive the call)
             c = self.layout.scale_offsets.get(id(module))
-            self._defer("norm_output", layer, site, w.detach() + c if c else w.detach().clone(), "scale")
+            if c:
+                scale = w.detach() + c
+            elif id(w) in self.layout.param_group:  # the layout holds the model's parameters: the id is theirs
+                scale = w.detach()
+            else:
+                scale = w.detach().clone()
+            self._defer("norm_output", layer, site, scale, "scale")
         if args:
             self.stream.normalized(args[0], y)
 

@@ -200,16 +200,21 @@ def test_store_reads_a_run_being_written(tmp_path):
     assert not diagnose(tmp_path).complete
 
 
-def test_sigkill_loses_at_most_the_step_in_flight(tmp_path):
+def _killed_after_a_forward(run_dir: Path, every: int) -> None:
+    """Five steps of a small GPT traced into ``run_dir`` with a writer slowed to 0.3 s a record, then one more
+    forward, and the process killed (SIGKILL) right after it."""
     script = textwrap.dedent(f"""
-        import os, signal, sys, torch
+        import os, signal, sys, time, torch
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         torch.set_num_threads(1)
         from trace_models import GPT
         import normscope.tracing as nt
+        from normscope.tracing.writer import RecordWriter
+        write = RecordWriter._write_now
+        RecordWriter._write_now = lambda self, rec: (time.sleep(0.3), write(self, rec))
         m = GPT(layers=1)
         idx = torch.randint(0, 64, (2, 16))
-        tr = nt.trace(m, {str(tmp_path)!r}).__enter__()
+        tr = nt.trace(m, {str(run_dir)!r}, every={every}).__enter__()
         for step in range(5):
             loss = m(idx).logsumexp(-1).mean(); loss.backward()
             tr.step(step, loss=loss.item())
@@ -219,8 +224,19 @@ def test_sigkill_loses_at_most_the_step_in_flight(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, timeout=120)
     assert r.returncode == -9, r.stderr.decode()[-2000:]
+
+
+def test_sigkill_loses_at_most_the_step_in_flight(tmp_path):
+    _killed_after_a_forward(tmp_path, every=1)
     d = diagnose(tmp_path)
     assert d.steps == [0, 1, 2, 3, 4] and not d.complete
+
+
+def test_sigkill_between_recorded_steps_loses_no_record(tmp_path):
+    """With ``every=2`` no recorded forward follows a record at once to wait for the writer: the record is written
+    before the unrecorded step begins, so a kill there loses nothing."""
+    _killed_after_a_forward(tmp_path, every=2)
+    assert [r["step"] for r in read_run(tmp_path)[1]] == [0, 2, 4]
 
 
 def _cli(argv, capsys):

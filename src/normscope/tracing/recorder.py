@@ -212,6 +212,12 @@ class Tracer:
     def _recording(self) -> bool:
         return self.recording
 
+    def _drain(self) -> None:
+        try:
+            self.writer.drain()
+        except Exception as exc:  # never break training
+            self._fail("writer", exc)
+
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Tracer:
         self.open()
@@ -530,6 +536,8 @@ class Tracer:
             if not self.recording:  # memory kept only while steps in a row are recorded
                 self.buffers.clear()
                 self._unmasked_groups.clear()
+                if recorded:  # no recorded forward comes next to wait for the writer: the record is written now
+                    self._drain()
             if self._open:
                 try:
                     self._attach() if self.recording else self._detach()

@@ -4,10 +4,10 @@ every record on rank 0 (a sink that raises is disabled; the store goes on).
 Records are encoded and written on a thread of the writer's own, in the order they were handed over: the training
 thread only queues a record (a few microseconds), and its text (a small model's recorded step spends about as long
 encoding its record as in all of its probes) is written while the training loop goes on to its next step. The
-tracer drains the writer (:meth:`RecordWriter.drain`) before each recorded forward, so a killed process loses at
-most the step in flight, as with a synchronous writer; closing drains, and so does the interpreter's exit for a
-writer left open. The queue is bounded (``QUEUE_RECORDS``): a writer that falls behind slows training down rather
-than hold records without limit.
+tracer drains the writer (:meth:`RecordWriter.drain`) before each recorded forward, and at once after a record
+whose next step is not recorded, so a killed process loses at most the step in flight, as with a synchronous
+writer; closing drains, and so does the interpreter's exit for a writer left open. The queue is bounded
+(``QUEUE_RECORDS``): a writer that falls behind slows training down rather than hold records without limit.
 """
 
 from __future__ import annotations

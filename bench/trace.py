@@ -111,9 +111,10 @@ class HookCache:
 def fixed_cost(rounds: int) -> None:
     """The tracer's cost that does not grow with the model: the bench decoder shrunk until its reads are negligible
     (width 8, vocabulary 64, 16 tokens, batch 1), one thread, the training thread's CPU clock; traced and untraced
-    steps in interleaved blocks. Beside it, two floors of the design measured in the same run: an empty
-    ``TorchFunctionMode`` around the forward (the dispatch every op of a recorded forward pays) and ``json.dumps`` of
-    one step's record (the text of its numbers)."""
+    steps in interleaved blocks. Beside it, three floors of the design measured in the same run: an empty
+    ``TorchFunctionMode`` around the forward (the dispatch every op of a recorded forward pays), the tracer with every
+    probe disabled (its hooks and mode still called, a record of the loss written) and ``json.dumps`` of one step's
+    record (the text of its numbers)."""
     import json
 
     from torch.overrides import TorchFunctionMode
@@ -148,35 +149,43 @@ def fixed_cost(rounds: int) -> None:
 
     tmp = tempfile.mkdtemp(prefix="normscope-bench-fixed-")
     tr = trace(model, tmp)
-    tr.open()
-    tr._detach()
+    # the same tracer's structure alone: its hooks, its function mode and its record, every probe disabled
+    bare = trace(model, tempfile.mkdtemp(prefix="normscope-bench-fixed-bare-"))
+    bare.disabled.update(("data", "blocks", "norms", "attention", "residual", "statistics", "grad", "update"))
+    for t in (tr, bare):
+        t.open()
+        t._detach()
     for _ in range(20):
         step()
-    times: dict[str, list[float]] = {"untraced": [], "traced": [], "empty mode": []}
+    tracers = {"traced": tr, "probes off": bare}
+    times: dict[str, list[float]] = {"untraced": [], "traced": [], "empty mode": [], "probes off": []}
     # the process's CPU time (every thread: the tracer's writer thread too) and the wall clock, beside the training
     # thread's own
     cpu: dict[str, list[float]] = {k: [] for k in times}
     wall: dict[str, list[float]] = {k: [] for k in times}
     n = 0
     for r in range(rounds):
-        for name in list(times)[r % 3:] + list(times)[:r % 3]:
-            if name == "traced":
-                tr._attach()
+        k = r % len(times)
+        for name in list(times)[k:] + list(times)[:k]:
+            t = tracers.get(name)
+            if t is not None:
+                t._attach()
             t0, c0, w0 = clock(), time.process_time(), time.perf_counter()
             for _ in range(10):
-                if name == "traced":
-                    step(tr, n)
+                if t is not None:
+                    step(t, n)
                     n += 1
                 else:
                     step(mode=Empty() if name == "empty mode" else None)
-            if name == "traced":
-                tr.writer.drain()  # the block's records written within its time
+            if t is not None:
+                t.writer.drain()  # the block's records written within its time
             times[name].append((clock() - t0) / 10)
             cpu[name].append((time.process_time() - c0) / 10)
             wall[name].append((time.perf_counter() - w0) / 10)
-            if name == "traced":
-                tr._detach()
+            if t is not None:
+                t._detach()
     tr.close()
+    bare.close()
     records = read_run(tmp)[1]
     own = statistics.median(r["tracer_ms"] for r in records[5:]) / 1e3
     rec = {k: v for k, v in records[-1].items()}
@@ -188,6 +197,7 @@ def fixed_cost(rounds: int) -> None:
     base = statistics.median(times["untraced"])
     traced = statistics.median(times["traced"])
     empty = statistics.median(times["empty mode"]) - base
+    skeleton = statistics.median(times["probes off"]) - base
     print(f"fixed cost: {L}-layer {D}-wide decoder, vocabulary {V}, {T} tokens, batch {B}, 1 thread, thread clock, "
           f"{rounds} rounds of 10-step blocks; load average {os.getloadavg()[0]:.1f}")
     print(f"  untraced {base * 1e3:.2f} ms/step, traced {traced * 1e3:.2f} ms/step: +{(traced - base) * 1e3:.2f} ms "
@@ -203,8 +213,9 @@ def fixed_cost(rounds: int) -> None:
           f"{'met' if fixed <= 2e-3 else 'MISSED'}")
     print(f"  of which inside the probes (median of tracer_ms): {own * 1e3:.2f} ms")
     print(f"  floors of this design, same run: an empty function mode {empty * 1e3:.2f} ms/step ({ops} ops, "
-          f"{empty / max(ops, 1) * 1e6:.1f} µs each); json.dumps of one record ({len(rec['entries'])} entries) "
-          f"{dump * 1e3:.2f} ms")
+          f"{empty / max(ops, 1) * 1e6:.1f} µs each); the tracer with every probe disabled (its hooks, its mode, "
+          f"a record of the loss) {skeleton * 1e3:.2f} ms/step; json.dumps of one record ({len(rec['entries'])} "
+          f"entries) {dump * 1e3:.2f} ms")
 
 
 def main():

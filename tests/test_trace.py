@@ -1333,8 +1333,8 @@ def test_sdpa_causal_mask_is_aligned_as_sdpa_aligns_it():
 
 
 def test_a_norms_scale_rms_is_that_of_its_weight_at_the_call(tmp_path):
-    """max_scale_rms is the RMS of γ as the forward used it (a copy taken at the call), NaN when γ holds a
-    non-finite value."""
+    """max_scale_rms is the RMS of γ as the forward used it (a parameter read with the forward's batch, before
+    anything after the forward can write it), NaN when γ holds a non-finite value."""
     torch.manual_seed(0)
     model = GPT(layers=2)
     with torch.no_grad():
@@ -1356,6 +1356,32 @@ def test_a_norms_scale_rms_is_that_of_its_weight_at_the_call(tmp_path):
         acc = {"max_scale_rms": first, "max_logit": [first, 2.0]}
         _merge(acc, {"max_scale_rms": second, "max_logit": [second, 3.0]})
         assert math.isnan(acc["max_scale_rms"]) and math.isnan(acc["max_logit"][0]) and acc["max_logit"][1] == 3.0
+
+
+def test_a_norm_weight_that_is_not_the_models_parameter_is_copied_at_the_call(tmp_path):
+    """As FSDP computes with an unsharded weight that is not the model's parameter and frees its storage after the
+    call, the tracer copies such a weight at the call: its γ RMS is recorded, not left out."""
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    ln = model.h[0].ln_1
+    own = ln.weight
+
+    def unshard(m, args):
+        m._parameters["weight"] = torch.nn.Parameter(torch.full_like(own, 3.0))
+
+    def reshard(m, args, out):
+        m.weight.untyped_storage().resize_(0)
+        m._parameters["weight"] = own
+
+    with trace(model, tmp_path / "run", record_eval=True) as tr, torch.no_grad():
+        handles = [ln.register_forward_pre_hook(unshard), ln.register_forward_hook(reshard)]  # after the tracer's
+        model(torch.randint(0, 64, (2, 8)))
+        tr.step(0)
+    for h in handles:
+        h.remove()
+    entries = {(e["layer"], e["site"]): e for e in read_run(tmp_path / "run")[1][0]["entries"]
+               if e["stage"] == "norm_output"}
+    assert entries[(0, "ln_1")]["max_scale_rms"] == pytest.approx(3.0) and not tr.disabled
 
 
 def test_freed_storage_never_reaches_the_kernels_and_an_odd_tensor_costs_only_its_entry(tmp_path, caplog):

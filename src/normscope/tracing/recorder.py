@@ -213,6 +213,7 @@ class Tracer:
         return self.recording
 
     def _drain(self) -> None:
+        """Wait for the writer to write every record handed to it (in a hook or ``step``: never raises)."""
         try:
             self.writer.drain()
         except Exception as exc:  # never break training
@@ -345,7 +346,7 @@ class Tracer:
             return None
         # the records of the steps before are written before this forward runs: a process killed from here on
         # loses at most the step in flight (the writer had the time since the last step to write them)
-        self.writer.drain()
+        self._drain()
         self._counters = {}
         self.stream.reset()
         self._ids = None
